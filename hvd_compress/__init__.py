@@ -1,0 +1,34 @@
+"""hvd_compress: gradient compression for Horovod, MPI and NCCL.
+
+Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer``)::
+
+    from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
+
+Every compressor has a communication-free ``encode(tensor, name) -> payload`` and
+``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
+:mod:`hvd_compress.compressors.reference` is the specification every framework
+kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
+in one process.
+"""
+from hvd_compress.compressors import (
+    FP16,
+    Compression,
+    GaussianK,
+    NoneCompressor,
+    RegTopK,
+    TernGrad,
+    TopK,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TopK",
+    "GaussianK",
+    "RegTopK",
+    "TernGrad",
+    "NoneCompressor",
+    "FP16",
+    "Compression",
+    "__version__",
+]

@@ -1,0 +1,110 @@
+"""The ``hvd-compress`` command.
+
+    hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
+    hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from hvd_compress import Compression, __version__
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import demo, single_threaded_blas
+
+    names = args.compression or list(Compression.names)
+    data = demo.Dataset.synthetic(seed=args.seed)
+    print(
+        f"Training a 64-256-10 perceptron on {args.ranks} simulated ranks, "
+        f"{args.epochs} epochs, ratio {args.ratio} for the sparsifiers"
+    )
+    results = []
+    for name in names:
+        compressor = Compression.by_name(name, args.ratio)
+        label = f"{name} {args.ratio:g}" if hasattr(compressor, "ratio") else name
+
+        def report(epoch: int, loss: float, accuracy: float, label: str = label) -> None:
+            print(f"  {label:<15} epoch {epoch + 1}/{args.epochs}  loss {loss:.4f}  test acc {accuracy:.3f}")
+
+        with single_threaded_blas():
+            results.append(
+                demo.train(
+                    label, compressor, data, ranks=args.ranks, epochs=args.epochs, seed=args.seed, on_epoch=report
+                )
+            )
+    print()
+    print(f"{'compression':<15} {'loss':>7} {'test acc':>9} {'bytes/step/rank':>16} {'smaller than dense':>19}")
+    for r in results:
+        print(
+            f"{r.compression:<15} {r.losses[-1]:>7.4f} {r.accuracy:>9.3f} "
+            f"{r.bytes_per_step:>16,d} {r.savings:>18.1f}x"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ for r in results], f, indent=2)
+    return 0
+
+
+def _simulate_linreg(args: argparse.Namespace) -> int:
+    from hvd_compress import RegTopK, TopK
+    from hvd_compress.bench import linreg, single_threaded_blas
+
+    problem = linreg.LinearRegressionProblem.generate(n_ranks=args.ranks, dim=args.dim, seed=args.seed)
+    runs = {
+        "top-k": TopK(args.ratio, dense_below=0),
+        "regtop-k": RegTopK(args.ratio, mu=args.mu, dense_below=0),
+    }
+    print(f"Distributed linear regression: {args.ranks} ranks, d={args.dim}, density {args.ratio}, lr {args.lr}")
+    final = {}
+    for label, compressor in runs.items():
+        with single_threaded_blas():
+            distances = linreg.run(problem, compressor, steps=args.steps, lr=args.lr)
+        final[label] = distances[-1]
+        print(f"  {label:<9} ||x - x*||^2 after {args.steps} steps: {distances[-1]:.3e}")
+    print(f"  regtop-k / top-k = {final['regtop-k'] / final['top-k']:.3f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hvd-compress", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hvd_compress {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="train a small model with every compressor on simulated ranks")
+    demo.add_argument("--ranks", type=int, default=4)
+    demo.add_argument("--epochs", type=int, default=5)
+    demo.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    demo.add_argument("--compression", action="append", choices=Compression.names, help="repeatable; default all")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", help="write the results to this file")
+    demo.set_defaults(run=_demo)
+
+    simulate = commands.add_parser("simulate", help="convergence studies on the in-process simulator")
+    studies = simulate.add_subparsers(dest="study", required=True)
+    linreg = studies.add_parser("linreg", help="RegTop-k paper's distributed linear regression")
+    linreg.add_argument("--ranks", type=int, default=20)
+    linreg.add_argument("--dim", type=int, default=100)
+    linreg.add_argument("--ratio", type=float, default=0.4)
+    linreg.add_argument("--mu", type=float, default=4.0)
+    linreg.add_argument("--lr", type=float, default=0.01)
+    linreg.add_argument("--steps", type=int, default=2500)
+    linreg.add_argument("--seed", type=int, default=0)
+    linreg.set_defaults(run=_simulate_linreg)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as error:
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

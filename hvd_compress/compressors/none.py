@@ -1,0 +1,32 @@
+"""Dense baselines: no compression, and float16 casting (Horovod's ``Compression.fp16``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hvd_compress.compressors.base import Compressor
+from hvd_compress.compressors.payload import DensePayload
+
+
+class NoneCompressor(Compressor):
+    """Sends the gradient as it is (the dense allreduce baseline)."""
+
+    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+        return DensePayload(values=flat, dtype=flat.dtype)
+
+
+class FP16(Compressor):
+    """Casts to float16 for the wire and back after the sum (2 bytes per entry).
+
+    Values beyond float16's range (65504) are an error rather than a silent Inf.
+    """
+
+    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+        values = flat.astype(np.float16)
+        if not np.isfinite(values).all():
+            raise ValueError(
+                f"hvd_compress: gradient '{name}' exceeds the float16 range (|g| > 65504); "
+                "FP16 compression would turn it into Inf"
+            )
+        return DensePayload(values=values, dtype=flat.dtype)

@@ -1,0 +1,289 @@
+"""Pure-numpy specification of every algorithm (the oracle).
+
+Each function is a stateless step of one algorithm on a flattened 1-D array; the
+compressor classes hold the state (residuals, RegTop-k's distortion, random
+generators) and call these. Torch and TensorFlow kernels implement the same
+functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
+and TernGrad given the same random draws, the same threshold rule for Gaussian-k.
+
+Notation (DESIGN.md section 3): ``a`` is the error-compensated gradient
+``g + r`` of one tensor on one rank, ``d`` its length, ``k = max(1, ceil(ratio * d))``.
+"""
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Sequence, Tuple
+
+import numpy as np
+
+#: RegTop-k's "no information" distortion (plain Top-k score), as in the reference code.
+NO_DISTORTION = 1e8
+
+
+def num_selected(numel: int, ratio: float) -> int:
+    """``k = max(1, ceil(ratio * numel))``: entries a sparsifier sends."""
+    return max(1, math.ceil(ratio * numel))
+
+
+def index_dtype(numel: int) -> np.dtype:
+    """int32 indices, int64 only for tensors of 2**31 elements or more."""
+    return np.dtype(np.int32) if numel < 2**31 else np.dtype(np.int64)
+
+
+# --------------------------------------------------------------------------- #
+# Error feedback
+# --------------------------------------------------------------------------- #
+def error_feedback_split(a: np.ndarray, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Send ``a[S]`` and keep the rest: returns ``(values, residual)``.
+
+    ``residual`` is ``a`` with ``a[S]`` set to zero, so ``values`` scattered at ``S``
+    plus ``residual`` equals ``a`` exactly (error feedback, Seide et al. 2014;
+    Stich et al. 2018).
+    """
+    values = a[indices]
+    residual = a.copy()
+    residual[indices] = 0
+    return values, residual
+
+
+# --------------------------------------------------------------------------- #
+# Top-k
+# --------------------------------------------------------------------------- #
+def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest ``scores``, ascending; ties go to the lower index.
+
+    O(d): ``argpartition`` finds the k-th largest score ``v``; every index with a
+    score above ``v`` is taken, then the lowest-indexed ones equal to ``v``.
+    """
+    numel = scores.shape[0]
+    k = min(k, numel)
+    kth = scores[np.argpartition(scores, numel - k)[numel - k]]
+    above = np.flatnonzero(scores > kth)
+    ties = np.flatnonzero(scores == kth)[: k - above.shape[0]]
+    return np.sort(np.concatenate([above, ties])).astype(index_dtype(numel))
+
+
+def topk_select(a: np.ndarray, k: int) -> np.ndarray:
+    """Top-k: ``S`` = indices of the ``k`` largest ``|a_j|`` (Aji & Heafield 2017)."""
+    return topk_indices(np.abs(a), k)
+
+
+# --------------------------------------------------------------------------- #
+# Gaussian-k
+# --------------------------------------------------------------------------- #
+#: Correction loop of hclhkbu/GaussianK-SGD ``compression.py`` (GaussianCompressor):
+#: at most 3 evaluations; below 2k/3 selected halve the threshold, above 4k/3 grow it 1.5x.
+GAUSSIANK_ROUNDS = 3
+GAUSSIANK_LOW, GAUSSIANK_HIGH = 2.0 / 3.0, 4.0 / 3.0
+GAUSSIANK_SHRINK, GAUSSIANK_GROW = 0.5, 1.5
+
+
+def gaussiank_threshold(a: np.ndarray, ratio: float) -> float:
+    """First Gaussian-k threshold: ``thr = |mu| + sigma * Phi^-1(1 - ratio / 2)``.
+
+    Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning"
+    (2019), section 5: if ``a`` is bell-shaped with mean ``mu`` and standard
+    deviation ``sigma`` (population, ``ddof=0``), a fraction ``ratio`` of entries
+    lies beyond the two-sided ``1 - ratio`` quantile. The reference code uses
+    ``mu``; ``|mu|`` keeps the threshold positive when the mean is negative.
+    """
+    mu = float(np.mean(a, dtype=np.float64))
+    sigma = float(np.std(a, dtype=np.float64))
+    return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - ratio / 2.0)
+
+
+def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
+    """Gaussian-k: ``S = {j : |a_j| > thr}`` with a bounded correction of ``thr``.
+
+    Follows hclhkbu/GaussianK-SGD ``compression.py``: up to ``GAUSSIANK_ROUNDS``
+    evaluations; when fewer than ``2k/3`` entries pass, ``thr *= 0.5``; when more
+    than ``4k/3`` pass, ``thr *= 1.5``; the last evaluated set is sent (no sort,
+    no truncation), so ``|S|`` varies per rank and per step.
+    """
+    k = num_selected(a.shape[0], ratio)
+    magnitude = np.abs(a)
+    threshold = gaussiank_threshold(a, ratio)
+    for _ in range(GAUSSIANK_ROUNDS):
+        selected = np.flatnonzero(magnitude > threshold)
+        if selected.shape[0] < GAUSSIANK_LOW * k:
+            threshold *= GAUSSIANK_SHRINK
+        elif selected.shape[0] > GAUSSIANK_HIGH * k:
+            threshold *= GAUSSIANK_GROW
+        else:
+            break
+    return selected.astype(index_dtype(a.shape[0]))
+
+
+# --------------------------------------------------------------------------- #
+# RegTop-k
+# --------------------------------------------------------------------------- #
+def regtopk_scores(a: np.ndarray, distortion: np.ndarray, mu: float) -> np.ndarray:
+    """RegTop-k score ``|tanh((1 + D_j) / mu)| * |a_j|``.
+
+    Bereyhi et al., "Regularized Top-k: A Bayesian framework for gradient
+    sparsification" (2025), the MAP sparsification mask; companion code
+    AlBerey/RegTopK ``DistLearnLinearReg.py`` (function ``RegTopK``). ``D`` is the
+    posterior distortion from the last aggregation (:func:`regtopk_distortion`),
+    ``mu`` the temperature. With ``D = 1e8`` the score is ``|a_j|`` (Top-k).
+    """
+    return np.abs(np.tanh((1.0 + distortion) / mu)) * np.abs(a)
+
+
+def regtopk_select(a: np.ndarray, distortion: np.ndarray, mu: float, k: int) -> np.ndarray:
+    """RegTop-k: ``S`` = the ``k`` largest scores (:func:`regtopk_scores`)."""
+    return topk_indices(regtopk_scores(a, distortion, mu), k)
+
+
+def regtopk_distortion(
+    total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int
+) -> np.ndarray:
+    """Posterior distortion after one aggregation (``Delta_updater`` of the reference code).
+
+    ``total`` is the sum over ranks of the sent sparse vectors (``N *`` average),
+    ``indices``/``sent`` what this rank sent. ``D_j = (T_j - s_j) / s_j`` where this
+    rank sent ``j`` (the other ranks' total relative to its own), ``1e8``
+    elsewhere. A sent entry with ``s_j = 0`` carries no information: ``1e8``.
+    """
+    distortion = np.full(numel, NO_DISTORTION, dtype=total.dtype)
+    informative = sent != 0
+    idx = indices[informative]
+    own = sent[informative]
+    distortion[idx] = (total[idx] - own) / own
+    return distortion
+
+
+# --------------------------------------------------------------------------- #
+# TernGrad
+# --------------------------------------------------------------------------- #
+def terngrad_clip(g: np.ndarray, c: float) -> np.ndarray:
+    """Gradient clipping of TernGrad: ``clip(g, -c*sigma, c*sigma)``, ``sigma = std(g)``.
+
+    Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
+    Distributed Deep Learning" (NeurIPS 2017), section 3.3 (c = 2.5).
+    """
+    bound = c * float(np.std(g, dtype=np.float64))
+    return np.clip(g, -bound, bound).astype(g.dtype, copy=False)
+
+
+def terngrad_scale(g: np.ndarray) -> float:
+    """Local TernGrad scale ``s = max|g|`` (after optional clipping)."""
+    return float(np.max(np.abs(g)))
+
+
+def terngrad_codes(g: np.ndarray, scale: float, uniform: np.ndarray) -> np.ndarray:
+    """Ternary codes ``t_j = sign(g_j) * b_j``, ``b_j ~ Bernoulli(|g_j| / S)``.
+
+    ``b_j = [u_j < |g_j| / S]`` with ``u_j`` uniform on [0, 1) (``uniform``, the
+    same draws for every implementation), so ``E[S * t] = g`` when ``S >= max|g|``
+    (Wen et al. 2017, eq. 3). ``S = 0`` (an all-zero gradient) gives all-zero codes.
+    """
+    if scale == 0:
+        return np.zeros(g.shape[0], dtype=np.int8)
+    keep = uniform < np.abs(g) / g.dtype.type(scale)
+    return (np.sign(g).astype(np.int8) * keep).astype(np.int8)
+
+
+def ternary_field_bits(world_size: int) -> int:
+    """Bits ``b = ceil(log2(2N + 1))`` of a field holding ``sum over N ranks of (t + 1)``."""
+    return max(1, math.ceil(math.log2(2 * world_size + 1)))
+
+
+def ternary_codes_per_lane(world_size: int) -> int:
+    """``floor(32 / b)`` codes share one int32 lane of the integer allreduce."""
+    return 32 // ternary_field_bits(world_size)
+
+
+def ternary_lanes(numel: int, world_size: int) -> int:
+    """int32 lanes holding ``numel`` packed codes for ``world_size`` ranks."""
+    return -(-numel // ternary_codes_per_lane(world_size))
+
+
+def two_bit_bytes(numel: int) -> int:
+    """Bytes of ``numel`` codes packed 2 bits each (four per byte)."""
+    return -(-numel // 4)
+
+
+def ternary_wire_format(numel: int, world_size: int) -> str:
+    """``"allreduce"`` (packed int32 sum) or ``"allgather"`` (2-bit codes), by bytes moved.
+
+    A ring allreduce of ``P`` bytes moves ``2 (N-1)/N * P`` per rank, a ring
+    allgather of ``Q`` bytes per rank moves ``(N-1) * Q``: allgather wins when
+    ``N * Q < 2 * P``.
+    """
+    packed = 4 * ternary_lanes(numel, world_size)
+    if world_size * two_bit_bytes(numel) < 2 * packed:
+        return "allgather"
+    return "allreduce"
+
+
+def _pack_fields(fields: np.ndarray, bits: int, per_word: int, word: type) -> np.ndarray:
+    """Pack small unsigned ``fields`` into words of ``per_word`` fields of ``bits`` bits."""
+    words = -(-fields.shape[0] // per_word)
+    padded = np.zeros(words * per_word, dtype=np.uint64)
+    padded[: fields.shape[0]] = fields
+    shifts = (bits * np.arange(per_word, dtype=np.uint64))[None, :]
+    return (padded.reshape(words, per_word) << shifts).sum(axis=1, dtype=np.uint64).astype(word)
+
+
+def _unpack_fields(words: np.ndarray, bits: int, per_word: int, numel: int) -> np.ndarray:
+    shifts = (bits * np.arange(per_word, dtype=np.uint64))[None, :]
+    mask = np.uint64((1 << bits) - 1)
+    fields = (words.astype(np.uint64)[:, None] >> shifts) & mask
+    return fields.reshape(-1)[:numel].astype(np.int64)
+
+
+def pack_ternary(codes: np.ndarray, world_size: int) -> np.ndarray:
+    """Pack ``t + 1`` into int32 lanes of ``floor(32/b)`` fields of ``b`` bits.
+
+    Summing the lanes of N ranks with an int32 allreduce sums every field without
+    carry into its neighbour (each field sum is at most ``2N < 2**b``); int32
+    addition wraps modulo ``2**32``, which the unsigned view undoes exactly.
+    """
+    bits = ternary_field_bits(world_size)
+    fields = (codes.astype(np.int64) + 1).astype(np.uint64)
+    return _pack_fields(fields, bits, 32 // bits, np.uint32).view(np.int32)
+
+
+def unpack_ternary_sum(lanes: np.ndarray, numel: int, world_size: int) -> np.ndarray:
+    """Inverse of :func:`pack_ternary` on the sum of ``world_size`` ranks' lanes: ``sum t``."""
+    bits = ternary_field_bits(world_size)
+    fields = _unpack_fields(lanes.view(np.uint32), bits, 32 // bits, numel)
+    return (fields - world_size).astype(np.int32)
+
+
+def pack_two_bit(codes: np.ndarray) -> np.ndarray:
+    """``t + 1`` packed four to a byte (int8, the allgather wire format)."""
+    fields = (codes.astype(np.int64) + 1).astype(np.uint64)
+    return _pack_fields(fields, 2, 4, np.uint8).view(np.int8)
+
+
+def unpack_two_bit(packed: np.ndarray, numel: int) -> np.ndarray:
+    """Inverse of :func:`pack_two_bit`: codes in {-1, 0, 1} (int8)."""
+    return (_unpack_fields(packed.view(np.uint8), 2, 4, numel) - 1).astype(np.int8)
+
+
+def sum_int32_wrapping(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Elementwise int32 sum with two's-complement wrap-around, as an int32 allreduce does."""
+    total = np.zeros_like(arrays[0], dtype=np.uint32)
+    for array in arrays:
+        total += array.view(np.uint32)
+    return total.view(np.int32)
+
+
+# --------------------------------------------------------------------------- #
+# Aggregation
+# --------------------------------------------------------------------------- #
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """Sums run in at least float32 (float16 payloads are added in float32)."""
+    return np.result_type(dtype, np.float32)
+
+
+def sparse_sum(
+    indices: Sequence[np.ndarray], values: Sequence[np.ndarray], numel: int
+) -> np.ndarray:
+    """Dense ``sum over ranks of scatter(values_r at indices_r)``, ranks in order 0..N-1."""
+    dtype = accumulation_dtype(np.result_type(*values))
+    total = np.zeros(numel, dtype=dtype)
+    np.add.at(total, np.concatenate(indices).astype(np.int64), np.concatenate(values).astype(dtype))
+    return total

@@ -1,0 +1,69 @@
+"""RegTop-k: Top-k regularized by the posterior of the last aggregation.
+
+Bereyhi et al., "Regularized Top-k: A Bayesian framework for gradient
+sparsification" (2025); companion code AlBerey/RegTopK ``DistLearnLinearReg.py``.
+Error accumulation in Top-k scales the learning rate of entries that sat long
+in the residual; RegTop-k damps entries whose last contribution the other
+ranks cancelled. Per tensor and step::
+
+    a = g + r
+    score_j = |tanh((1 + D_j) / mu)| * |a_j|,   S = the k largest scores
+    send a[S];  r = a with a[S] set to 0
+    after aggregation (T = sum over ranks of the sent vectors):
+    D_j = (T_j - s_j) / s_j where this rank sent s_j != 0, else 1e8
+
+``D`` starts at 1e8, so step 1 is exactly Top-k.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import numpy as np
+
+from hvd_compress.compressors import reference
+from hvd_compress.compressors.sparse import DENSE_BELOW, Sparsifier
+
+
+class RegTopK(Sparsifier):
+    """RegTop-k with temperature ``mu`` (default 5; the reference's linear regression uses 4)."""
+
+    def __init__(
+        self,
+        ratio: float,
+        mu: float = 5.0,
+        error_feedback: bool = True,
+        dense_below: int = DENSE_BELOW,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(ratio, error_feedback=error_feedback, dense_below=dense_below, seed=seed)
+        mu = float(mu)
+        if not mu > 0:
+            raise ValueError(f"hvd_compress: RegTopK temperature mu must be > 0, got {mu!r}")
+        self.mu = mu
+
+    def config(self) -> Dict[str, Any]:
+        return {**super().config(), "mu": self.mu}
+
+    def distortion(self, name: str):
+        """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any)."""
+        return self.memory.peek(name, "distortion")
+
+    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+        distortion = self.memory.get(
+            name, "distortion", shape, lambda: np.full(a.shape[0], reference.NO_DISTORTION, a.dtype)
+        )
+        return reference.regtopk_select(a, distortion, self.mu, self.k(a.shape[0]))
+
+    def _sent(self, name: str, indices: np.ndarray, values: np.ndarray) -> None:
+        self.memory.set(name, "sent_indices", indices)
+        self.memory.set(name, "sent_values", values)
+
+    def _observe(self, name: str, total: np.ndarray) -> None:
+        indices = self.memory.peek(name, "sent_indices")
+        if indices is None:
+            return
+        values = self.memory.peek(name, "sent_values")
+        distortion = reference.regtopk_distortion(
+            total.astype(values.dtype, copy=False), indices, values, total.shape[0]
+        )
+        self.memory.set(name, "distortion", distortion)

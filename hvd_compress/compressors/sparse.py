@@ -1,0 +1,90 @@
+"""Sparsifiers with error feedback: what Top-k, Gaussian-k and RegTop-k share.
+
+Per tensor and step (DESIGN.md section 3)::
+
+    a = g + r;  S = select(a);  send a[S];  r = a with a[S] set to 0
+
+so the sum over steps of ``g`` equals the sum of what was sent plus ``r``.
+Tensors smaller than ``dense_below`` elements (biases, norms) are sent dense.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import numpy as np
+
+from hvd_compress.compressors import reference
+from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
+from hvd_compress.compressors.payload import DensePayload, SparsePayload
+
+#: Tensors below this many elements go dense by default.
+DENSE_BELOW = 1024
+
+
+class Sparsifier(Compressor):
+    """Base of the sparse compressors; subclasses implement ``_select(a, name)``."""
+
+    def __init__(
+        self,
+        ratio: float,
+        error_feedback: bool = True,
+        dense_below: int = DENSE_BELOW,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seed=seed)
+        self.ratio = ratio
+        self.error_feedback = bool(error_feedback)
+        self.dense_below = int(dense_below)
+
+    @property
+    def ratio(self) -> float:
+        """Fraction of entries sent, in (0, 1]; may change between steps (density schedules)."""
+        return self._ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self._ratio = check_ratio(value)
+
+    def config(self) -> Dict[str, Any]:
+        return {
+            **super().config(),
+            "ratio": self.ratio,
+            "error_feedback": self.error_feedback,
+            "dense_below": self.dense_below,
+        }
+
+    def k(self, numel: int) -> int:
+        """Entries sent for a tensor of ``numel`` elements."""
+        return reference.num_selected(numel, self.ratio)
+
+    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+        if flat.shape[0] < self.dense_below:
+            return DensePayload(values=flat, dtype=flat.dtype)
+        a = flat
+        if self.error_feedback:
+            a = flat + self.memory.get(name, "residual", shape, lambda: np.zeros_like(flat))
+        indices = self._select(a, name, shape)
+        values, residual = reference.error_feedback_split(a, indices)
+        if self.error_feedback:
+            self.memory.set(name, "residual", residual)
+        self._sent(name, indices, values)
+        return SparsePayload(values=values, indices=indices, numel=flat.shape[0])
+
+    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+        raise NotImplementedError
+
+    def _sent(self, name: str, indices: np.ndarray, values: np.ndarray) -> None:
+        """Hook: what this rank sent for ``name`` (RegTop-k keeps it)."""
+
+    def _sum(self, payloads: List[Any], numel: int):
+        if all(isinstance(p, DensePayload) for p in payloads):
+            return dense_sum(payloads, numel)
+        if not all(isinstance(p, SparsePayload) and p.numel == numel for p in payloads):
+            raise ValueError(
+                f"hvd_compress: payloads disagree with a tensor of {numel} elements "
+                "(mixed dense/sparse or other sizes); ranks are configured differently"
+            )
+        total = reference.sparse_sum(
+            [p.indices for p in payloads], [p.values for p in payloads], numel
+        )
+        return total, payloads[0].values.dtype

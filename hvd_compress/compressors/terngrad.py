@@ -1,0 +1,144 @@
+"""TernGrad: stochastic ternary gradients with a scale shared by all ranks.
+
+Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed
+Deep Learning" (NeurIPS 2017). Per layer::
+
+    g <- clip(g, -c * std(g), c * std(g))        (optional, c = 2.5)
+    s = max|g|;   S = max over ranks of s        (scalar sharing: allreduce-Max)
+    t_j = sign(g_j) * Bernoulli(|g_j| / S)       t in {-1, 0, 1},  E[S t] = g
+    aggregate = S * sum over ranks of t   (/ N for the average)
+
+On the wire the codes of all ranks are summed by an integer allreduce of int32
+lanes packing ``floor(32 / b)`` codes of ``b = ceil(log2(2N + 1))`` bits, or
+allgathered as 2-bit codes when that moves fewer bytes
+(:func:`reference.ternary_wire_format`).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+from hvd_compress.compressors import reference
+from hvd_compress.compressors.base import Compressor, dense_sum
+from hvd_compress.compressors.payload import DensePayload, TernaryPayload
+from hvd_compress.compressors.sparse import DENSE_BELOW
+
+
+class TernGrad(Compressor):
+    """TernGrad with clipping factor ``clip`` (``None``: no clipping) and scalar sharing."""
+
+    def __init__(
+        self,
+        clip: Optional[float] = 2.5,
+        scalar_sharing: bool = True,
+        error_feedback: bool = False,
+        dense_below: int = DENSE_BELOW,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seed=seed)
+        if clip is not None and not float(clip) > 0:
+            raise ValueError(f"hvd_compress: TernGrad clip must be > 0 or None, got {clip!r}")
+        self.clip = None if clip is None else float(clip)
+        self.scalar_sharing = bool(scalar_sharing)
+        self.error_feedback = bool(error_feedback)
+        self.dense_below = int(dense_below)
+
+    def config(self) -> Dict[str, Any]:
+        return {
+            **super().config(),
+            "clip": self.clip,
+            "scalar_sharing": self.scalar_sharing,
+            "error_feedback": self.error_feedback,
+            "dense_below": self.dense_below,
+        }
+
+    # ------------------------------------------------------------------ steps
+    def _compensated(self, flat: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+        if not self.error_feedback:
+            return flat
+        return flat + self.memory.get(name, "residual", shape, lambda: np.zeros_like(flat))
+
+    def _clipped(self, a: np.ndarray) -> np.ndarray:
+        return a if self.clip is None else reference.terngrad_clip(a, self.clip)
+
+    def local_scale(self, tensor: Any, name: str) -> Optional[float]:
+        """This rank's scale ``max|g|`` (after clipping); ``None`` for tensors sent dense.
+
+        The ranks' scales are combined with an allreduce-Max and the result is
+        passed to :meth:`encode` as ``scale``.
+        """
+        flat, shape = self._validated(tensor, name)
+        if flat.shape[0] < self.dense_below:
+            return None
+        return reference.terngrad_scale(self._clipped(self._compensated(flat, name, shape)))
+
+    def encode(self, tensor: Any, name: str, scale: Optional[float] = None) -> Any:
+        """Ternary payload of ``tensor``; ``scale`` is the shared ``S`` (``None``: local scale)."""
+        return super().encode(tensor, name, scale=scale)
+
+    def _encode(self, flat: np.ndarray, name: str, shape: tuple, scale: Optional[float] = None):
+        if flat.shape[0] < self.dense_below:
+            return DensePayload(values=flat, dtype=flat.dtype)
+        a = self._compensated(flat, name, shape)
+        clipped = self._clipped(a)
+        local = reference.terngrad_scale(clipped)
+        shared = scale is not None
+        if not shared:
+            scale = local
+        elif not scale >= local:
+            raise ValueError(
+                f"hvd_compress: shared TernGrad scale {scale!r} for '{name}' is below this "
+                f"rank's max|g| = {local!r}; ranks disagree on the scale"
+            )
+        uniform = self.rng.random(flat.shape[0], dtype=np.float32).astype(flat.dtype, copy=False)
+        codes = reference.terngrad_codes(clipped, scale, uniform)
+        if self.error_feedback:
+            self.memory.set(name, "residual", a - flat.dtype.type(scale) * codes)
+        return TernaryPayload(
+            codes=codes,
+            scale=float(scale),
+            world_size=self.size,
+            shared_scale=shared,
+            dtype=flat.dtype,
+        )
+
+    def _sum(self, payloads: List[Any], numel: int):
+        if all(isinstance(p, DensePayload) for p in payloads):
+            return dense_sum(payloads, numel)
+        if not all(isinstance(p, TernaryPayload) and p.codes.shape[0] == numel for p in payloads):
+            raise ValueError(
+                f"hvd_compress: TernGrad payloads disagree with a tensor of {numel} elements; "
+                "ranks are configured differently"
+            )
+        dtype = np.dtype(payloads[0].dtype)
+        acc = reference.accumulation_dtype(dtype).type
+        if all(p.shared_scale for p in payloads):
+            if any(p.world_size != len(payloads) for p in payloads):
+                raise ValueError(
+                    f"hvd_compress: TernGrad payloads were packed for "
+                    f"{sorted({p.world_size for p in payloads})} ranks but {len(payloads)} "
+                    "arrived; bind(rank, size) every compressor to the real world size"
+                )
+            scales = {p.scale for p in payloads}
+            if len(scales) != 1:
+                raise ValueError(
+                    f"hvd_compress: ranks sent different shared TernGrad scales {sorted(scales)}"
+                )
+            code_sum = self._code_sum(payloads, numel)
+            return code_sum.astype(acc) * acc(payloads[0].scale), dtype
+        total = np.zeros(numel, dtype=acc)
+        for p in payloads:
+            codes = reference.unpack_two_bit(reference.pack_two_bit(p.codes), numel)
+            total += codes.astype(acc) * acc(p.scale)
+        return total, dtype
+
+    @staticmethod
+    def _code_sum(payloads: List[TernaryPayload], numel: int) -> np.ndarray:
+        """``sum over ranks of t`` exactly as the chosen wire format computes it."""
+        n = len(payloads)
+        if payloads[0].wire_format == "allreduce":
+            lanes = [reference.pack_ternary(p.codes, n) for p in payloads]
+            return reference.unpack_ternary_sum(reference.sum_int32_wrapping(lanes), numel, n)
+        gathered = [reference.pack_two_bit(p.codes) for p in payloads]
+        return np.sum([reference.unpack_two_bit(g, numel) for g in gathered], axis=0, dtype=np.int32)

@@ -1,0 +1,19 @@
+"""Top-k sparsification with error feedback.
+
+Aji & Heafield, "Sparse Communication for Distributed Gradient Descent" (2017);
+analysis in Shi et al. (2019). Sends the ``k = ceil(ratio * d)`` entries of
+largest magnitude of ``a = g + r``: ``S = argtop_k |a_j|``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hvd_compress.compressors import reference
+from hvd_compress.compressors.sparse import Sparsifier
+
+
+class TopK(Sparsifier):
+    """Exact Top-k: ``S`` = the ``k`` largest ``|a_j|`` (ties to the lower index)."""
+
+    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+        return reference.topk_select(a, self.k(a.shape[0]))

@@ -1,0 +1,114 @@
+"""N ranks in one process, no MPI: the yardstick multi-process runs must equal.
+
+Every rank owns a deep copy of the compressor (its own residuals, RegTop-k
+distortion and random stream ``default_rng([seed, rank])``). One :meth:`Simulator.step`
+does what the real collectives do, in the same order:
+
+1. TernGrad with scalar sharing: one allreduce-Max of the vector of per-layer
+   scales of every rank;
+2. per tensor, in the order given: every rank encodes, the payloads are
+   "allgathered" (the list in rank order), every rank decodes the average
+   (sparse payloads: scatter-add; ternary: packed integer sum).
+
+Example::
+
+    sim = Simulator(4, TopK(0.01), seed=0)
+    avg = sim.step({"w": [g0, g1, g2, g3]})["w"]
+    sim.bytes_sent, sim.residuals("w")
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+from hvd_compress.compressors import Compressor, TernGrad
+
+
+class Simulator:
+    """In-process simulation of ``n_ranks`` ranks training with ``compression``."""
+
+    def __init__(self, n_ranks: int, compression: Compressor, seed: int = 0) -> None:
+        if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
+            raise ValueError(f"hvd_compress: n_ranks must be a positive int, got {n_ranks!r}")
+        if not isinstance(compression, Compressor):
+            raise TypeError(
+                "hvd_compress: Simulator needs a compressor instance such as TopK(0.01) or "
+                f"Compression.fp16, got {compression!r}"
+            )
+        self.n_ranks = n_ranks
+        self.compressors: List[Compressor] = []
+        for rank in range(n_ranks):
+            compressor = copy.deepcopy(compression)
+            compressor.seed = int(seed)
+            self.compressors.append(compressor.bind(rank, n_ranks))
+        self.bytes_sent_per_rank: List[int] = [0] * n_ranks
+        self.dense_bytes = 0
+        self.steps = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        """Wire bytes per rank in the last step (mean over ranks; Gaussian-k's vary)."""
+        return int(round(sum(self.bytes_sent_per_rank) / self.n_ranks))
+
+    def residuals(self, name: str) -> List[Optional[np.ndarray]]:
+        """Each rank's error-feedback residual of ``name``."""
+        return [c.residual(name) for c in self.compressors]
+
+    def step(self, grads: Mapping[str, Sequence[Any]]) -> Dict[str, np.ndarray]:
+        """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``."""
+        grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
+        scales = self._shared_scales(grads)
+        sent = [0] * self.n_ranks
+        out: Dict[str, np.ndarray] = {}
+        for name, per_rank in grads.items():
+            options = {"scale": scales[name]} if name in scales else {}
+            payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
+            for rank, payload in enumerate(payloads):
+                sent[rank] += payload.nbytes
+            decoded = [c.decode(payloads, per_rank[0].shape, name=name) for c in self.compressors]
+            out[name] = decoded[0]
+        self.bytes_sent_per_rank = sent
+        self.dense_bytes = sum(per_rank[0].nbytes for per_rank in grads.values())
+        self.steps += 1
+        return out
+
+    def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[np.ndarray]:
+        if len(per_rank) != self.n_ranks:
+            raise ValueError(
+                f"hvd_compress: tensor '{name}' has {len(per_rank)} gradients for "
+                f"{self.n_ranks} ranks"
+            )
+        arrays = [np.asarray(g) for g in per_rank]
+        shapes = {a.shape for a in arrays}
+        if len(shapes) != 1:
+            raise ValueError(f"hvd_compress: ranks disagree on the shape of '{name}': {shapes}")
+        return arrays
+
+    def _shared_scales(self, grads: Dict[str, List[np.ndarray]]) -> Dict[str, float]:
+        """TernGrad scalar sharing: allreduce-Max of every rank's vector of layer scales."""
+        first = self.compressors[0]
+        if not (isinstance(first, TernGrad) and first.scalar_sharing):
+            return {}
+        local = [
+            {name: c.local_scale(per_rank[rank], name) for name, per_rank in grads.items()}
+            for rank, c in enumerate(self.compressors)
+        ]
+        names = [name for name, s in local[0].items() if s is not None]
+        vectors = np.array([[scales[name] for name in names] for scales in local])
+        return dict(zip(names, vectors.max(axis=0).tolist()))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every rank's compressor state (residuals, distortion, random stream)."""
+        return {"ranks": [c.state_dict() for c in self.compressors], "steps": self.steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if len(state["ranks"]) != self.n_ranks:
+            raise ValueError(
+                f"hvd_compress: state of {len(state['ranks'])} ranks cannot load into "
+                f"a Simulator of {self.n_ranks}"
+            )
+        for compressor, rank_state in zip(self.compressors, state["ranks"]):
+            compressor.load_state_dict(rank_state)
+        self.steps = int(state["steps"])
