@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from hvd_compress.compressors import Compressor, TernGrad
+from hvd_compress.compressors.base import as_tensor
 
 
 class Simulator:
@@ -57,7 +58,10 @@ class Simulator:
         return [c.residual(name) for c in self.compressors]
 
     def step(self, grads: Mapping[str, Sequence[Any]]) -> Dict[str, np.ndarray]:
-        """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``."""
+        """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``.
+
+        Gradients may be numpy arrays or torch tensors (then the torch kernels run).
+        """
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
         scales = self._shared_scales(grads)
         sent = [0] * self.n_ranks
@@ -67,21 +71,21 @@ class Simulator:
             payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
             for rank, payload in enumerate(payloads):
                 sent[rank] += payload.nbytes
-            decoded = [c.decode(payloads, per_rank[0].shape, name=name) for c in self.compressors]
+            decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
             out[name] = decoded[0]
         self.bytes_sent_per_rank = sent
         self.dense_bytes = sum(per_rank[0].nbytes for per_rank in grads.values())
         self.steps += 1
         return out
 
-    def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[np.ndarray]:
+    def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[Any]:
         if len(per_rank) != self.n_ranks:
             raise ValueError(
                 f"hvd_compress: tensor '{name}' has {len(per_rank)} gradients for "
                 f"{self.n_ranks} ranks"
             )
-        arrays = [np.asarray(g) for g in per_rank]
-        shapes = {a.shape for a in arrays}
+        arrays = [as_tensor(g, name) for g in per_rank]
+        shapes = {tuple(a.shape) for a in arrays}
         if len(shapes) != 1:
             raise ValueError(f"hvd_compress: ranks disagree on the shape of '{name}': {shapes}")
         return arrays

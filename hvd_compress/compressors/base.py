@@ -7,13 +7,14 @@ communicates: the communicators in :mod:`hvd_compress.comm` (and the
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hvd_compress.compressors import reference
-from hvd_compress.compressors.payload import DensePayload
+from hvd_compress import kernels
+from hvd_compress.compressors.payload import DensePayload, TernaryPayload
 from hvd_compress.compressors.residual import TensorMemory
 
 
@@ -27,32 +28,26 @@ def check_ratio(ratio: Any) -> float:
     return ratio
 
 
-def as_array(tensor: Any, name: str) -> np.ndarray:
-    """The numpy array behind ``tensor``; framework tensors go through their adapters."""
-    if isinstance(tensor, np.ndarray):
-        return tensor
+def as_tensor(tensor: Any, name: str) -> Any:
+    """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays."""
     if isinstance(tensor, (list, tuple, numbers.Number)):
         return np.asarray(tensor)
-    raise TypeError(
-        f"hvd_compress: gradient '{name}' is a {type(tensor).__module__}.{type(tensor).__name__}; "
-        "the core compressors take numpy arrays"
-    )
+    return tensor
 
 
-def check_gradient(array: np.ndarray, name: str, who: str) -> None:
+def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
     """Reject what no compressor can handle, naming the tensor."""
-    if array.dtype.kind != "f":
+    if not ops.is_floating(flat):
         raise TypeError(
-            f"hvd_compress: {who} cannot compress '{name}' of dtype {array.dtype}; "
+            f"hvd_compress: {who} cannot compress '{name}' of dtype {flat.dtype}; "
             "gradients must be floating point"
         )
-    if array.size == 0:
+    if flat.shape[0] == 0:
         raise ValueError(f"hvd_compress: {who} cannot compress '{name}': the tensor is empty")
-    finite = np.isfinite(array)
-    if not finite.all():
-        bad = int(array.size - np.count_nonzero(finite))
+    bad = ops.count_nonfinite(flat)
+    if bad:
         raise ValueError(
-            f"hvd_compress: gradient '{name}' has {bad} NaN/Inf of {array.size} entries; "
+            f"hvd_compress: gradient '{name}' has {bad} NaN/Inf of {flat.shape[0]} entries; "
             f"{who} cannot compress it (lower the learning rate or loss scale, or skip the step)"
         )
 
@@ -68,7 +63,8 @@ class Compressor:
         self.seed = int(seed)
         self.rank, self.size = 0, 1
         self.memory = TensorMemory()
-        self._rng: Optional[np.random.Generator] = None
+        self._generators: Dict[str, Any] = {}
+        self._saved_generators: Dict[str, Any] = {}
 
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
@@ -76,15 +72,17 @@ class Compressor:
         if not 0 <= rank < size:
             raise ValueError(f"hvd_compress: rank {rank} is not in [0, {size})")
         self.rank, self.size = int(rank), int(size)
-        self._rng = None
+        self._generators = {}
         return self
 
-    @property
-    def rng(self) -> np.random.Generator:
-        """This rank's random stream: ``default_rng([seed, rank])``."""
-        if self._rng is None:
-            self._rng = np.random.default_rng([self.seed, self.rank])
-        return self._rng
+    def generator(self, ops: Any, like: Any) -> Any:
+        """This rank's random stream for ``like``'s framework, seeded from ``(seed, rank)``."""
+        if ops.__name__ not in self._generators:
+            stream = ops.generator(self.seed, self.rank, like)
+            if ops.__name__ in self._saved_generators:
+                ops.set_generator_state(stream, self._saved_generators.pop(ops.__name__))
+            self._generators[ops.__name__] = stream
+        return self._generators[ops.__name__]
 
     def config(self) -> Dict[str, Any]:
         """Type and parameters; ranks must agree on it."""
@@ -97,14 +95,16 @@ class Compressor:
     # ------------------------------------------------------------- interface
     def encode(self, tensor: Any, name: str, **options: Any) -> Any:
         """One rank's payload for ``tensor``; updates that tensor's residual."""
-        flat, shape = self._validated(tensor, name)
-        return self._encode(flat, name, shape, **options)
+        flat, shape, ops = self._validated(tensor, name)
+        return self._encode(flat, name, tuple(shape), ops, **options)
 
     def _validated(self, tensor: Any, name: str):
-        """``(flat array, shape)`` of a gradient this compressor accepts."""
-        array = as_array(tensor, name)
-        check_gradient(array, name, type(self).__name__)
-        return array.reshape(-1), array.shape
+        """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
+        tensor = as_tensor(tensor, name)
+        ops = kernels.ops_for(tensor)
+        flat = tensor.reshape(-1)
+        check_gradient(flat, ops, name, type(self).__name__)
+        return flat, tuple(tensor.shape), ops
 
     def decode(
         self,
@@ -122,13 +122,14 @@ class Compressor:
         if not payloads:
             raise ValueError("hvd_compress: decode needs the payloads of at least one rank")
         shape = tuple(int(n) for n in shape)
-        numel = int(np.prod(shape, dtype=np.int64))
-        total, dtype = self._sum(payloads, numel)
+        numel = math.prod(shape)
+        ops = kernels.ops_for(payload_tensor(payloads[0]))
+        total, dtype = self._sum(payloads, numel, ops)
         if name is not None:
-            self._observe(name, total)
+            self._observe(name, total, ops)
         if average:
-            total = total / total.dtype.type(len(payloads))
-        return total.astype(dtype, copy=False).reshape(shape)
+            total = total / len(payloads)
+        return ops.cast(total, dtype).reshape(shape)
 
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
@@ -142,8 +143,13 @@ class Compressor:
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
         state = {"config": self.config(), "tensors": self.memory.state_dict()}
-        if self._rng is not None:
-            state["rng"] = self._rng.bit_generator.state
+        state["generators"] = {
+            **self._saved_generators,
+            **{
+                module: kernels.module(module).generator_state(stream)
+                for module, stream in self._generators.items()
+            },
+        }
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -154,30 +160,32 @@ class Compressor:
                 f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}"
             )
         self.memory.load_state_dict(state["tensors"])
-        if "rng" in state:
-            self.rng.bit_generator.state = state["rng"]
+        self._generators = {}
+        self._saved_generators = dict(state.get("generators", {}))
 
     # ------------------------------------------------------------ for subclasses
-    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         raise NotImplementedError
 
-    def _sum(self, payloads: List[Any], numel: int):
+    def _sum(self, payloads: List[Any], numel: int, ops: Any):
         """Sum over ranks of dense payloads; returns ``(total, dtype to decode to)``."""
-        return dense_sum(payloads, numel)
+        return dense_sum(payloads, numel, ops)
 
-    def _observe(self, name: str, total: np.ndarray) -> None:
+    def _observe(self, name: str, total: Any, ops: Any) -> None:
         """Hook for compressors that learn from the aggregate; default: nothing."""
 
 
-def dense_sum(payloads: List[DensePayload], numel: int):
+def payload_tensor(payload: Any) -> Any:
+    """A tensor of ``payload``, to pick the kernels that decode it."""
+    return payload.codes if isinstance(payload, TernaryPayload) else payload.values
+
+
+def dense_sum(payloads: List[DensePayload], numel: int, ops: Any):
     """Sum of dense payloads in rank order, in at least float32."""
-    dtype = payloads[0].dtype
-    total = np.zeros(numel, dtype=reference.accumulation_dtype(payloads[0].values.dtype))
     for payload in payloads:
-        if payload.values.size != numel:
+        if payload.values.reshape(-1).shape[0] != numel:
             raise ValueError(
-                f"hvd_compress: a rank sent {payload.values.size} elements, expected {numel}; "
-                "ranks disagree on the tensor shape"
+                f"hvd_compress: a rank sent {payload.values.reshape(-1).shape[0]} elements, "
+                f"expected {numel}; ranks disagree on the tensor shape"
             )
-        total += payload.values.reshape(-1)
-    return total, dtype
+    return ops.dense_sum([p.values.reshape(-1) for p in payloads]), payloads[0].dtype

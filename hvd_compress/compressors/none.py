@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.payload import DensePayload
 
@@ -12,7 +10,7 @@ from hvd_compress.compressors.payload import DensePayload
 class NoneCompressor(Compressor):
     """Sends the gradient as it is (the dense allreduce baseline)."""
 
-    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         return DensePayload(values=flat, dtype=flat.dtype)
 
 
@@ -22,9 +20,9 @@ class FP16(Compressor):
     Values beyond float16's range (65504) are an error rather than a silent Inf.
     """
 
-    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
-        values = flat.astype(np.float16)
-        if not np.isfinite(values).all():
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        values = ops.cast(flat, ops.float16)
+        if ops.count_nonfinite(values):
             raise ValueError(
                 f"hvd_compress: gradient '{name}' exceeds the float16 range (|g| > 65504); "
                 "FP16 compression would turn it into Inf"

@@ -17,6 +17,9 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
+#: Wire dtype of ``FP16``.
+float16 = np.float16
+
 #: RegTop-k's "no information" distortion (plain Top-k score), as in the reference code.
 NO_DISTORTION = 1e8
 
@@ -29,6 +32,47 @@ def num_selected(numel: int, ratio: float) -> int:
 def index_dtype(numel: int) -> np.dtype:
     """int32 indices, int64 only for tensors of 2**31 elements or more."""
     return np.dtype(np.int32) if numel < 2**31 else np.dtype(np.int64)
+
+
+# --------------------------------------------------------------------------- #
+# Array utilities (each kernel module provides the same)
+# --------------------------------------------------------------------------- #
+def is_floating(a: np.ndarray) -> bool:
+    return a.dtype.kind == "f"
+
+
+def count_nonfinite(a: np.ndarray) -> int:
+    return int(a.size - np.count_nonzero(np.isfinite(a)))
+
+
+def zeros_like(a: np.ndarray) -> np.ndarray:
+    return np.zeros_like(a)
+
+
+def full(numel: int, value: float, like: np.ndarray) -> np.ndarray:
+    return np.full(numel, value, dtype=like.dtype)
+
+
+def cast(a: np.ndarray, dtype) -> np.ndarray:
+    return a.astype(dtype, copy=False)
+
+
+def generator(seed: int, rank: int, like: np.ndarray) -> np.random.Generator:
+    """The random stream of ``rank``: ``default_rng([seed, rank])``."""
+    return np.random.default_rng([seed, rank])
+
+
+def uniform(rng: np.random.Generator, like: np.ndarray) -> np.ndarray:
+    """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype."""
+    return rng.random(like.shape[0], dtype=np.float32).astype(like.dtype, copy=False)
+
+
+def generator_state(rng: np.random.Generator):
+    return rng.bit_generator.state
+
+
+def set_generator_state(rng: np.random.Generator, state) -> None:
+    rng.bit_generator.state = state
 
 
 # --------------------------------------------------------------------------- #
@@ -263,6 +307,11 @@ def unpack_two_bit(packed: np.ndarray, numel: int) -> np.ndarray:
     return (_unpack_fields(packed.view(np.uint8), 2, 4, numel) - 1).astype(np.int8)
 
 
+def sum_codes(codes: Sequence[np.ndarray]) -> np.ndarray:
+    """Sum of the ranks' int8 codes, in int32."""
+    return np.sum([c.astype(np.int32) for c in codes], axis=0, dtype=np.int32)
+
+
 def sum_int32_wrapping(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """Elementwise int32 sum with two's-complement wrap-around, as an int32 allreduce does."""
     total = np.zeros_like(arrays[0], dtype=np.uint32)
@@ -277,6 +326,15 @@ def sum_int32_wrapping(arrays: Sequence[np.ndarray]) -> np.ndarray:
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:
     """Sums run in at least float32 (float16 payloads are added in float32)."""
     return np.result_type(dtype, np.float32)
+
+
+def dense_sum(values: Sequence[np.ndarray]) -> np.ndarray:
+    """Sum of the ranks' dense tensors in rank order, in at least float32."""
+    dtype = accumulation_dtype(values[0].dtype)
+    total = values[0].astype(dtype)
+    for v in values[1:]:
+        total = total + v.astype(dtype, copy=False)
+    return total
 
 
 def sparse_sum(

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-import numpy as np
-
 from hvd_compress.compressors import reference
 from hvd_compress.compressors.sparse import DENSE_BELOW, Sparsifier
 
@@ -48,22 +46,22 @@ class RegTopK(Sparsifier):
         """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any)."""
         return self.memory.peek(name, "distortion")
 
-    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
         distortion = self.memory.get(
-            name, "distortion", shape, lambda: np.full(a.shape[0], reference.NO_DISTORTION, a.dtype)
+            name, "distortion", shape, lambda: ops.full(a.shape[0], reference.NO_DISTORTION, a)
         )
-        return reference.regtopk_select(a, distortion, self.mu, self.k(a.shape[0]))
+        return ops.regtopk_select(a, distortion, self.mu, self.k(a.shape[0]))
 
-    def _sent(self, name: str, indices: np.ndarray, values: np.ndarray) -> None:
+    def _sent(self, name: str, indices: Any, values: Any) -> None:
         self.memory.set(name, "sent_indices", indices)
         self.memory.set(name, "sent_values", values)
 
-    def _observe(self, name: str, total: np.ndarray) -> None:
+    def _observe(self, name: str, total: Any, ops: Any) -> None:
         indices = self.memory.peek(name, "sent_indices")
         if indices is None:
             return
         values = self.memory.peek(name, "sent_values")
-        distortion = reference.regtopk_distortion(
-            total.astype(values.dtype, copy=False), indices, values, total.shape[0]
+        distortion = ops.regtopk_distortion(
+            ops.cast(total, values.dtype), indices, values, total.shape[0]
         )
         self.memory.set(name, "distortion", distortion)

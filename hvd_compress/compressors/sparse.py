@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-import numpy as np
-
 from hvd_compress.compressors import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
 from hvd_compress.compressors.payload import DensePayload, SparsePayload
@@ -57,34 +55,35 @@ class Sparsifier(Compressor):
         """Entries sent for a tensor of ``numel`` elements."""
         return reference.num_selected(numel, self.ratio)
 
-    def _encode(self, flat: np.ndarray, name: str, shape: tuple) -> Any:
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
         a = flat
         if self.error_feedback:
-            a = flat + self.memory.get(name, "residual", shape, lambda: np.zeros_like(flat))
-        indices = self._select(a, name, shape)
-        values, residual = reference.error_feedback_split(a, indices)
+            a = flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
+        indices = self._select(a, name, shape, ops)
+        values, residual = ops.error_feedback_split(a, indices)
         if self.error_feedback:
             self.memory.set(name, "residual", residual)
         self._sent(name, indices, values)
         return SparsePayload(values=values, indices=indices, numel=flat.shape[0])
 
-    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
+        """Indices ``S`` to send of the error-compensated gradient ``a``."""
         raise NotImplementedError
 
-    def _sent(self, name: str, indices: np.ndarray, values: np.ndarray) -> None:
+    def _sent(self, name: str, indices: Any, values: Any) -> None:
         """Hook: what this rank sent for ``name`` (RegTop-k keeps it)."""
 
-    def _sum(self, payloads: List[Any], numel: int):
+    def _sum(self, payloads: List[Any], numel: int, ops: Any):
         if all(isinstance(p, DensePayload) for p in payloads):
-            return dense_sum(payloads, numel)
+            return dense_sum(payloads, numel, ops)
         if not all(isinstance(p, SparsePayload) and p.numel == numel for p in payloads):
             raise ValueError(
                 f"hvd_compress: payloads disagree with a tensor of {numel} elements "
                 "(mixed dense/sparse or other sizes); ranks are configured differently"
             )
-        total = reference.sparse_sum(
+        total = ops.sparse_sum(
             [p.indices for p in payloads], [p.values for p in payloads], numel
         )
         return total, payloads[0].values.dtype

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-import numpy as np
-
-from hvd_compress.compressors import reference
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.compressors.payload import DensePayload, TernaryPayload
 from hvd_compress.compressors.sparse import DENSE_BELOW
@@ -54,13 +51,13 @@ class TernGrad(Compressor):
         }
 
     # ------------------------------------------------------------------ steps
-    def _compensated(self, flat: np.ndarray, name: str, shape: tuple) -> np.ndarray:
+    def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if not self.error_feedback:
             return flat
-        return flat + self.memory.get(name, "residual", shape, lambda: np.zeros_like(flat))
+        return flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
 
-    def _clipped(self, a: np.ndarray) -> np.ndarray:
-        return a if self.clip is None else reference.terngrad_clip(a, self.clip)
+    def _clipped(self, a: Any, ops: Any) -> Any:
+        return a if self.clip is None else ops.terngrad_clip(a, self.clip)
 
     def local_scale(self, tensor: Any, name: str) -> Optional[float]:
         """This rank's scale ``max|g|`` (after clipping); ``None`` for tensors sent dense.
@@ -68,21 +65,21 @@ class TernGrad(Compressor):
         The ranks' scales are combined with an allreduce-Max and the result is
         passed to :meth:`encode` as ``scale``.
         """
-        flat, shape = self._validated(tensor, name)
+        flat, shape, ops = self._validated(tensor, name)
         if flat.shape[0] < self.dense_below:
             return None
-        return reference.terngrad_scale(self._clipped(self._compensated(flat, name, shape)))
+        return ops.terngrad_scale(self._clipped(self._compensated(flat, name, shape, ops), ops))
 
     def encode(self, tensor: Any, name: str, scale: Optional[float] = None) -> Any:
         """Ternary payload of ``tensor``; ``scale`` is the shared ``S`` (``None``: local scale)."""
         return super().encode(tensor, name, scale=scale)
 
-    def _encode(self, flat: np.ndarray, name: str, shape: tuple, scale: Optional[float] = None):
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any, scale: Optional[float] = None):
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
-        a = self._compensated(flat, name, shape)
-        clipped = self._clipped(a)
-        local = reference.terngrad_scale(clipped)
+        a = self._compensated(flat, name, shape, ops)
+        clipped = self._clipped(a, ops)
+        local = ops.terngrad_scale(clipped)
         shared = scale is not None
         if not shared:
             scale = local
@@ -91,10 +88,10 @@ class TernGrad(Compressor):
                 f"hvd_compress: shared TernGrad scale {scale!r} for '{name}' is below this "
                 f"rank's max|g| = {local!r}; ranks disagree on the scale"
             )
-        uniform = self.rng.random(flat.shape[0], dtype=np.float32).astype(flat.dtype, copy=False)
-        codes = reference.terngrad_codes(clipped, scale, uniform)
+        uniform = ops.uniform(self.generator(ops, flat), flat)
+        codes = ops.terngrad_codes(clipped, scale, uniform)
         if self.error_feedback:
-            self.memory.set(name, "residual", a - flat.dtype.type(scale) * codes)
+            self.memory.set(name, "residual", a - scale * ops.cast(codes, a.dtype))
         return TernaryPayload(
             codes=codes,
             scale=float(scale),
@@ -103,16 +100,16 @@ class TernGrad(Compressor):
             dtype=flat.dtype,
         )
 
-    def _sum(self, payloads: List[Any], numel: int):
+    def _sum(self, payloads: List[Any], numel: int, ops: Any):
         if all(isinstance(p, DensePayload) for p in payloads):
-            return dense_sum(payloads, numel)
+            return dense_sum(payloads, numel, ops)
         if not all(isinstance(p, TernaryPayload) and p.codes.shape[0] == numel for p in payloads):
             raise ValueError(
                 f"hvd_compress: TernGrad payloads disagree with a tensor of {numel} elements; "
                 "ranks are configured differently"
             )
-        dtype = np.dtype(payloads[0].dtype)
-        acc = reference.accumulation_dtype(dtype).type
+        dtype = payloads[0].dtype
+        acc = ops.accumulation_dtype(dtype)
         if all(p.shared_scale for p in payloads):
             if any(p.world_size != len(payloads) for p in payloads):
                 raise ValueError(
@@ -125,20 +122,18 @@ class TernGrad(Compressor):
                 raise ValueError(
                     f"hvd_compress: ranks sent different shared TernGrad scales {sorted(scales)}"
                 )
-            code_sum = self._code_sum(payloads, numel)
-            return code_sum.astype(acc) * acc(payloads[0].scale), dtype
-        total = np.zeros(numel, dtype=acc)
-        for p in payloads:
-            codes = reference.unpack_two_bit(reference.pack_two_bit(p.codes), numel)
-            total += codes.astype(acc) * acc(p.scale)
-        return total, dtype
+            code_sum = self._code_sum(payloads, numel, ops)
+            return ops.cast(code_sum, acc) * payloads[0].scale, dtype
+        gathered = [ops.unpack_two_bit(ops.pack_two_bit(p.codes), numel) for p in payloads]
+        scaled = [ops.cast(codes, acc) * p.scale for codes, p in zip(gathered, payloads)]
+        return ops.dense_sum(scaled), dtype
 
     @staticmethod
-    def _code_sum(payloads: List[TernaryPayload], numel: int) -> np.ndarray:
+    def _code_sum(payloads: List[TernaryPayload], numel: int, ops: Any) -> Any:
         """``sum over ranks of t`` exactly as the chosen wire format computes it."""
         n = len(payloads)
         if payloads[0].wire_format == "allreduce":
-            lanes = [reference.pack_ternary(p.codes, n) for p in payloads]
-            return reference.unpack_ternary_sum(reference.sum_int32_wrapping(lanes), numel, n)
-        gathered = [reference.pack_two_bit(p.codes) for p in payloads]
-        return np.sum([reference.unpack_two_bit(g, numel) for g in gathered], axis=0, dtype=np.int32)
+            lanes = [ops.pack_ternary(p.codes, n) for p in payloads]
+            return ops.unpack_ternary_sum(ops.sum_int32_wrapping(lanes), numel, n)
+        gathered = [ops.pack_two_bit(p.codes) for p in payloads]
+        return ops.sum_codes([ops.unpack_two_bit(g, numel) for g in gathered])

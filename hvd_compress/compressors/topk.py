@@ -6,14 +6,13 @@ largest magnitude of ``a = g + r``: ``S = argtop_k |a_j|``.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-from hvd_compress.compressors import reference
 from hvd_compress.compressors.sparse import Sparsifier
 
 
 class TopK(Sparsifier):
     """Exact Top-k: ``S`` = the ``k`` largest ``|a_j|`` (ties to the lower index)."""
 
-    def _select(self, a: np.ndarray, name: str, shape: tuple) -> np.ndarray:
-        return reference.topk_select(a, self.k(a.shape[0]))
+    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
+        return ops.topk_select(a, self.k(a.shape[0]))

@@ -1,0 +1,234 @@
+"""PyTorch kernels: the functions of :mod:`hvd_compress.compressors.reference` on torch tensors.
+
+Same names, same arguments, same results: bit-exact for Top-k, RegTop-k, the
+error-feedback split and TernGrad's codes given the same draws; reductions
+(mean, std) agree within float rounding. Tensors stay on their device; the only
+host synchronisations are the scalars the algorithms branch on (Gaussian-k's
+count, TernGrad's scale) and the sizes of ``nonzero``.
+"""
+from __future__ import annotations
+
+from statistics import NormalDist
+from typing import Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
+    GAUSSIANK_GROW,
+    GAUSSIANK_HIGH,
+    GAUSSIANK_LOW,
+    GAUSSIANK_ROUNDS,
+    GAUSSIANK_SHRINK,
+    NO_DISTORTION,
+    num_selected,
+    ternary_codes_per_lane,
+    ternary_field_bits,
+    ternary_lanes,
+    ternary_wire_format,
+    two_bit_bytes,
+)
+
+_WORD = 1 << 32
+
+
+float16 = torch.float16
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+# ------------------------------------------------------------------ utilities
+def is_floating(a: torch.Tensor) -> bool:
+    return a.is_floating_point()
+
+
+def count_nonfinite(a: torch.Tensor) -> int:
+    return int(a.numel() - torch.isfinite(a).sum().item())
+
+
+def zeros_like(a: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(a)
+
+
+def full(numel: int, value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full((numel,), value, dtype=like.dtype, device=like.device)
+
+
+def cast(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return a.to(dtype)
+
+
+def generator(seed: int, rank: int, like: torch.Tensor) -> torch.Generator:
+    """The random stream of ``rank`` on ``like``'s device, seeded from ``SeedSequence([seed, rank])``."""
+    state = np.random.SeedSequence([seed, rank]).generate_state(2, dtype=np.uint32)
+    stream = torch.Generator(device=like.device)
+    stream.manual_seed(int(state[0]) << 32 | int(state[1]))
+    return stream
+
+
+def uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
+    draws = torch.rand(like.shape[0], generator=rng, dtype=torch.float32, device=like.device)
+    return draws.to(like.dtype)
+
+
+def generator_state(rng: torch.Generator):
+    return rng.get_state()
+
+
+def set_generator_state(rng: torch.Generator, state) -> None:
+    rng.set_state(state)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def dense_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    dtype = accumulation_dtype(values[0].dtype)
+    total = values[0].to(dtype, copy=True)
+    for v in values[1:]:
+        total += v.to(dtype)
+    return total
+
+
+# -------------------------------------------------------------- error feedback
+def error_feedback_split(a: torch.Tensor, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    idx = indices.long()
+    values = a[idx]
+    residual = a.clone()
+    residual[idx] = 0
+    return values, residual
+
+
+# ----------------------------------------------------------------------- Top-k
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
+    numel = scores.shape[0]
+    k = min(k, numel)
+    kth = torch.topk(scores, k, sorted=False).values.min()
+    above = torch.nonzero(scores > kth).flatten()
+    ties = torch.nonzero(scores == kth).flatten()[: k - above.shape[0]]
+    return torch.sort(torch.cat([above, ties])).values.to(index_dtype(numel))
+
+
+def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
+    return topk_indices(a.abs(), k)
+
+
+# ------------------------------------------------------------------ Gaussian-k
+def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
+    std, mean = torch.std_mean(a, correction=0)
+    return abs(float(mean)) + float(std) * NormalDist().inv_cdf(1.0 - ratio / 2.0)
+
+
+def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
+    """One moments pass, then at most ``GAUSSIANK_ROUNDS`` compare-and-nonzero passes; no sort."""
+    k = num_selected(a.shape[0], ratio)
+    magnitude = a.abs()
+    threshold = gaussiank_threshold(a, ratio)
+    for _ in range(GAUSSIANK_ROUNDS):
+        selected = torch.nonzero(magnitude > threshold).flatten()
+        if selected.shape[0] < GAUSSIANK_LOW * k:
+            threshold *= GAUSSIANK_SHRINK
+        elif selected.shape[0] > GAUSSIANK_HIGH * k:
+            threshold *= GAUSSIANK_GROW
+        else:
+            break
+    return selected.to(index_dtype(a.shape[0]))
+
+
+# -------------------------------------------------------------------- RegTop-k
+def regtopk_scores(a: torch.Tensor, distortion: torch.Tensor, mu: float) -> torch.Tensor:
+    return torch.tanh((1.0 + distortion) / mu).abs() * a.abs()
+
+
+def regtopk_select(a: torch.Tensor, distortion: torch.Tensor, mu: float, k: int) -> torch.Tensor:
+    return topk_indices(regtopk_scores(a, distortion, mu), k)
+
+
+def regtopk_distortion(
+    total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor, numel: int
+) -> torch.Tensor:
+    distortion = full(numel, NO_DISTORTION, total)
+    informative = sent != 0
+    idx = indices.long()[informative]
+    own = sent[informative]
+    distortion[idx] = (total[idx] - own) / own
+    return distortion
+
+
+# -------------------------------------------------------------------- TernGrad
+def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
+    bound = c * float(torch.std(g, correction=0))
+    return g.clamp(-bound, bound)
+
+
+def terngrad_scale(g: torch.Tensor) -> float:
+    return float(g.abs().max())
+
+
+def terngrad_codes(g: torch.Tensor, scale: float, uniform: torch.Tensor) -> torch.Tensor:
+    if scale == 0:
+        return torch.zeros(g.shape[0], dtype=torch.int8, device=g.device)
+    keep = uniform < g.abs() / scale
+    return (torch.sign(g).to(torch.int8) * keep).to(torch.int8)
+
+
+def _wrap_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words in [0, 2**32) (or any int64) to int32 modulo 2**32, two's complement."""
+    return (torch.remainder(words + (_WORD >> 1), _WORD) - (_WORD >> 1)).to(torch.int32)
+
+
+def _pack_fields(fields: torch.Tensor, bits: int, per_word: int) -> torch.Tensor:
+    words = -(-fields.shape[0] // per_word)
+    padded = torch.zeros(words * per_word, dtype=torch.int64, device=fields.device)
+    padded[: fields.shape[0]] = fields
+    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=fields.device)
+    return (padded.view(words, per_word) << shifts).sum(dim=1)
+
+
+def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) -> torch.Tensor:
+    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=words.device)
+    fields = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return fields.flatten()[:numel]
+
+
+def pack_ternary(codes: torch.Tensor, world_size: int) -> torch.Tensor:
+    bits = ternary_field_bits(world_size)
+    return _wrap_int32(_pack_fields(codes.to(torch.int64) + 1, bits, 32 // bits))
+
+
+def unpack_ternary_sum(lanes: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+    bits = ternary_field_bits(world_size)
+    words = lanes.to(torch.int64) & (_WORD - 1)
+    return (_unpack_fields(words, bits, 32 // bits, numel) - world_size).to(torch.int32)
+
+
+def pack_two_bit(codes: torch.Tensor) -> torch.Tensor:
+    return _pack_fields(codes.to(torch.int64) + 1, 2, 4).to(torch.uint8).view(torch.int8)
+
+
+def unpack_two_bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    words = packed.view(torch.uint8).to(torch.int64)
+    return (_unpack_fields(words, 2, 4, numel) - 1).to(torch.int8)
+
+
+def sum_codes(codes: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([c.to(torch.int32) for c in codes]).sum(dim=0, dtype=torch.int32)
+
+
+def sum_int32_wrapping(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+    return _wrap_int32(torch.stack([a.to(torch.int64) for a in arrays]).sum(dim=0))
+
+
+# ----------------------------------------------------------------- aggregation
+def sparse_sum(
+    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int
+) -> torch.Tensor:
+    """Scatter-add of every rank's values (``index_add_``, one kernel, no python loop)."""
+    dtype = accumulation_dtype(values[0].dtype)
+    total = torch.zeros(numel, dtype=dtype, device=values[0].device)
+    return total.index_add_(0, torch.cat(list(indices)).long(), torch.cat(list(values)).to(dtype))
