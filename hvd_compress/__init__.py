@@ -10,6 +10,7 @@ Every compressor has a communication-free ``encode(tensor, name) -> payload`` an
 kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
 in one process.
 """
+
 from hvd_compress.compressors import (
     FP16,
     Compression,

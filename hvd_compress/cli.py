@@ -1,8 +1,9 @@
 """The ``hvd-compress`` command.
 
-    hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
-    hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4]
+hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
+hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,11 +34,19 @@ def _demo(args: argparse.Namespace) -> int:
         with single_threaded_blas():
             results.append(
                 demo.train(
-                    label, compressor, data, ranks=args.ranks, epochs=args.epochs, seed=args.seed, on_epoch=report
+                    label,
+                    compressor,
+                    data,
+                    ranks=args.ranks,
+                    epochs=args.epochs,
+                    seed=args.seed,
+                    on_epoch=report,
                 )
             )
     print()
-    print(f"{'compression':<15} {'loss':>7} {'test acc':>9} {'bytes/step/rank':>16} {'smaller than dense':>19}")
+    print(
+        f"{'compression':<15} {'loss':>7} {'test acc':>9} {'bytes/step/rank':>16} {'smaller than dense':>19}"
+    )
     for r in results:
         print(
             f"{r.compression:<15} {r.losses[-1]:>7.4f} {r.accuracy:>9.3f} "
@@ -58,7 +67,9 @@ def _simulate_linreg(args: argparse.Namespace) -> int:
         "top-k": TopK(args.ratio, dense_below=0),
         "regtop-k": RegTopK(args.ratio, mu=args.mu, dense_below=0),
     }
-    print(f"Distributed linear regression: {args.ranks} ranks, d={args.dim}, density {args.ratio}, lr {args.lr}")
+    print(
+        f"Distributed linear regression: {args.ranks} ranks, d={args.dim}, density {args.ratio}, lr {args.lr}"
+    )
     final = {}
     for label, compressor in runs.items():
         with single_threaded_blas():
@@ -78,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--epochs", type=int, default=5)
     demo.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
-    demo.add_argument("--compression", action="append", choices=Compression.names, help="repeatable; default all")
+    demo.add_argument(
+        "--compression", action="append", choices=Compression.names, help="repeatable; default all"
+    )
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", help="write the results to this file")
     demo.set_defaults(run=_demo)

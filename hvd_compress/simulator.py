@@ -16,6 +16,7 @@ Example::
     avg = sim.step({"w": [g0, g1, g2, g3]})["w"]
     sim.bytes_sent, sim.residuals("w")
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,7 @@ class Simulator:
     def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[Any]:
         if len(per_rank) != self.n_ranks:
             raise ValueError(
-                f"hvd_compress: tensor '{name}' has {len(per_rank)} gradients for "
-                f"{self.n_ranks} ranks"
+                f"hvd_compress: tensor '{name}' has {len(per_rank)} gradients for " f"{self.n_ranks} ranks"
             )
         arrays = [as_tensor(g, name) for g in per_rank]
         shapes = {tuple(a.shape) for a in arrays}

@@ -6,6 +6,7 @@ batch; gradients travel through :class:`~hvd_compress.simulator.Simulator`, so
 the loss, accuracy and bytes on the wire of every compressor can be compared
 with dense SGD on the same data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

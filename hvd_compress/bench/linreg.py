@@ -8,6 +8,7 @@ plain gradient descent on the average. The global optimum ``x*`` is the least
 squares solution over all clients. Top-k with error feedback stalls at a fixed
 distance from ``x*``; RegTop-k keeps approaching it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -4,6 +4,7 @@
 ``Compression.fp16`` are ready to use; the sparse and ternary ones are factories,
 e.g. ``Compression.topk(0.01)``.
 """
+
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.gaussiank import GaussianK
 from hvd_compress.compressors.none import FP16, NoneCompressor

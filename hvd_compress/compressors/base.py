@@ -5,6 +5,7 @@ all ranks' payloads into the dense aggregate (``decode``). Neither call
 communicates: the communicators in :mod:`hvd_compress.comm` (and the
 :class:`~hvd_compress.simulator.Simulator`) move the payloads.
 """
+
 from __future__ import annotations
 
 import math
@@ -131,6 +132,22 @@ class Compressor:
             total = total / len(payloads)
         return ops.cast(total, dtype).reshape(shape)
 
+    # --------------------------------------------- Horovod's Compressor interface
+    def compress(self, tensor: Any):
+        """Horovod ``Compressor.compress``: starts this compressor's own collectives.
+
+        See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
+        """
+        from hvd_compress.comm import horovod
+
+        return horovod.compress(self, tensor)
+
+    def decompress(self, tensor: Any, ctx: Any):
+        """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
+        from hvd_compress.comm import horovod
+
+        return horovod.decompress(self, tensor, ctx)
+
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
         residual = self.memory.peek(name, "residual")
@@ -156,9 +173,7 @@ class Compressor:
         """Restore :meth:`state_dict`; a checkpoint of another algorithm is an error."""
         saved = state.get("config", {}).get("type")
         if saved != type(self).__name__:
-            raise ValueError(
-                f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}"
-            )
+            raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
         self.memory.load_state_dict(state["tensors"])
         self._generators = {}
         self._saved_generators = dict(state.get("generators", {}))

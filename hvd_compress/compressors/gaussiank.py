@@ -9,6 +9,7 @@ then at most 3 evaluations correcting ``thr`` (x0.5 below 2k/3, x1.5 above 4k/3)
 No sort: ``|S|`` is close to ``k`` but varies per rank and step, so the sparse
 allgather is variable-size.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Dense baselines: no compression, and float16 casting (Horovod's ``Compression.fp16``)."""
+
 from __future__ import annotations
 
 from typing import Any

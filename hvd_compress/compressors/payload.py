@@ -3,6 +3,7 @@
 ``nbytes`` is the number of bytes this rank hands to the collective for the
 tensor: the quantity Horovod's timeline and our byte counters report.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

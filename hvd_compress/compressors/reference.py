@@ -9,6 +9,7 @@ and TernGrad given the same random draws, the same threshold rule for Gaussian-k
 Notation (DESIGN.md section 3): ``a`` is the error-compensated gradient
 ``g + r`` of one tensor on one rank, ``d`` its length, ``k = max(1, ceil(ratio * d))``.
 """
+
 from __future__ import annotations
 
 import math
@@ -179,9 +180,7 @@ def regtopk_select(a: np.ndarray, distortion: np.ndarray, mu: float, k: int) -> 
     return topk_indices(regtopk_scores(a, distortion, mu), k)
 
 
-def regtopk_distortion(
-    total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int
-) -> np.ndarray:
+def regtopk_distortion(total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int) -> np.ndarray:
     """Posterior distortion after one aggregation (``Delta_updater`` of the reference code).
 
     ``total`` is the sum over ranks of the sent sparse vectors (``N *`` average),
@@ -204,9 +203,12 @@ def terngrad_clip(g: np.ndarray, c: float) -> np.ndarray:
     """Gradient clipping of TernGrad: ``clip(g, -c*sigma, c*sigma)``, ``sigma = std(g)``.
 
     Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
-    Distributed Deep Learning" (NeurIPS 2017), section 3.3 (c = 2.5).
+    Distributed Deep Learning" (NeurIPS 2017), section 3.3 (c = 2.5). A constant
+    tensor (``sigma = 0``) is left as it is.
     """
     bound = c * float(np.std(g, dtype=np.float64))
+    if bound == 0:  # a constant tensor: clipping would erase it
+        return g
     return np.clip(g, -bound, bound).astype(g.dtype, copy=False)
 
 
@@ -307,6 +309,11 @@ def unpack_two_bit(packed: np.ndarray, numel: int) -> np.ndarray:
     return (_unpack_fields(packed.view(np.uint8), 2, 4, numel) - 1).astype(np.int8)
 
 
+def concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Rank-ordered concatenation, as an allgather returns it."""
+    return np.concatenate(arrays)
+
+
 def sum_codes(codes: Sequence[np.ndarray]) -> np.ndarray:
     """Sum of the ranks' int8 codes, in int32."""
     return np.sum([c.astype(np.int32) for c in codes], axis=0, dtype=np.int32)
@@ -337,9 +344,7 @@ def dense_sum(values: Sequence[np.ndarray]) -> np.ndarray:
     return total
 
 
-def sparse_sum(
-    indices: Sequence[np.ndarray], values: Sequence[np.ndarray], numel: int
-) -> np.ndarray:
+def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], numel: int) -> np.ndarray:
     """Dense ``sum over ranks of scatter(values_r at indices_r)``, ranks in order 0..N-1."""
     dtype = accumulation_dtype(np.result_type(*values))
     total = np.zeros(numel, dtype=dtype)

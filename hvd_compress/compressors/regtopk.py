@@ -14,6 +14,7 @@ ranks cancelled. Per tensor and step::
 
 ``D`` starts at 1e8, so step 1 is exactly Top-k.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict
@@ -61,7 +62,5 @@ class RegTopK(Sparsifier):
         if indices is None:
             return
         values = self.memory.peek(name, "sent_values")
-        distortion = ops.regtopk_distortion(
-            ops.cast(total, values.dtype), indices, values, total.shape[0]
-        )
+        distortion = ops.regtopk_distortion(ops.cast(total, values.dtype), indices, values, total.shape[0])
         self.memory.set(name, "distortion", distortion)

@@ -4,6 +4,7 @@ Each tensor name owns a few named arrays (``residual``, RegTop-k's
 ``distortion``...). The state is part of training: it is saved with
 :meth:`TensorMemory.state_dict` and restored with :meth:`load_state_dict`.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -69,10 +70,7 @@ class TensorMemory:
             self._restored.discard(n)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {
-            name: {"shape": self._shapes[name], **dict(slots)}
-            for name, slots in self._slots.items()
-        }
+        return {name: {"shape": self._shapes[name], **dict(slots)} for name, slots in self._slots.items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.reset()

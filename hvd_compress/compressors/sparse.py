@@ -7,6 +7,7 @@ Per tensor and step (DESIGN.md section 3)::
 so the sum over steps of ``g`` equals the sum of what was sent plus ``r``.
 Tensors smaller than ``dense_below`` elements (biases, norms) are sent dense.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List
@@ -83,7 +84,5 @@ class Sparsifier(Compressor):
                 f"hvd_compress: payloads disagree with a tensor of {numel} elements "
                 "(mixed dense/sparse or other sizes); ranks are configured differently"
             )
-        total = ops.sparse_sum(
-            [p.indices for p in payloads], [p.values for p in payloads], numel
-        )
+        total = ops.sparse_sum([p.indices for p in payloads], [p.values for p in payloads], numel)
         return total, payloads[0].values.dtype

@@ -13,12 +13,14 @@ lanes packing ``floor(32 / b)`` codes of ``b = ceil(log2(2N + 1))`` bits, or
 allgathered as 2-bit codes when that moves fewer bytes
 (:func:`reference.ternary_wire_format`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.compressors.payload import DensePayload, TernaryPayload
+from hvd_compress.compressors.reference import two_bit_bytes
 from hvd_compress.compressors.sparse import DENSE_BELOW
 
 
@@ -122,18 +124,34 @@ class TernGrad(Compressor):
                 raise ValueError(
                     f"hvd_compress: ranks sent different shared TernGrad scales {sorted(scales)}"
                 )
-            code_sum = self._code_sum(payloads, numel, ops)
+            fmt = payloads[0].wire_format
+            wires = [self.wire_tensor(p, ops) for p in payloads]
+            received = ops.sum_int32_wrapping(wires) if fmt == "allreduce" else ops.concat(wires)
+            code_sum = self.code_sum(received, numel, len(payloads), fmt, ops)
             return ops.cast(code_sum, acc) * payloads[0].scale, dtype
-        gathered = [ops.unpack_two_bit(ops.pack_two_bit(p.codes), numel) for p in payloads]
+        gathered = self.codes_of_ranks(
+            ops.concat([ops.pack_two_bit(p.codes) for p in payloads]), numel, len(payloads), ops
+        )
         scaled = [ops.cast(codes, acc) * p.scale for codes, p in zip(gathered, payloads)]
         return ops.dense_sum(scaled), dtype
 
+    # ------------------------------------------------------------- wire format
     @staticmethod
-    def _code_sum(payloads: List[TernaryPayload], numel: int, ops: Any) -> Any:
-        """``sum over ranks of t`` exactly as the chosen wire format computes it."""
-        n = len(payloads)
-        if payloads[0].wire_format == "allreduce":
-            lanes = [ops.pack_ternary(p.codes, n) for p in payloads]
-            return ops.unpack_ternary_sum(ops.sum_int32_wrapping(lanes), numel, n)
-        gathered = [ops.pack_two_bit(p.codes) for p in payloads]
-        return ops.sum_codes([ops.unpack_two_bit(g, numel) for g in gathered])
+    def wire_tensor(payload: TernaryPayload, ops: Any) -> Any:
+        """What travels for ``payload``: packed int32 lanes (allreduce) or 2-bit codes (int8, allgather)."""
+        if payload.wire_format == "allreduce":
+            return ops.pack_ternary(payload.codes, payload.world_size)
+        return ops.pack_two_bit(payload.codes)
+
+    @staticmethod
+    def codes_of_ranks(gathered: Any, numel: int, world_size: int, ops: Any) -> List[Any]:
+        """Every rank's codes from the allgather of their 2-bit packed codes (rank order)."""
+        chunk = two_bit_bytes(numel)
+        return [ops.unpack_two_bit(gathered[r * chunk : (r + 1) * chunk], numel) for r in range(world_size)]
+
+    @classmethod
+    def code_sum(cls, received: Any, numel: int, world_size: int, wire_format: str, ops: Any) -> Any:
+        """``sum over ranks of t`` from what the collective returned: summed lanes or gathered codes."""
+        if wire_format == "allreduce":
+            return ops.unpack_ternary_sum(received, numel, world_size)
+        return ops.sum_codes(cls.codes_of_ranks(received, numel, world_size, ops))

@@ -4,6 +4,7 @@ Aji & Heafield, "Sparse Communication for Distributed Gradient Descent" (2017);
 analysis in Shi et al. (2019). Sends the ``k = ceil(ratio * d)`` entries of
 largest magnitude of ``a = g + r``: ``S = argtop_k |a_j|``.
 """
+
 from __future__ import annotations
 
 from typing import Any

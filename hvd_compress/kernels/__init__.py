@@ -6,6 +6,7 @@ reference itself for numpy arrays, :mod:`hvd_compress.kernels.torch_ops` for
 torch tensors. Compressor classes only ever call these functions, so one class
 serves every framework.
 """
+
 from __future__ import annotations
 
 from types import ModuleType

@@ -6,6 +6,7 @@ error-feedback split and TernGrad's codes given the same draws; reductions
 host synchronisations are the scalars the algorithms branch on (Gaussian-k's
 count, TernGrad's scale) and the sizes of ``nonzero``.
 """
+
 from __future__ import annotations
 
 from statistics import NormalDist
@@ -163,6 +164,8 @@ def regtopk_distortion(
 # -------------------------------------------------------------------- TernGrad
 def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
     bound = c * float(torch.std(g, correction=0))
+    if bound == 0:  # a constant tensor: clipping would erase it
+        return g
     return g.clamp(-bound, bound)
 
 
@@ -216,6 +219,10 @@ def unpack_two_bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return (_unpack_fields(words, 2, 4, numel) - 1).to(torch.int8)
 
 
+def concat(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(arrays))
+
+
 def sum_codes(codes: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([c.to(torch.int32) for c in codes]).sum(dim=0, dtype=torch.int32)
 
@@ -225,9 +232,7 @@ def sum_int32_wrapping(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------- aggregation
-def sparse_sum(
-    indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int
-) -> torch.Tensor:
+def sparse_sum(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
     """Scatter-add of every rank's values (``index_add_``, one kernel, no python loop)."""
     dtype = accumulation_dtype(values[0].dtype)
     total = torch.zeros(numel, dtype=dtype, device=values[0].device)

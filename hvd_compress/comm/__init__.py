@@ -1,0 +1,1 @@
+"""Communication: how payloads travel (Horovod collectives; mpi4py and torch.distributed to come)."""
