@@ -29,9 +29,13 @@ from hvd_compress.compressors.base import as_tensor
 
 
 class Simulator:
-    """In-process simulation of ``n_ranks`` ranks training with ``compression``."""
+    """In-process simulation of ``n_ranks`` ranks training with ``compression``.
 
-    def __init__(self, n_ranks: int, compression: Compressor, seed: int = 0) -> None:
+    ``seed`` replaces the compressor's own seed (``None`` keeps it); rank ``r``
+    draws from the stream of ``(seed, r)``, as in a multi-process run.
+    """
+
+    def __init__(self, n_ranks: int, compression: Compressor, seed: Optional[int] = None) -> None:
         if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
             raise ValueError(f"hvd_compress: n_ranks must be a positive int, got {n_ranks!r}")
         if not isinstance(compression, Compressor):
@@ -43,7 +47,8 @@ class Simulator:
         self.compressors: List[Compressor] = []
         for rank in range(n_ranks):
             compressor = copy.deepcopy(compression)
-            compressor.seed = int(seed)
+            if seed is not None:
+                compressor.seed = int(seed)
             self.compressors.append(compressor.bind(rank, n_ranks))
         self.bytes_sent_per_rank: List[int] = [0] * n_ranks
         self.dense_bytes = 0

@@ -28,6 +28,7 @@ the header lets every rank check that the others compressed a tensor of the
 same size with the same configuration and raise a clear error otherwise.
 The drop-in :mod:`hvd_compress.torch` knows the real names.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -154,9 +155,7 @@ def _sparse_sum(compressor: Any, hvd: Any, ctx: _Context, world: int, config_has
     rows = headers.tolist()
     numel = rows[0][0]
     if any(row[0] != numel or row[2] != config_hash or row[3] != rows[0][3] for row in rows):
-        described = "; ".join(
-            f"rank {r}: {dict(zip(HEADER, row))}" for r, row in enumerate(rows)
-        )
+        described = "; ".join(f"rank {r}: {dict(zip(HEADER, row))}" for r, row in enumerate(rows))
         raise ValueError(
             f"hvd_compress: ranks disagree on collective '{ctx.name}' (tensor size, compressor "
             f"configuration or order of gradients): {described}"

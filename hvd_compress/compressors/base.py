@@ -102,7 +102,7 @@ class Compressor:
     def _validated(self, tensor: Any, name: str):
         """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
         tensor = as_tensor(tensor, name)
-        ops = kernels.ops_for(tensor)
+        ops = kernels.ops_for(tensor, name)
         flat = tensor.reshape(-1)
         check_gradient(flat, ops, name, type(self).__name__)
         return flat, tuple(tensor.shape), ops

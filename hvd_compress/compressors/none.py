@@ -18,7 +18,8 @@ class NoneCompressor(Compressor):
 class FP16(Compressor):
     """Casts to float16 for the wire and back after the sum (2 bytes per entry).
 
-    Values beyond float16's range (65504) are an error rather than a silent Inf.
+    Values that float16 cannot hold (they would round to Inf, beyond about 65520) are
+    an error rather than a silent Inf.
     """
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:

@@ -26,8 +26,12 @@ NO_DISTORTION = 1e8
 
 
 def num_selected(numel: int, ratio: float) -> int:
-    """``k = max(1, ceil(ratio * numel))``: entries a sparsifier sends."""
-    return max(1, math.ceil(ratio * numel))
+    """``k = max(1, ceil(ratio * numel))``: entries a sparsifier sends.
+
+    The product is shrunk by one part in 10^12 first, so that float rounding
+    (``0.07 * 100 = 7.000000000000001``) does not add an entry.
+    """
+    return max(1, math.ceil(ratio * numel * (1.0 - 1e-12)))
 
 
 def index_dtype(numel: int) -> np.dtype:
@@ -55,7 +59,9 @@ def full(numel: int, value: float, like: np.ndarray) -> np.ndarray:
 
 
 def cast(a: np.ndarray, dtype) -> np.ndarray:
-    return a.astype(dtype, copy=False)
+    """``a`` in ``dtype``; values out of range become Inf silently (callers check)."""
+    with np.errstate(over="ignore"):
+        return a.astype(dtype, copy=False)
 
 
 def generator(seed: int, rank: int, like: np.ndarray) -> np.random.Generator:
@@ -135,7 +141,12 @@ def gaussiank_threshold(a: np.ndarray, ratio: float) -> float:
     """
     mu = float(np.mean(a, dtype=np.float64))
     sigma = float(np.std(a, dtype=np.float64))
-    return abs(mu) + sigma * NormalDist().inv_cdf(1.0 - ratio / 2.0)
+    return abs(mu) + sigma * normal_tail_quantile(ratio)
+
+
+def normal_tail_quantile(ratio: float) -> float:
+    """``Phi^-1(1 - ratio / 2)``, computed as ``-Phi^-1(ratio / 2)`` so tiny ratios stay finite."""
+    return -NormalDist().inv_cdf(ratio / 2.0)
 
 
 def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
@@ -143,20 +154,29 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
 
     Follows hclhkbu/GaussianK-SGD ``compression.py``: up to ``GAUSSIANK_ROUNDS``
     evaluations; when fewer than ``2k/3`` entries pass, ``thr *= 0.5``; when more
-    than ``4k/3`` pass, ``thr *= 1.5``; the last evaluated set is sent (no sort,
-    no truncation), so ``|S|`` varies per rank and per step.
+    than ``4k/3`` pass, ``thr *= 1.5``; no sort, so ``|S|`` varies per rank and
+    step. One addition: the multiplicative steps can overshoot back and forth
+    (12 -> 398 -> 102 entries for k = 20); when the last evaluation is outside
+    ``[2k/3, 4k/3]`` and some evaluation selected more than ``4k/3`` entries, the
+    smallest such set is trimmed to its ``k`` largest, an exact Top-k over
+    ``|S|`` entries (as the DGC sampling compressor of the same file does).
     """
     k = num_selected(a.shape[0], ratio)
     magnitude = np.abs(a)
     threshold = gaussiank_threshold(a, ratio)
+    smallest_superset = None
     for _ in range(GAUSSIANK_ROUNDS):
         selected = np.flatnonzero(magnitude > threshold)
         if selected.shape[0] < GAUSSIANK_LOW * k:
             threshold *= GAUSSIANK_SHRINK
         elif selected.shape[0] > GAUSSIANK_HIGH * k:
             threshold *= GAUSSIANK_GROW
+            if smallest_superset is None or selected.shape[0] < smallest_superset.shape[0]:
+                smallest_superset = selected
         else:
-            break
+            return selected.astype(index_dtype(a.shape[0]))
+    if smallest_superset is not None:
+        selected = smallest_superset[topk_indices(magnitude[smallest_superset], k)]
     return selected.astype(index_dtype(a.shape[0]))
 
 

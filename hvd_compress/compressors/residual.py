@@ -48,6 +48,8 @@ class TensorMemory:
                 stacklevel=4,
             )
             self.reset(name)
+        elif known is not None:
+            self._restored.discard(name)  # the checkpoint fits: later shape changes are live ones
         slots = self._slots.setdefault(name, {})
         self._shapes[name] = shape
         if key not in slots:

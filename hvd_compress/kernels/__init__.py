@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 
-def ops_for(tensor: Any) -> ModuleType:
+def ops_for(tensor: Any, name: str = "") -> ModuleType:
     """The kernel module for ``tensor``'s framework; ``TypeError`` for unknown types."""
     if isinstance(tensor, np.ndarray):
         from hvd_compress.compressors import reference
@@ -25,9 +25,10 @@ def ops_for(tensor: Any) -> ModuleType:
         from hvd_compress.kernels import torch_ops
 
         return torch_ops
+    what = f"gradient '{name}'" if name else "a tensor"
     raise TypeError(
-        f"hvd_compress: cannot compress a {type(tensor).__module__}.{type(tensor).__name__}; "
-        "pass a numpy array or a torch tensor"
+        f"hvd_compress: cannot compress {what} of type "
+        f"{type(tensor).__module__}.{type(tensor).__name__}; pass a numpy array or a torch tensor"
     )
 
 

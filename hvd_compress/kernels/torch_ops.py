@@ -9,7 +9,6 @@ count, TernGrad's scale) and the sizes of ``nonzero``.
 
 from __future__ import annotations
 
-from statistics import NormalDist
 from typing import Sequence, Tuple
 
 import numpy as np
@@ -22,6 +21,7 @@ from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: fr
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
+    normal_tail_quantile,
     num_selected,
     ternary_codes_per_lane,
     ternary_field_bits,
@@ -122,22 +122,27 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
 # ------------------------------------------------------------------ Gaussian-k
 def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
     std, mean = torch.std_mean(a, correction=0)
-    return abs(float(mean)) + float(std) * NormalDist().inv_cdf(1.0 - ratio / 2.0)
+    return abs(float(mean)) + float(std) * normal_tail_quantile(ratio)
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
-    """One moments pass, then at most ``GAUSSIANK_ROUNDS`` compare-and-nonzero passes; no sort."""
+    """One moments pass, then at most ``GAUSSIANK_ROUNDS`` compare-and-nonzero passes; no sort of ``a``."""
     k = num_selected(a.shape[0], ratio)
     magnitude = a.abs()
     threshold = gaussiank_threshold(a, ratio)
+    smallest_superset = None
     for _ in range(GAUSSIANK_ROUNDS):
         selected = torch.nonzero(magnitude > threshold).flatten()
         if selected.shape[0] < GAUSSIANK_LOW * k:
             threshold *= GAUSSIANK_SHRINK
         elif selected.shape[0] > GAUSSIANK_HIGH * k:
             threshold *= GAUSSIANK_GROW
+            if smallest_superset is None or selected.shape[0] < smallest_superset.shape[0]:
+                smallest_superset = selected
         else:
-            break
+            return selected.to(index_dtype(a.shape[0]))
+    if smallest_superset is not None:
+        selected = smallest_superset[topk_indices(magnitude[smallest_superset], k).long()]
     return selected.to(index_dtype(a.shape[0]))
 
 

@@ -1,0 +1,53 @@
+"""Starting multi-process runs from tests: ``horovodrun --gloo`` or ``mpirun``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT = 240
+
+
+def require_horovod_torch() -> None:
+    """Skip without Horovod, unless the run promises it (``make test`` sets HVD_COMPRESS_REQUIRE_HOROVOD=1)."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError as error:
+        if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
+            raise
+        pytest.skip(f"horovod.torch is not installed: {error}")
+
+
+def launcher(kind: str, ranks: int) -> List[str]:
+    if kind == "horovodrun":
+        tool = shutil.which("horovodrun")
+        command = [tool, "-np", str(ranks), "--gloo"]
+    else:
+        tool = shutil.which("mpirun")
+        command = [tool, "-np", str(ranks)] + (["--oversubscribe"] if ranks > 2 else [])
+    if tool is None:
+        if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
+            raise RuntimeError(f"{kind} is not on PATH")
+        pytest.skip(f"{kind} is not on PATH")
+    return command
+
+
+def run(
+    kind: str, ranks: int, module: str, *args: str, timeout: int = TIMEOUT
+) -> subprocess.CompletedProcess:
+    """Run ``python -m module args`` on ``ranks`` processes; returns the finished process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    command = launcher(kind, ranks) + [sys.executable, "-m", module, *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

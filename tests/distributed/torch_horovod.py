@@ -1,0 +1,149 @@
+"""Trains a small model a few steps with stock ``horovod.torch`` and each compressor.
+
+Run by the tests under ``horovodrun --gloo`` or ``mpirun``; rank 0 writes the
+final parameters and the bytes each rank handed to Horovod collectives to
+``--out`` (an ``.npz``). :func:`simulate` computes the same training in one
+process with the :class:`~hvd_compress.simulator.Simulator`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from hvd_compress import Compression
+from hvd_compress.simulator import Simulator
+
+RATIO = 0.05
+LR = 0.1
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def batches(rank: int, steps: int):
+    """Rank ``rank``'s data: a different stream per rank."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return [
+        (torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def compressor(name: str, seed: int = 0):
+    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": seed}))
+
+
+def simulate(name: str, ranks: int, steps: int) -> Dict[str, np.ndarray]:
+    """The same training on the in-process simulator; gradients in backward-hook order."""
+    model = make_model()
+    sim = Simulator(ranks, compressor(name))
+    data = [batches(r, steps) for r in range(ranks)]
+    params = list(model.named_parameters())[::-1]  # Horovod's hooks fire last layer first
+    for step in range(steps):
+        grads: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in params}
+        for rank in range(ranks):
+            model.zero_grad()
+            loss_fn(model, *data[rank][step]).backward()
+            for n, p in params:
+                grads[n].append(p.grad.clone())
+        averaged = sim.step(grads)
+        with torch.no_grad():
+            for n, p in params:
+                p -= LR * averaged[n]
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+class ByteCounter:
+    """Wraps the Horovod collectives our code and Horovod's optimizer call, summing input bytes."""
+
+    def __init__(self) -> None:
+        import horovod.torch
+        import horovod.torch.optimizer
+
+        self.bytes = 0
+        targets = [
+            (horovod.torch, n) for n in ("allgather_async", "allreduce_async", "allreduce", "allgather")
+        ]
+        targets.append((horovod.torch.optimizer, "allreduce_async_"))
+        for module, attr in targets:
+            setattr(module, attr, self._counting(getattr(module, attr)))
+
+    def _counting(self, function):
+        def wrapper(tensor, *args, **kwargs):
+            self.bytes += tensor.numel() * tensor.element_size()
+            return function(tensor, *args, **kwargs)
+
+        return wrapper
+
+
+def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace) -> Dict[str, np.ndarray]:
+    import horovod.torch as hvd
+
+    model = make_model()
+    compression = compressor(name)
+    if hvd.rank() == 1 and args.rank1_ratio is not None:
+        compression.ratio = args.rank1_ratio
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Sum if args.op == "sum" else hvd.Average,
+    )
+    data = batches(hvd.rank(), steps)
+    counter.bytes = 0
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = data[step]
+        if hvd.rank() == 1 and args.rank1_nan:
+            x = x * float("nan")
+        loss = loss_fn(model, x, y)
+        if args.op == "sum":
+            loss = loss / hvd.size()  # Sum of per-rank means / N == the average
+        loss.backward()
+        optimizer.step()
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    import horovod.torch as hvd
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compression", nargs="+", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--op", choices=["average", "sum"], default="average")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
+    args = parser.parse_args()
+    hvd.init()
+    counter = ByteCounter()
+    arrays, wire = {}, {}
+    for name in args.compression:
+        try:
+            trained = train(name, args.steps, counter, args)
+        except ValueError as error:
+            Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
+            if args.rank1_ratio is not None:
+                hvd.barrier()  # every rank raised: let all of them report before the launcher ends the job
+            raise
+        for param, value in trained.items():
+            arrays[f"{name}/{param}"] = value
+        wire[name] = hvd.allgather_object(counter.bytes // args.steps)
+    if hvd.rank() == 0:
+        np.savez(args.out, **arrays, wire=json.dumps(wire), size=hvd.size())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Oracles, factories and hypothesis strategies shared by the test modules.
+
+Everything here is written independently of the library's selection code so that
+tests compare the library against a second, simpler implementation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
+
+# --------------------------------------------------------------------------- #
+# Compressor factories (small tests send everything sparsely: dense_below=0)
+# --------------------------------------------------------------------------- #
+SPARSIFIERS = {
+    "topk": lambda ratio: TopK(ratio, dense_below=0),
+    "gaussiank": lambda ratio: GaussianK(ratio, dense_below=0),
+    "regtopk": lambda ratio: RegTopK(ratio, mu=4.0, dense_below=0),
+}
+
+ALL_COMPRESSORS = {
+    "topk": lambda: TopK(0.1, dense_below=0),
+    "gaussiank": lambda: GaussianK(0.1, dense_below=0),
+    "regtopk": lambda: RegTopK(0.1, dense_below=0),
+    "terngrad": lambda: TernGrad(dense_below=0),
+    "terngrad_ef_noshare": lambda: TernGrad(dense_below=0, error_feedback=True, scalar_sharing=False),
+    "none": lambda: NoneCompressor(),
+    "fp16": lambda: FP16(),
+}
+
+
+# --------------------------------------------------------------------------- #
+# Oracles
+# --------------------------------------------------------------------------- #
+def exact_k(permille: int, numel: int) -> int:
+    """``k = max(1, ceil(permille / 1000 * numel))`` in exact integer arithmetic."""
+    return max(1, -(-permille * numel // 1000))
+
+
+def topk_oracle(a: np.ndarray, k: int) -> np.ndarray:
+    """Ascending indices of the k largest |a|, ties to the lower index, by a full sort.
+
+    ``lexsort`` sorts by the last key first: descending magnitude, then ascending index.
+    """
+    order = np.lexsort((np.arange(a.shape[0]), -np.abs(a)))
+    return np.sort(order[:k])
+
+
+def densify(payload, numel: int) -> np.ndarray:
+    """A sparse payload scattered into a dense float64 vector."""
+    out = np.zeros(numel)
+    out[np.asarray(payload.indices, dtype=np.int64)] = payload.values
+    return out
+
+
+def rank_uniforms(seed: int, rank: int, numel: int) -> np.ndarray:
+    """The uniforms TernGrad draws on ``rank``: stream ``default_rng([seed, rank])``, float32."""
+    return np.random.default_rng([seed, rank]).random(numel, dtype=np.float32)
+
+
+# --------------------------------------------------------------------------- #
+# Strategies
+# --------------------------------------------------------------------------- #
+finite64 = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=64)
+
+
+@st.composite
+def training_runs(draw, max_ranks: int = 4, max_steps: int = 5, max_numel: int = 40):
+    """``grads[step][rank]``: float64 vectors with repeated values (ties) and zeros likely."""
+    n_ranks = draw(st.integers(1, max_ranks))
+    steps = draw(st.integers(1, max_steps))
+    numel = draw(st.integers(1, max_numel))
+    grads = draw(hnp.arrays(np.float64, (steps, n_ranks, numel), elements=finite64))
+    return grads
+
+
+def vectors(min_size: int = 1, max_size: int = 200, elements=finite64, dtype=np.float64):
+    return hnp.arrays(dtype, st.integers(min_size, max_size), elements=elements)
+
+
+permille = st.integers(1, 1000)  # ratio = permille / 1000

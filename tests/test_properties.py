@@ -1,0 +1,215 @@
+"""Property-based tests (hypothesis) of the algorithms and the simulator."""
+
+import io
+import warnings
+from contextlib import redirect_stderr, redirect_stdout
+
+import numpy as np
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
+from hvd_compress.compressors import reference
+from hvd_compress.compressors.payload import TernaryPayload
+from hvd_compress.simulator import Simulator
+
+from tests.helpers import (
+    SPARSIFIERS,
+    densify,
+    exact_k,
+    permille,
+    rank_uniforms,
+    topk_oracle,
+    training_runs,
+    vectors,
+)
+
+#: Relative tolerance of the float64 conservation check: a few ulps per addition of
+#: at most (steps x ranks) terms of magnitude <= 1e3, scaled by sum |g| per element.
+CONSERVATION_RTOL = 1e-12
+
+
+# (a) ------------------------------------------------------------------------ #
+@given(kind=st.sampled_from(sorted(SPARSIFIERS)), grads=training_runs(), p=permille)
+def test_error_feedback_conserves_the_gradient(kind, grads, p):
+    """sum_{t,r} g = N * sum_t avg_t + sum_r residual_r, per element."""
+    steps, n_ranks, numel = grads.shape
+    sim = Simulator(n_ranks, SPARSIFIERS[kind](p / 1000))
+    output_sum = np.zeros(numel)
+    for step in grads:
+        output_sum += sim.step({"w": list(step)})["w"]
+    residual_sum = np.sum(sim.residuals("w"), axis=0)
+    lhs = grads.sum(axis=(0, 1))
+    rhs = n_ranks * output_sum + residual_sum
+    tolerance = CONSERVATION_RTOL * (1.0 + np.abs(grads).sum(axis=(0, 1)))
+    assert np.all(np.abs(lhs - rhs) <= tolerance), np.max(np.abs(lhs - rhs) - tolerance)
+
+
+# (b) ------------------------------------------------------------------------ #
+@given(a=vectors(), p=permille)
+def test_topk_payload_holds_the_k_largest(a, p):
+    k = exact_k(p, a.shape[0])
+    payload = TopK(p / 1000, dense_below=0).encode(a, "w")
+    expected = topk_oracle(a, k)
+    np.testing.assert_array_equal(payload.indices, expected)
+    np.testing.assert_array_equal(payload.values, a[expected])
+    assert payload.numel == a.shape[0]
+
+
+# (c) ------------------------------------------------------------------------ #
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    numel=st.integers(2000, 5000),
+    p=st.integers(10, 200),
+    dtype=st.sampled_from([np.float32, np.float64]),
+)
+# k = 20: the first threshold passes 12 (< 2k/3), x0.5 passes 398, x1.5 passes 102 = 5k
+@example(seed=617182, numel=2000, p=10, dtype=np.float64)
+def test_gaussiank_count_is_near_k_on_normal_data(seed, numel, p, dtype):
+    a = np.random.default_rng(seed).standard_normal(numel).astype(dtype)
+    k = exact_k(p, numel)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        payload = GaussianK(p / 1000, dense_below=0).encode(a, "w")
+    count = payload.indices.shape[0]
+    assert k / 2 <= count <= 2 * k, (count, k)
+    assert stdout.getvalue() == "" and stderr.getvalue() == ""
+    # a threshold selection: every sent magnitude exceeds every kept one
+    kept = np.delete(np.abs(a), payload.indices)
+    assert np.abs(payload.values).min() > kept.max()
+
+
+# (d) ------------------------------------------------------------------------ #
+@given(g=vectors(), clip=st.sampled_from([None, 2.5]), seed=st.integers(0, 100))
+def test_terngrad_codes_are_ternary_and_sign_consistent(g, clip, seed):
+    payload = TernGrad(clip=clip, dense_below=0, seed=seed).encode(g, "w")
+    assert payload.codes.dtype == np.int8
+    assert set(np.unique(payload.codes)) <= {-1, 0, 1}
+    nonzero = payload.codes != 0
+    np.testing.assert_array_equal(np.sign(payload.codes[nonzero]), np.sign(g[nonzero]))
+    assert payload.scale >= 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_terngrad_is_unbiased(seed):
+    """mean over n draws of S * t is within 5 standard errors of g, for every entry."""
+    g = np.random.default_rng(100 + seed).standard_normal(200) * np.linspace(0.01, 3.0, 200)
+    scale = 1.5 * np.abs(g).max()  # a shared scale above this rank's max|g|
+    draws = 3000
+    terngrad = TernGrad(clip=None, dense_below=0, seed=seed)
+    total = np.zeros_like(g)
+    for _ in range(draws):
+        total += scale * terngrad.encode(g, "w", scale=scale).codes
+    mean = total / draws
+    p = np.abs(g) / scale
+    standard_error = scale * np.sqrt(p * (1 - p) / draws)  # Bernoulli variance S^2 p (1 - p) / n
+    excess = np.abs(mean - g) - 5 * standard_error
+    assert np.all(excess <= 1e-12), f"worst entry exceeds 5 SE by {excess.max():.3g}"
+
+
+# (e) ------------------------------------------------------------------------ #
+@given(g=vectors(elements=st.floats(-65504, 65504, width=32), dtype=np.float32))
+def test_fp16_round_trip_within_half_precision(g):
+    fp16 = FP16()
+    out = fp16.decode([fp16.encode(g, "w")], g.shape)
+    assert out.dtype == np.float32
+    # round to nearest: relative error <= 2**-11 for normal halves, absolute <= 2**-25 below
+    error = np.abs(out.astype(np.float64) - g.astype(np.float64))
+    assert np.all(error <= np.abs(g.astype(np.float64)) * 2.0**-11 + 2.0**-25)
+
+
+# (f) ------------------------------------------------------------------------ #
+@given(
+    a=st.one_of(vectors(), vectors(elements=st.floats(-1e3, 1e3, width=32), dtype=np.float32)),
+    p=permille,
+    mu=st.floats(0.1, 100.0),
+)
+def test_regtopk_first_step_is_topk(a, p, mu):
+    top = TopK(p / 1000, dense_below=0).encode(a, "w")
+    reg = RegTopK(p / 1000, mu=mu, dense_below=0).encode(a, "w")
+    np.testing.assert_array_equal(reg.indices, top.indices)
+    np.testing.assert_array_equal(reg.values, top.values)
+    assert reg.values.dtype == top.values.dtype
+
+
+# (g) ------------------------------------------------------------------------ #
+@given(n_ranks=st.integers(1, 16), numel=st.integers(1, 100), data=st.data())
+def test_packed_ternary_sum_equals_sum_of_codes(n_ranks, numel, data):
+    codes = data.draw(
+        hnp.arrays(np.int8, (n_ranks, numel), elements=st.sampled_from([-1, 0, 1])), label="codes"
+    )
+    lanes = [reference.pack_ternary(c, n_ranks) for c in codes]
+    # an int32 allreduce: exact sum modulo 2**32, read back as int32
+    wrapped = (np.sum([l.astype(np.int64) for l in lanes], axis=0) & 0xFFFFFFFF).astype(np.uint32)
+    total = reference.sum_int32_wrapping(lanes)
+    np.testing.assert_array_equal(total.view(np.uint32), wrapped)
+    np.testing.assert_array_equal(reference.unpack_ternary_sum(total, numel, n_ranks), codes.sum(axis=0))
+    for c in codes:  # the 2-bit allgather format round-trips each rank's codes
+        np.testing.assert_array_equal(reference.unpack_two_bit(reference.pack_two_bit(c), numel), c)
+    # and TernGrad's decode gives S * sum t whichever wire format the payload picks
+    payloads = [TernaryPayload(codes=c, scale=0.5, world_size=n_ranks) for c in codes]
+    decoded = TernGrad(dense_below=0).decode(payloads, (numel,), average=False)
+    np.testing.assert_array_equal(decoded, 0.5 * codes.sum(axis=0))
+
+
+# (h) ------------------------------------------------------------------------ #
+def _oracle_average(kind, grads, p):
+    """The average a correct simulator step returns, computed directly with numpy."""
+    n_ranks, numel = grads.shape
+    if kind == "none":
+        sent = list(grads)
+    elif kind == "fp16":
+        sent = [g.astype(np.float16).astype(np.float64) for g in grads]
+    elif kind == "topk":
+        k = exact_k(p, numel)
+        sent = []
+        for g in grads:
+            idx = topk_oracle(g, k)
+            s = np.zeros(numel)
+            s[idx] = g[idx]
+            sent.append(s)
+    elif kind == "terngrad":
+        scale = np.abs(grads).max()  # allreduce-Max of the ranks' max|g|
+        sent = []
+        for rank, g in enumerate(grads):
+            u = rank_uniforms(0, rank, numel).astype(np.float64)
+            t = np.sign(g) * (u < np.abs(g) / scale) if scale > 0 else np.zeros(numel)
+            sent.append(scale * t)
+    total = np.zeros(numel)
+    for s in sent:
+        total += s
+    return total / n_ranks
+
+
+SIMULATED = {
+    "none": lambda p: NoneCompressor(),
+    "fp16": lambda p: FP16(),
+    "topk": lambda p: TopK(p / 1000, dense_below=0),
+    "terngrad": lambda p: TernGrad(clip=None, dense_below=0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SIMULATED))
+@given(grads=training_runs(max_ranks=6, max_steps=1, max_numel=60), p=permille)
+def test_simulator_step_equals_numpy_average(kind, grads, p):
+    grads = grads[0]
+    n_ranks, numel = grads.shape
+    if kind == "fp16":
+        grads = grads.astype(np.float32)
+    out = Simulator(n_ranks, SIMULATED[kind](p)).step({"w": list(grads)})["w"]
+    assert out.shape == (numel,) and out.dtype == grads.dtype
+    expected = _oracle_average(kind, grads, p)
+    np.testing.assert_allclose(out, expected, rtol=1e-6 if kind == "fp16" else 1e-12, atol=1e-12)
+
+
+@given(kind=st.sampled_from(sorted(SPARSIFIERS)), a=vectors(), p=permille)
+def test_sent_plus_residual_is_exactly_a(kind, a, p):
+    """One step of error feedback splits a = g + 0 into what is sent and what is kept, bitwise."""
+    compressor = SPARSIFIERS[kind](p / 1000)
+    payload = compressor.encode(a, "w")
+    residual = compressor.residual("w")
+    np.testing.assert_array_equal(densify(payload, a.shape[0]) + residual, a)
+    assert np.all(residual[payload.indices] == 0)
