@@ -2,6 +2,7 @@
 
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
 hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4]
+hvd-compress bench compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 """
 
 from __future__ import annotations
@@ -80,6 +81,35 @@ def _simulate_linreg(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_compress(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import compress
+
+    args.sizes = [size for group in args.sizes for size in group]  # "--sizes 1M,25M 11.7M"
+    print(
+        f"Compression cost: one encode vs torch.topk and one memory pass; sizes "
+        f"{', '.join(compress.format_size(s) for s in args.sizes)}, ratio {args.ratio}, "
+        f"median of {args.repeats}, device {args.device}"
+    )
+    try:
+        compress.run(
+            sizes=args.sizes, ratio=args.ratio, repeats=args.repeats, device=args.device, out=args.out
+        )
+    except ImportError as error:
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 2
+    print(f"Wrote {args.out}/compress.json and {args.out}/compress.png")
+    return 0
+
+
+def _size(text: str) -> List[int]:
+    from hvd_compress.bench.compress import parse_size
+
+    try:
+        return [parse_size(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvd-compress", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hvd_compress {__version__}")
@@ -107,6 +137,24 @@ def build_parser() -> argparse.ArgumentParser:
     linreg.add_argument("--steps", type=int, default=2500)
     linreg.add_argument("--seed", type=int, default=0)
     linreg.set_defaults(run=_simulate_linreg)
+
+    bench = commands.add_parser("bench", help="benchmarks; ratios against baselines measured in the same run")
+    benchmarks = bench.add_subparsers(dest="study", required=True)
+    compress = benchmarks.add_parser("compress", help="encode time vs torch.topk and one memory pass")
+    compress.add_argument(
+        "--sizes",
+        type=_size,
+        nargs="+",
+        default=[[1_000_000, 11_700_000, 25_000_000]],
+        help="gradient sizes in elements: 1M 11.7M 25M, 10000 or 1M,25M (default 1M 11.7M 25M)",
+    )
+    compress.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    compress.add_argument("--repeats", type=int, default=5, help="timed encodes per measurement (median)")
+    compress.add_argument(
+        "--device", choices=("cpu", "cuda", "all"), default="all", help="all: cpu, and cuda when available"
+    )
+    compress.add_argument("--out", default="results", help="folder for compress.json and compress.png")
+    compress.set_defaults(run=_bench_compress)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Stock ``horovod.torch`` with our compressors, in real multi-process runs.
+"""Our compressors in real multi-process Horovod runs: stock ``horovod.torch`` and ``hvd_compress.torch``.
 
 Each run trains a small model a few steps under ``horovodrun --gloo`` or
 ``mpirun``; the final parameters must equal the in-process Simulator fed the
@@ -62,34 +62,48 @@ def assert_equals_simulator(result, names, ranks):
             )
 
 
-def expected_topk_bytes(ranks):
-    """What one rank hands Horovod per step with Top-k: header, k indices + values, placeholder; dense biases."""
-    total = 0
-    for _, p in workload.make_model().named_parameters():
-        if p.numel() < 1024:
-            total += 4 * p.numel()
-        else:
-            k = int(np.ceil(workload.RATIO * p.numel()))
-            total += 4 * 8 + 8 * k + 4
-    return total
+def expected_topk_bytes(path):
+    """What one rank hands Horovod per step with Top-k: k indices + values per weight and dense biases,
+    plus per weight a 4-int64 header and a 4-byte placeholder (stock), or one header
+    ``[config, signature, counts...]`` for the single fused bucket (drop-in)."""
+    params = [p for _, p in workload.make_model().named_parameters()]
+    sparse = [p for p in params if p.numel() >= 1024]
+    total = sum(4 * p.numel() for p in params if p.numel() < 1024)
+    total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) for p in sparse)
+    if path == "stock":
+        return total + len(sparse) * (4 * 8 + 4)
+    return total + 8 * (2 + len(sparse))
 
 
-@pytest.mark.parametrize("kind", ["horovodrun", "mpirun"])
-def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, tmp_path):
-    result = run_workload(kind, 2, ALL, tmp_path)
+@pytest.mark.parametrize("kind, path", [("horovodrun", "stock"), ("mpirun", "stock"), ("horovodrun", "dropin")])
+def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_path):
+    result = run_workload(kind, 2, ALL, tmp_path, "--path", path)
     assert_equals_simulator(result, ALL, 2)
     wire = json.loads(str(result["wire"]))
     dense = wire["none"][0]
     assert dense == 4 * sum(p.numel() for p in workload.make_model().parameters())
-    assert wire["topk"] == [expected_topk_bytes(2)] * 2
+    assert wire["topk"] == [expected_topk_bytes(path)] * 2
     assert wire["fp16"] == [dense // 2] * 2
     for name in ("gaussiank", "regtopk", "terngrad"):
         assert max(wire[name]) < dense / 5, (name, wire[name], dense)
 
 
-def test_four_ranks_mpirun_equal_simulator(tmp_path):
+@pytest.mark.parametrize("path", ["stock", "dropin"])
+def test_four_ranks_mpirun_equal_simulator(path, tmp_path):
     names = ["regtopk", "terngrad", "gaussiank"]
-    assert_equals_simulator(run_workload("mpirun", 4, names, tmp_path), names, 4)
+    assert_equals_simulator(run_workload("mpirun", 4, names, tmp_path, "--path", path), names, 4)
+
+
+def test_dropin_checkpoint_resumes_exactly(tmp_path):
+    """Save model + optimizer (with residuals) at step 5, restore into fresh objects, run to 10."""
+    names = ["topk", "regtopk", "terngrad"]
+    straight = run_workload("horovodrun", 2, names, tmp_path / "a", "--path", "dropin", "--steps", "10")
+    resumed = run_workload(
+        "horovodrun", 2, names, tmp_path / "b", "--path", "dropin", "--steps", "10", "--resume-at", "5"
+    )
+    for key in straight.files:
+        if "/" in key:
+            np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
 
 
 def test_op_sum_equals_average_of_scaled_loss(tmp_path):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import zlib
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.compressors.payload import DensePayload, TernaryPayload
+from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.compressors.residual import TensorMemory
 
 
@@ -53,6 +55,35 @@ def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
         )
 
 
+@dataclass
+class WireStats:
+    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    values_sent: int = 0
+    numel: int = 0
+
+    def record(self, payload: Any, numel: int, itemsize: int) -> None:
+        self.bytes_sent += payload.nbytes
+        self.dense_bytes += numel * itemsize
+        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
+        self.numel += numel
+
+    @property
+    def density(self) -> float:
+        """Fraction of gradient entries sent (1 for dense and ternary payloads)."""
+        return self.values_sent / self.numel if self.numel else 0.0
+
+    @property
+    def savings(self) -> float:
+        """Dense bytes over bytes sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+    def reset(self) -> None:
+        self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
+
+
 class Compressor:
     """Base class: validation, per-tensor memory, rank binding and checkpoints.
 
@@ -64,6 +95,7 @@ class Compressor:
         self.seed = int(seed)
         self.rank, self.size = 0, 1
         self.memory = TensorMemory()
+        self.stats = WireStats()
         self._generators: Dict[str, Any] = {}
         self._saved_generators: Dict[str, Any] = {}
 
@@ -72,8 +104,9 @@ class Compressor:
         """Tell the compressor which rank of how many it runs on (random streams, wire format)."""
         if not 0 <= rank < size:
             raise ValueError(f"hvd_compress: rank {rank} is not in [0, {size})")
-        self.rank, self.size = int(rank), int(size)
-        self._generators = {}
+        if (rank, size) != (self.rank, self.size):
+            self.rank, self.size = int(rank), int(size)
+            self._generators = {}
         return self
 
     def generator(self, ops: Any, like: Any) -> Any:
@@ -89,6 +122,10 @@ class Compressor:
         """Type and parameters; ranks must agree on it."""
         return {"type": type(self).__name__}
 
+    def config_hash(self) -> int:
+        """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike."""
+        return zlib.crc32(repr(sorted(self.config().items())).encode()) & 0x7FFFFFFF
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
         return f"{type(self).__name__}({params})"
@@ -97,7 +134,9 @@ class Compressor:
     def encode(self, tensor: Any, name: str, **options: Any) -> Any:
         """One rank's payload for ``tensor``; updates that tensor's residual."""
         flat, shape, ops = self._validated(tensor, name)
-        return self._encode(flat, name, tuple(shape), ops, **options)
+        payload = self._encode(flat, name, tuple(shape), ops, **options)
+        self.stats.record(payload, flat.shape[0], ops.itemsize(flat))
+        return payload
 
     def _validated(self, tensor: Any, name: str):
         """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""

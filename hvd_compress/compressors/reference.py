@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import numpy as np
 
@@ -46,6 +46,10 @@ def is_floating(a: np.ndarray) -> bool:
     return a.dtype.kind == "f"
 
 
+def itemsize(a: np.ndarray) -> int:
+    return a.itemsize
+
+
 def count_nonfinite(a: np.ndarray) -> int:
     return int(a.size - np.count_nonzero(np.isfinite(a)))
 
@@ -54,14 +58,29 @@ def zeros_like(a: np.ndarray) -> np.ndarray:
     return np.zeros_like(a)
 
 
-def full(numel: int, value: float, like: np.ndarray) -> np.ndarray:
-    return np.full(numel, value, dtype=like.dtype)
+def full(numel: int, value: float, like: np.ndarray, dtype=None) -> np.ndarray:
+    return np.full(numel, value, dtype=like.dtype if dtype is None else dtype)
 
 
 def cast(a: np.ndarray, dtype) -> np.ndarray:
     """``a`` in ``dtype``; values out of range become Inf silently (callers check)."""
     with np.errstate(over="ignore"):
         return a.astype(dtype, copy=False)
+
+
+def as_int64(values, like: np.ndarray) -> np.ndarray:
+    """A small int64 array (headers) next to ``like``."""
+    return np.asarray(values, dtype=np.int64)
+
+
+def as_float32(values, like: np.ndarray) -> np.ndarray:
+    """A small float32 array (scales) next to ``like``."""
+    return np.asarray(values, dtype=np.float32)
+
+
+def split(a: np.ndarray, sizes) -> list:
+    """Consecutive pieces of ``a`` of the given sizes (views)."""
+    return np.split(a, np.cumsum(sizes)[:-1])
 
 
 def generator(seed: int, rank: int, like: np.ndarray) -> np.random.Generator:
@@ -163,10 +182,24 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
     """
     k = num_selected(a.shape[0], ratio)
     magnitude = np.abs(a)
-    threshold = gaussiank_threshold(a, ratio)
+    selected = gaussiank_correct(
+        lambda threshold: np.flatnonzero(magnitude > threshold),
+        lambda superset: superset[topk_indices(magnitude[superset], k)],
+        gaussiank_threshold(a, ratio),
+        k,
+    )
+    return selected.astype(index_dtype(a.shape[0]))
+
+
+def gaussiank_correct(select: Callable, trim: Callable, threshold: float, k: int):
+    """The bounded threshold correction of Gaussian-k, for any framework.
+
+    ``select(thr)`` returns the indices with ``|a_j| > thr``; ``trim(S)`` the
+    ``k`` largest of ``S``. Returns the indices to send.
+    """
     smallest_superset = None
     for _ in range(GAUSSIANK_ROUNDS):
-        selected = np.flatnonzero(magnitude > threshold)
+        selected = select(threshold)
         if selected.shape[0] < GAUSSIANK_LOW * k:
             threshold *= GAUSSIANK_SHRINK
         elif selected.shape[0] > GAUSSIANK_HIGH * k:
@@ -174,10 +207,8 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
             if smallest_superset is None or selected.shape[0] < smallest_superset.shape[0]:
                 smallest_superset = selected
         else:
-            return selected.astype(index_dtype(a.shape[0]))
-    if smallest_superset is not None:
-        selected = smallest_superset[topk_indices(magnitude[smallest_superset], k)]
-    return selected.astype(index_dtype(a.shape[0]))
+            return selected
+    return selected if smallest_superset is None else trim(smallest_superset)
 
 
 # --------------------------------------------------------------------------- #
@@ -191,8 +222,12 @@ def regtopk_scores(a: np.ndarray, distortion: np.ndarray, mu: float) -> np.ndarr
     AlBerey/RegTopK ``DistLearnLinearReg.py`` (function ``RegTopK``). ``D`` is the
     posterior distortion from the last aggregation (:func:`regtopk_distortion`),
     ``mu`` the temperature. With ``D = 1e8`` the score is ``|a_j|`` (Top-k).
+    ``D`` is kept in at least float32; ``tanh`` is evaluated in float64 and
+    rounded back, so every framework's kernel gets the same scores.
     """
-    return np.abs(np.tanh((1.0 + distortion) / mu)) * np.abs(a)
+    d = distortion.astype(accumulation_dtype(distortion.dtype), copy=False)
+    damping = np.tanh(((1.0 + d) / mu).astype(np.float64)).astype(d.dtype)
+    return np.abs(damping) * np.abs(a)
 
 
 def regtopk_select(a: np.ndarray, distortion: np.ndarray, mu: float, k: int) -> np.ndarray:
@@ -207,8 +242,11 @@ def regtopk_distortion(total: np.ndarray, indices: np.ndarray, sent: np.ndarray,
     ``indices``/``sent`` what this rank sent. ``D_j = (T_j - s_j) / s_j`` where this
     rank sent ``j`` (the other ranks' total relative to its own), ``1e8``
     elsewhere. A sent entry with ``s_j = 0`` carries no information: ``1e8``.
+    Computed in at least float32.
     """
-    distortion = np.full(numel, NO_DISTORTION, dtype=total.dtype)
+    dtype = accumulation_dtype(total.dtype)
+    total, sent = total.astype(dtype, copy=False), sent.astype(dtype, copy=False)
+    distortion = np.full(numel, NO_DISTORTION, dtype=dtype)
     informative = sent != 0
     idx = indices[informative]
     own = sent[informative]
@@ -227,7 +265,7 @@ def terngrad_clip(g: np.ndarray, c: float) -> np.ndarray:
     tensor (``sigma = 0``) is left as it is.
     """
     bound = c * float(np.std(g, dtype=np.float64))
-    if bound == 0:  # a constant tensor: clipping would erase it
+    if bound == 0 or np.max(g) == np.min(g):  # a constant tensor: clipping would erase it
         return g
     return np.clip(g, -bound, bound).astype(g.dtype, copy=False)
 

@@ -49,7 +49,10 @@ class RegTopK(Sparsifier):
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
         distortion = self.memory.get(
-            name, "distortion", shape, lambda: ops.full(a.shape[0], reference.NO_DISTORTION, a)
+            name,
+            "distortion",
+            shape,
+            lambda: ops.full(a.shape[0], reference.NO_DISTORTION, a, ops.accumulation_dtype(a.dtype)),
         )
         return ops.regtopk_select(a, distortion, self.mu, self.k(a.shape[0]))
 
@@ -62,5 +65,5 @@ class RegTopK(Sparsifier):
         if indices is None:
             return
         values = self.memory.peek(name, "sent_values")
-        distortion = ops.regtopk_distortion(ops.cast(total, values.dtype), indices, values, total.shape[0])
+        distortion = ops.regtopk_distortion(total, indices, ops.cast(values, total.dtype), total.shape[0])
         self.memory.set(name, "distortion", distortion)

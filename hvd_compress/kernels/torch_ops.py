@@ -15,12 +15,8 @@ import numpy as np
 import torch
 
 from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
-    GAUSSIANK_GROW,
-    GAUSSIANK_HIGH,
-    GAUSSIANK_LOW,
-    GAUSSIANK_ROUNDS,
-    GAUSSIANK_SHRINK,
     NO_DISTORTION,
+    gaussiank_correct,
     normal_tail_quantile,
     num_selected,
     ternary_codes_per_lane,
@@ -45,6 +41,10 @@ def is_floating(a: torch.Tensor) -> bool:
     return a.is_floating_point()
 
 
+def itemsize(a: torch.Tensor) -> int:
+    return a.element_size()
+
+
 def count_nonfinite(a: torch.Tensor) -> int:
     return int(a.numel() - torch.isfinite(a).sum().item())
 
@@ -53,12 +53,40 @@ def zeros_like(a: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(a)
 
 
-def full(numel: int, value: float, like: torch.Tensor) -> torch.Tensor:
-    return torch.full((numel,), value, dtype=like.dtype, device=like.device)
+def full(numel: int, value: float, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.full((numel,), value, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
 
 def cast(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if a.dtype == torch.float64 and dtype == torch.float16:
+        return _float64_to_float16(a)
     return a.to(dtype)
+
+
+def _float64_to_float16(a: torch.Tensor) -> torch.Tensor:
+    """Round once, as numpy does (torch goes through float32 and can round twice).
+
+    The float32 step rounds to odd (toward zero, lowest bit set when inexact),
+    which keeps enough information for the float16 rounding to be exact.
+    """
+    single = a.to(torch.float32)
+    back = single.to(torch.float64)
+    inexact = back != a
+    bits = single.view(torch.int32)
+    bits = torch.where(inexact & (back.abs() > a.abs()), bits - 1, bits)
+    return torch.where(inexact, bits | 1, bits).view(torch.float32).to(torch.float16)
+
+
+def as_int64(values, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+
+def as_float32(values, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=like.device)
+
+
+def split(a: torch.Tensor, sizes) -> list:
+    return list(torch.split(a, list(sizes)))
 
 
 def generator(seed: int, rank: int, like: torch.Tensor) -> torch.Generator:
@@ -129,26 +157,20 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
     """One moments pass, then at most ``GAUSSIANK_ROUNDS`` compare-and-nonzero passes; no sort of ``a``."""
     k = num_selected(a.shape[0], ratio)
     magnitude = a.abs()
-    threshold = gaussiank_threshold(a, ratio)
-    smallest_superset = None
-    for _ in range(GAUSSIANK_ROUNDS):
-        selected = torch.nonzero(magnitude > threshold).flatten()
-        if selected.shape[0] < GAUSSIANK_LOW * k:
-            threshold *= GAUSSIANK_SHRINK
-        elif selected.shape[0] > GAUSSIANK_HIGH * k:
-            threshold *= GAUSSIANK_GROW
-            if smallest_superset is None or selected.shape[0] < smallest_superset.shape[0]:
-                smallest_superset = selected
-        else:
-            return selected.to(index_dtype(a.shape[0]))
-    if smallest_superset is not None:
-        selected = smallest_superset[topk_indices(magnitude[smallest_superset], k).long()]
+    selected = gaussiank_correct(
+        lambda threshold: torch.nonzero(magnitude > threshold).flatten(),
+        lambda superset: superset[topk_indices(magnitude[superset], k).long()],
+        gaussiank_threshold(a, ratio),
+        k,
+    )
     return selected.to(index_dtype(a.shape[0]))
 
 
 # -------------------------------------------------------------------- RegTop-k
 def regtopk_scores(a: torch.Tensor, distortion: torch.Tensor, mu: float) -> torch.Tensor:
-    return torch.tanh((1.0 + distortion) / mu).abs() * a.abs()
+    d = distortion.to(accumulation_dtype(distortion.dtype))
+    damping = torch.tanh(((1.0 + d) / mu).double()).to(d.dtype)
+    return damping.abs() * a.abs()
 
 
 def regtopk_select(a: torch.Tensor, distortion: torch.Tensor, mu: float, k: int) -> torch.Tensor:
@@ -158,6 +180,8 @@ def regtopk_select(a: torch.Tensor, distortion: torch.Tensor, mu: float, k: int)
 def regtopk_distortion(
     total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor, numel: int
 ) -> torch.Tensor:
+    dtype = accumulation_dtype(total.dtype)
+    total, sent = total.to(dtype), sent.to(dtype)
     distortion = full(numel, NO_DISTORTION, total)
     informative = sent != 0
     idx = indices.long()[informative]
@@ -169,7 +193,8 @@ def regtopk_distortion(
 # -------------------------------------------------------------------- TernGrad
 def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
     bound = c * float(torch.std(g, correction=0))
-    if bound == 0:  # a constant tensor: clipping would erase it
+    low, high = torch.aminmax(g)
+    if bound == 0 or low == high:  # a constant tensor: clipping would erase it
         return g
     return g.clamp(-bound, bound)
 

@@ -9,6 +9,7 @@ process with the :class:`~hvd_compress.simulator.Simulator`.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 from typing import Dict, List
@@ -88,6 +89,37 @@ class ByteCounter:
         return wrapper
 
 
+def make_optimizer(model: torch.nn.Module, compression, args: argparse.Namespace):
+    """Stock ``horovod.torch`` or the drop-in ``hvd_compress.torch`` optimizer."""
+    import horovod.torch as hvd
+
+    if args.path == "dropin":
+        import hvd_compress.torch as hvd_compress_torch
+
+        wrap = hvd_compress_torch.DistributedOptimizer
+    else:
+        wrap = hvd.DistributedOptimizer
+    return wrap(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Sum if args.op == "sum" else hvd.Average,
+    )
+
+
+def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespace):
+    """A fresh model and optimizer restored from a checkpoint of the current ones (torch.save round trip)."""
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    fresh = make_model()
+    fresh.load_state_dict(saved["model"])
+    fresh_optimizer = make_optimizer(fresh, compressor(name), args)
+    fresh_optimizer.load_state_dict(saved["optimizer"])
+    return fresh, fresh_optimizer
+
+
 def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace) -> Dict[str, np.ndarray]:
     import horovod.torch as hvd
 
@@ -95,15 +127,12 @@ def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace)
     compression = compressor(name)
     if hvd.rank() == 1 and args.rank1_ratio is not None:
         compression.ratio = args.rank1_ratio
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=LR),
-        named_parameters=model.named_parameters(),
-        compression=compression,
-        op=hvd.Sum if args.op == "sum" else hvd.Average,
-    )
+    optimizer = make_optimizer(model, compression, args)
     data = batches(hvd.rank(), steps)
     counter.bytes = 0
     for step in range(steps):
+        if step == args.resume_at:
+            model, optimizer = resumed(model, optimizer, name, args)
         optimizer.zero_grad()
         x, y = data[step]
         if hvd.rank() == 1 and args.rank1_nan:
@@ -124,6 +153,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--op", choices=["average", "sum"], default="average")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--path", choices=["stock", "dropin"], default="stock")
+    parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
     args = parser.parse_args()

@@ -1,0 +1,462 @@
+"""Compression cost: the time of one ``encode`` against baselines measured in the same run.
+
+For each device (torch CPU, CUDA when available) and gradient size, one
+``encode`` of every compressor is timed (median of ``repeats``) next to two
+baselines on the same tensor: ``torch.topk(t.abs(), k)`` and one memory pass
+``t.abs().max()``. Results are ratios against those baselines, so they compare
+across machines. A last section times the numpy reference at the smallest size
+against numpy's own baselines (``argpartition`` and ``abs().max()``): the
+reference is the specification, not the fast path.
+
+Outputs (in ``out``): ``compress.json`` (machine and rows), ``compress.png``
+(ratio vs ``torch.topk`` per compressor and size) and a table on stdout.
+
+Speed is only measured here, never asserted: the targets (DESIGN.md section 6)
+are printed next to the measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from hvd_compress import __version__
+from hvd_compress.compressors import Compression
+from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.compressors.reference import num_selected
+
+#: Default gradient sizes (elements): a ResNet-50-scale layer bucket up to a whole model.
+DEFAULT_SIZES = (1_000_000, 11_700_000, 25_000_000)
+#: Compressors timed, in table order.
+COMPRESSORS = ("topk", "gaussiank", "regtopk", "terngrad", "fp16")
+SPARSE = ("topk", "gaussiank", "regtopk")
+#: Fraction of entries replaced by a heavy tail (10 * Student-t, 2 degrees of freedom).
+HEAVY_TAIL_FRACTION = 1e-3
+
+#: Targets printed next to the measurements (never asserted).
+TARGETS = (
+    # (compressor, ratio field, reference label, bound)
+    ("gaussiank", "vs_topk", "torch.topk", 0.2),
+    ("gaussiank", "vs_pass", "one pass", 3.0),
+    ("regtopk", "vs_topk_compressor", "Top-k", 1.5),
+)
+
+NUMPY = "numpy"
+
+
+# --------------------------------------------------------------------- options
+def parse_size(text: str) -> int:
+    """``"1M"``, ``"11.7M"``, ``"25m"``, ``"10k"``, ``"10_000"``, ``"1e6"``, ``"2G"`` to a number of elements."""
+    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][0-9]+)?)\s*([kKmMgG]?)\s*", str(text))
+    if not match:
+        raise ValueError(f"hvd_compress: cannot read size {text!r}; use e.g. 1M, 11.7M, 25M or 10000")
+    number = float(match.group(1).replace("_", ""))
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[match.group(2).lower()]
+    size = int(round(number * scale))
+    if size < 1:
+        raise ValueError(f"hvd_compress: size {text!r} must be at least 1 element")
+    return size
+
+
+def format_size(size: int) -> str:
+    """``11_700_000`` -> ``"11.7M"``; small sizes as plain integers."""
+    for unit, scale in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.4g}{unit}"
+    return str(size)
+
+
+# ---------------------------------------------------------------- dependencies
+def _require(module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"hvd-compress bench compress needs {module} ({error}); "
+            f"install it with: pip install 'hvd_compress[{extra}]'"
+        ) from error
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar on stderr, or plain lines on stderr when tqdm is not installed."""
+    if not enabled:
+        return _Lines(total, echo=False)
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _Lines(total, echo=True)
+    return tqdm(total=total, desc="bench compress", unit="meas", file=sys.stderr, leave=False)
+
+
+class _Lines:
+    """The bits of tqdm's interface used here, as one line per measurement."""
+
+    def __init__(self, total: int, echo: bool) -> None:
+        self.total, self.n, self.echo = total, 0, echo
+
+    def set_postfix_str(self, text: str) -> None:
+        self.text = text
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.echo:
+            print(f"bench compress [{self.n}/{self.total}] {getattr(self, 'text', '')}", file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------- machine
+def machine(torch: Any, devices: Sequence[str]) -> Dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu_name,
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "hvd_compress_version": __version__,
+        "devices": {"cpu": cpu_name},
+        # other processes skew timings on small machines; ratios to same-run baselines only partly cancel it
+        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+    if "cuda" in devices:
+        info["devices"]["cuda"] = torch.cuda.get_device_name()
+        info["cuda_version"] = torch.version.cuda
+    return info
+
+
+# ------------------------------------------------------------------- workload
+def gradient(size: int, seed: int = 0) -> np.ndarray:
+    """Float32 standard normal with a small heavy tail (so the top 1% is not a plain Gaussian tail)."""
+    rng = np.random.default_rng(seed)
+    g = rng.standard_normal(size, dtype=np.float32)
+    tail = max(1, int(size * HEAVY_TAIL_FRACTION))
+    g[rng.integers(0, size, tail)] = (10.0 * rng.standard_t(2, tail)).astype(np.float32)
+    return g
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _density_and_bytes(payload: Any, numel: int) -> tuple:
+    """Achieved density (sent entries / numel; 1 for dense payloads) and payload bytes."""
+    if isinstance(payload, SparsePayload):
+        return int(payload.values.shape[0]) / numel, int(payload.nbytes)
+    if isinstance(payload, (DensePayload, TernaryPayload)):
+        return 1.0, int(payload.nbytes)
+    raise TypeError(f"hvd_compress: unexpected payload {type(payload).__name__}")
+
+
+def _make(name: str, ratio: float) -> Any:
+    options = {"dense_below": 0} if name in SPARSE + ("terngrad",) else {}
+    return Compression.by_name(name, ratio, **options)
+
+
+def _measure_section(
+    backend: str,
+    device: str,
+    size: int,
+    tensor: Any,
+    baselines: Dict[str, Callable[[], Any]],
+    sync: Callable[[], None],
+    ratio: float,
+    repeats: int,
+    names: Sequence[str],
+    bar: Any,
+) -> tuple:
+    """Baseline times and one row per compressor for one (device, size)."""
+    label = f"{NUMPY if backend == NUMPY else device} {format_size(size)}"
+    baseline_s = {}
+    for key, fn in baselines.items():
+        bar.set_postfix_str(f"{label} baseline {key}")
+        fn()  # warm-up
+        baseline_s[key] = _median_seconds(fn, repeats, sync)
+        bar.update()
+    rows = []
+    topk_compressor_s = None
+    for name in names:
+        bar.set_postfix_str(f"{label} {name}")
+        compressor = _make(name, ratio)  # fresh per size: no state from another tensor
+        tensor_name = f"bench.{size}"
+        payload = compressor.encode(tensor, tensor_name)  # warm-up: residuals now exist
+        if name == "regtopk":  # one decode with the name: the distortion path is active
+            compressor.decode([payload], tensor.shape, name=tensor_name)
+        seconds = _median_seconds(lambda: compressor.encode(tensor, tensor_name), repeats, sync)
+        payload = compressor.encode(tensor, tensor_name)
+        density, nbytes = _density_and_bytes(payload, size)
+        dense_bytes = 4 * size
+        row = {
+            "backend": backend,
+            "device": device,
+            "size": size,
+            "compressor": name,
+            "ratio": ratio if name in SPARSE else None,
+            "k": num_selected(size, ratio) if name in SPARSE else None,
+            "seconds": seconds,
+            "vs_topk": seconds / baseline_s["topk"],
+            "vs_pass": seconds / baseline_s["pass"],
+            "density": density,
+            "payload_bytes": nbytes,
+            "dense_bytes": dense_bytes,
+            "bytes_vs_dense": nbytes / dense_bytes,
+        }
+        if name == "topk":
+            topk_compressor_s = seconds
+        rows.append(row)
+        del compressor, payload
+        bar.update()
+    for row in rows:
+        row["vs_topk_compressor"] = row["seconds"] / topk_compressor_s if topk_compressor_s else None
+    baseline = {
+        "backend": backend,
+        "device": device,
+        "size": size,
+        "k": num_selected(size, ratio),
+        "topk_s": baseline_s["topk"],
+        "pass_s": baseline_s["pass"],
+    }
+    return baseline, rows
+
+
+# ----------------------------------------------------------------------- run
+def run(
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    ratio: float = 0.01,
+    repeats: int = 5,
+    device: str = "all",
+    out: Optional[str] = "results",
+    numpy_section: bool = True,
+    progress: bool = True,
+    plot: bool = True,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """Measure, write ``compress.json`` and ``compress.png`` to ``out``, print the table; returns the results."""
+    from hvd_compress.compressors.base import check_ratio
+
+    torch = _require("torch", "torch")
+    if plot and out is not None:
+        _require("matplotlib", "bench")
+    stdout = stdout or sys.stdout
+    ratio = check_ratio(ratio)
+    sizes = sorted({int(s) for s in sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"hvd_compress: sizes must be positive, got {list(sizes)}")
+    if int(repeats) < 1:
+        raise ValueError(f"hvd_compress: repeats must be at least 1, got {repeats}")
+    repeats = int(repeats)
+    if device not in ("cpu", "cuda", "all"):
+        raise ValueError(f"hvd_compress: device must be cpu, cuda or all, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("hvd_compress: --device cuda asked for, but torch.cuda.is_available() is False")
+    devices = ["cpu"] if device == "cpu" else ["cuda"] if device == "cuda" else ["cpu"]
+    if device == "all" and torch.cuda.is_available():
+        devices.append("cuda")
+
+    names = list(COMPRESSORS)
+    per_section = 2 + len(names)
+    total = per_section * (len(devices) * len(sizes) + (1 if numpy_section else 0))
+    bar = _progress(total, progress)
+    baselines: List[Dict[str, Any]] = []
+    rows: List[Dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        with torch.no_grad():
+            for dev in devices:
+                sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+                for size in sizes:
+                    t = torch.from_numpy(gradient(size)).to(dev)
+                    k = num_selected(size, ratio)
+                    fns = {"topk": lambda: torch.topk(t.abs(), k), "pass": lambda: t.abs().max()}
+                    baseline, section = _measure_section(
+                        "torch", dev, size, t, fns, sync, ratio, repeats, names, bar
+                    )
+                    baselines.append(baseline)
+                    rows.extend(section)
+                    del t, fns
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+        if numpy_section:
+            size = sizes[0]
+            a = gradient(size)
+            k = num_selected(size, ratio)
+            fns = {
+                "topk": lambda: np.argpartition(np.abs(a), size - k)[size - k :],
+                "pass": lambda: np.abs(a).max(),
+            }
+            baseline, section = _measure_section(
+                NUMPY, "cpu", size, a, fns, lambda: None, ratio, repeats, names, bar
+            )
+            baselines.append(baseline)
+            rows.extend(section)
+    finally:
+        bar.close()
+
+    results = {
+        "benchmark": "compress",
+        "machine": machine(torch, devices),
+        "settings": {
+            "sizes": sizes,
+            "ratio": ratio,
+            "repeats": repeats,
+            "devices": devices,
+            "statistic": "median seconds of one encode (time.perf_counter; cuda synchronized)",
+            "gradient": f"float32 standard normal, {HEAVY_TAIL_FRACTION:g} of entries 10 * Student-t(2)",
+            "baselines": {
+                "torch": {"topk": "torch.topk(t.abs(), k)", "pass": "t.abs().max()"},
+                NUMPY: {"topk": "np.argpartition(np.abs(a), d - k)", "pass": "np.abs(a).max()"},
+            },
+            "numpy_note": "numpy rows time the reference implementation: the specification, not the fast path",
+        },
+        "wall_seconds": time.perf_counter() - started,
+        "baselines": baselines,
+        "rows": rows,
+        "targets": targets(rows),
+    }
+    if out is not None:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / "compress.json", "w") as f:
+            json.dump(results, f, indent=2)
+        if plot:
+            write_plot(results, path / "compress.png")
+    print_table(results, stdout)
+    return results
+
+
+def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The measured value of every target at every torch (device, size); ``met`` is informative only."""
+    checks = []
+    for row in rows:
+        if row["backend"] != "torch":
+            continue
+        for name, field, against, bound in TARGETS:
+            if row["compressor"] == name and row.get(field) is not None:
+                checks.append(
+                    {
+                        "device": row["device"],
+                        "size": row["size"],
+                        "compressor": name,
+                        "against": against,
+                        "measured": row[field],
+                        "target": bound,
+                        "met": row[field] <= bound,
+                    }
+                )
+    return checks
+
+
+# -------------------------------------------------------------------- output
+def _section_title(backend: str, device: str) -> str:
+    if backend == NUMPY:
+        return "numpy reference (the spec, not the fast path; baselines: np.argpartition, np.abs().max())"
+    return f"torch {device}"
+
+
+def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
+    stdout = stdout or sys.stdout
+    m = results["machine"]
+    print(
+        f"Compression cost, ratio {results['settings']['ratio']:g}, median of "
+        f"{results['settings']['repeats']}; {m['cpu_count']} CPUs ({m['torch_threads']} torch threads), "
+        f"torch {m['torch_version']}" + (f", {m['devices']['cuda']}" if "cuda" in m["devices"] else ""),
+        file=stdout,
+    )
+    sections: Dict[tuple, List[Dict[str, Any]]] = {}
+    for row in results["rows"]:
+        sections.setdefault((row["backend"], row["device"]), []).append(row)
+    base = {(b["backend"], b["device"], b["size"]): b for b in results["baselines"]}
+    for (backend, device), rows in sections.items():
+        print(f"\n{_section_title(backend, device)}", file=stdout)
+        print(
+            f"  {'size':>6} {'compressor':<10} {'ms':>9} {'/topk':>7} {'/pass':>7} {'/Top-k':>7} "
+            f"{'density':>8} {'bytes/dense':>11}",
+            file=stdout,
+        )
+        for size in sorted({r["size"] for r in rows}):
+            b = base[(backend, device, size)]
+            print(
+                f"  {format_size(size):>6} {'baselines':<10} topk {1e3 * b['topk_s']:.2f} ms, "
+                f"one pass {1e3 * b['pass_s']:.2f} ms (k={b['k']})",
+                file=stdout,
+            )
+            for r in (r for r in rows if r["size"] == size):
+                print(
+                    f"  {format_size(size):>6} {r['compressor']:<10} {1e3 * r['seconds']:>9.2f} "
+                    f"{r['vs_topk']:>6.2f}x {r['vs_pass']:>6.1f}x {r['vs_topk_compressor']:>6.2f}x "
+                    f"{r['density']:>8.4f} {r['bytes_vs_dense']:>11.4f}",
+                    file=stdout,
+                )
+    if results["targets"]:
+        print("\nTargets (DESIGN.md section 6; measured, not asserted):", file=stdout)
+        for t in results["targets"]:
+            print(
+                f"  {t['device']:<4} {format_size(t['size']):>6} {t['compressor']:<9} vs {t['against']:<10} "
+                f"{t['measured']:>6.2f}x  target <= {t['target']:g}x  {'ok' if t['met'] else 'MISSED'}",
+                file=stdout,
+            )
+
+
+def write_plot(results: Dict[str, Any], path: Path) -> None:
+    """Bar chart of time / baseline top-k per compressor and size, one panel per device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections: Dict[tuple, List[Dict[str, Any]]] = {}
+    for row in results["rows"]:
+        sections.setdefault((row["backend"], row["device"]), []).append(row)
+    fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.2), squeeze=False, sharey=True)
+    for ax, ((backend, device), rows) in zip(axes[0], sections.items()):
+        names = list(dict.fromkeys(r["compressor"] for r in rows))
+        sizes = sorted({r["size"] for r in rows})
+        width = 0.8 / len(sizes)
+        by_key = {(r["compressor"], r["size"]): r["vs_topk"] for r in rows}
+        for i, size in enumerate(sizes):
+            xs = [j + (i - (len(sizes) - 1) / 2) * width for j in range(len(names))]
+            ax.bar(xs, [by_key[(n, size)] for n in names], width, label=format_size(size))
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_yscale("log")
+        ax.set_title("numpy reference (spec)" if backend == NUMPY else f"torch {device}")
+        ax.legend(title="elements", fontsize="small")
+        ax.grid(axis="y", which="both", alpha=0.3)
+    axes[0][0].set_ylabel("encode time / top-k baseline")
+    fig.suptitle(
+        f"Compression cost vs top-k baseline (ratio {results['settings']['ratio']:g}; 1.0 = baseline)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["run", "parse_size", "format_size", "gradient", "DEFAULT_SIZES", "COMPRESSORS", "TARGETS"]

@@ -1,0 +1,80 @@
+"""The collectives every transport provides: Horovod, mpi4py, torch.distributed, the simulator.
+
+A :class:`Communicator` moves framework tensors. ``*_async`` calls return a
+handle; :meth:`Communicator.wait` returns the result. Names identify a
+collective across ranks (Horovod matches by name; others by call order) and
+must be the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Communicator:
+    """Interface: ``rank``, ``size``, sum/max allreduce and variable-size allgather."""
+
+    SUM = "sum"
+    MAX = "max"
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+        """Elementwise ``op`` (``SUM`` or ``MAX``) over ranks; integer tensors sum exactly."""
+        raise NotImplementedError
+
+    def allgather_async(self, tensor: Any, name: str) -> Any:
+        """Concatenation along dim 0 of every rank's tensor, rank order; sizes may differ."""
+        raise NotImplementedError
+
+    def wait(self, handle: Any) -> Any:
+        raise NotImplementedError
+
+
+class SingleProcessCommunicator(Communicator):
+    """A world of one rank: every collective returns its input (tests, single-GPU runs)."""
+
+    rank = 0
+    size = 1
+
+    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+        return tensor
+
+    def allgather_async(self, tensor: Any, name: str) -> Any:
+        return tensor
+
+    def wait(self, handle: Any) -> Any:
+        return handle
+
+
+class HorovodTorchCommunicator(Communicator):
+    """``horovod.torch`` collectives (Gloo, MPI or NCCL, as Horovod was started)."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        self._ops = {self.SUM: hvd.Sum, self.MAX: hvd.Max}
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+        return self.hvd.allreduce_async(tensor, op=self._ops[op], name=name)
+
+    def allgather_async(self, tensor: Any, name: str) -> Any:
+        return self.hvd.allgather_async(tensor, name=name)
+
+    def wait(self, handle: Any) -> Any:
+        return self.hvd.synchronize(handle)

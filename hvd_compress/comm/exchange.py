@@ -1,0 +1,216 @@
+"""Fused exchange of one bucket of gradients over a :class:`Communicator`.
+
+A bucket holds several tensors (same dtype and device). Their payloads share
+a few collectives instead of a few per tensor:
+
+- first, for any sparse or ternary tensor, one allgather of a header
+  ``[config hash, bucket signature, count of every sparse tensor]``; ``finish``
+  checks it before waiting for anything else, so ranks configured differently
+  (compressor, ratio, tensor names or sizes) all fail with the same error
+  instead of waiting for collectives the others never start;
+- sparse payloads: one allgather of all indices, one of all values; every
+  rank's segment of each tensor is cut out by the counts (no padding) and the
+  compressor decodes each tensor (scatter-add; RegTop-k learns from it);
+- TernGrad: one allreduce-Max of the vector of the bucket's scales, then the
+  codes drawn with the shared scales travel as one int32 allreduce of packed
+  lanes (and/or one allgather of 2-bit codes, per tensor's wire format);
+- dense payloads (None, FP16, tensors under ``dense_below``): one allreduce-Sum
+  of their concatenation.
+
+Usage: ``add(name, grad)`` for each tensor, ``launch()`` once the bucket is
+complete, ``finish(average)`` for ``{name: average or sum}``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Dict, List, Tuple
+
+from hvd_compress.compressors import TernGrad
+from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.kernels import ops_for
+
+
+class BucketExchange:
+    """One bucket's payloads and the collectives that move them."""
+
+    def __init__(self, compressor: Any, comm: Any, key: str) -> None:
+        self.compressor, self.comm, self.key = compressor, comm, key
+        self.average = True
+        self.shapes: Dict[str, tuple] = {}
+        self.dense: List[Tuple[str, DensePayload]] = []
+        self.sparse: List[Tuple[str, SparsePayload]] = []
+        self.ternary: List[Tuple[str, Any, float]] = []
+        self.handles: Dict[str, Any] = {}
+        self.ops: Any = None
+
+    # ------------------------------------------------------------------ encode
+    def add(self, name: str, tensor: Any) -> None:
+        """Encode ``tensor`` now (TernGrad: measure its scale; codes come after sharing)."""
+        self.ops = self.ops or ops_for(tensor, name)
+        self.shapes[name] = tuple(tensor.shape)
+        if isinstance(self.compressor, TernGrad):
+            scale = self.compressor.local_scale(tensor, name)
+            if scale is not None:
+                self.ternary.append((name, tensor, scale))
+                return
+        payload = self.compressor.encode(tensor, name)
+        if isinstance(payload, SparsePayload):
+            self.sparse.append((name, payload))
+        else:
+            self.dense.append((name, payload))
+
+    @property
+    def only_dense(self) -> bool:
+        """Every tensor added so far travels dense (None, FP16, small tensors)."""
+        return not (self.sparse or self.ternary)
+
+    # ------------------------------------------------------------------ launch
+    def launch(self) -> None:
+        """Start the bucket's collectives (asynchronous)."""
+        ops, comm, key = self.ops, self.comm, self.key
+        if not self.only_dense:
+            layout = [(n, p.numel, "sparse") for n, p in self.sparse]
+            layout += [(n, t.reshape(-1).shape[0], "ternary") for n, t, _ in self.ternary]
+            signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+            counts = [p.values.shape[0] for _, p in self.sparse]
+            header = ops.as_int64(
+                [[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor()
+            )
+            self.handles["header"] = comm.allgather_async(header, f"{key}.header")
+        if self.dense:
+            flat = ops.concat([p.values.reshape(-1) for _, p in self.dense])
+            self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
+        if self.sparse:
+            self.handles["indices"] = comm.allgather_async(
+                ops.concat([p.indices for _, p in self.sparse]), f"{key}.indices"
+            )
+            self.handles["values"] = comm.allgather_async(
+                ops.concat([p.values for _, p in self.sparse]), f"{key}.values"
+            )
+        if self.ternary:
+            scales = ops.as_float32([s for _, _, s in self.ternary], like=self.ternary[0][1])
+            if self.compressor.scalar_sharing:
+                self.handles["scales"] = comm.allreduce_async(scales, comm.MAX, f"{key}.scales")
+            else:
+                self.handles["scales"] = comm.allgather_async(scales, f"{key}.scales")
+
+    def _any_tensor(self) -> Any:
+        return self.sparse[0][1].values if self.sparse else self.ternary[0][1]
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, average: bool = True) -> Dict[str, Any]:
+        """Wait for the collectives; every tensor's average (or sum over ranks), in its shape."""
+        self.average = average
+        results: Dict[str, Any] = {}
+        if "header" in self.handles:
+            self._check_header()
+        if self.dense:
+            results.update(self._finish_dense())
+        if self.sparse:
+            results.update(self._finish_sparse())
+        if self.ternary:
+            results.update(self._finish_ternary())
+        return results
+
+    def _result(self, name: str, total: Any, dtype: Any) -> Any:
+        if self.average:
+            total = total / self.comm.size
+        return self.ops.cast(total, dtype).reshape(self.shapes[name])
+
+    def _finish_dense(self) -> Dict[str, Any]:
+        total = self.comm.wait(self.handles["dense"])
+        sizes = [p.values.reshape(-1).shape[0] for _, p in self.dense]
+        acc = self.ops.accumulation_dtype(total.dtype)
+        return {
+            name: self._result(name, self.ops.cast(part, acc), p.dtype)
+            for (name, p), part in zip(self.dense, self.ops.split(total, sizes))
+        }
+
+    def _check_header(self) -> None:
+        self.rows = self.comm.wait(self.handles["header"]).tolist()
+        if any(row[:2] != self.rows[0][:2] for row in self.rows):
+            raise ValueError(
+                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
+                f"or the names, sizes and order of the gradients): [config hash, layout hash] per "
+                f"rank = {[row[:2] for row in self.rows]}; this rank runs {self.compressor!r}"
+            )
+
+    def _finish_sparse(self) -> Dict[str, Any]:
+        ops = self.ops
+        indices = self.comm.wait(self.handles["indices"])
+        values = self.comm.wait(self.handles["values"])
+        per_rank = [row[2:] for row in self.rows]
+        totals = [sum(counts) for counts in per_rank]
+        by_tensor: List[List[SparsePayload]] = [[] for _ in self.sparse]
+        for counts, v, i in zip(per_rank, ops.split(values, totals), ops.split(indices, totals)):
+            for j, (seg_v, seg_i) in enumerate(zip(ops.split(v, counts), ops.split(i, counts))):
+                by_tensor[j].append(SparsePayload(seg_v, seg_i, self.sparse[j][1].numel))
+        return {
+            name: self.compressor.decode(payloads, self.shapes[name], average=self.average, name=name)
+            for (name, _), payloads in zip(self.sparse, by_tensor)
+        }
+
+    def _finish_ternary(self) -> Dict[str, Any]:
+        ops, comm, tern = self.ops, self.comm, self.compressor
+        scales = comm.wait(self.handles["scales"])
+        if not tern.scalar_sharing:
+            return self._finish_ternary_unshared(scales)
+        shared = scales.tolist()
+        payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, shared)]
+        received = {}
+        for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):
+            wires = [tern.wire_tensor(p, ops) for p in payloads if p.wire_format == fmt]
+            if not wires:
+                continue
+            flat = ops.concat(wires)
+            if op is None:
+                received[fmt] = comm.allgather_async(flat, f"{self.key}.codes2bit")
+            else:
+                received[fmt] = comm.allreduce_async(flat, op, f"{self.key}.lanes")
+        received = {fmt: comm.wait(handle) for fmt, handle in received.items()}
+        results, offsets = {}, {"allreduce": 0, "allgather": 0}
+        for (name, tensor, _), payload, scale in zip(self.ternary, payloads, shared):
+            fmt, numel = payload.wire_format, tensor.reshape(-1).shape[0]
+            size = tern.wire_tensor(payload, ops).shape[0]
+            if fmt == "allreduce":
+                wire = received[fmt][offsets[fmt] : offsets[fmt] + size]
+            else:  # rank r's codes for this tensor sit in rank r's chunk of the gather
+                chunk = received[fmt].shape[0] // comm.size
+                wire = ops.concat(
+                    [
+                        received[fmt][r * chunk + offsets[fmt] : r * chunk + offsets[fmt] + size]
+                        for r in range(comm.size)
+                    ]
+                )
+            offsets[fmt] += size
+            code_sum = tern.code_sum(wire, numel, comm.size, fmt, ops)
+            total = ops.cast(code_sum, ops.accumulation_dtype(tensor.dtype)) * scale
+            results[name] = self._result(name, total, tensor.dtype)
+        return results
+
+    def _finish_ternary_unshared(self, scales: Any) -> Dict[str, Any]:
+        """Each rank's own scale: allgather of 2-bit codes and scales, decoded per rank."""
+        ops, comm, tern = self.ops, self.comm, self.compressor
+        payloads = [tern.encode(t, name) for name, t, _ in self.ternary]
+        packed = [ops.pack_two_bit(p.codes) for p in payloads]
+        gathered = comm.wait(comm.allgather_async(ops.concat(packed), f"{self.key}.codes2bit"))
+        chunk = gathered.shape[0] // comm.size
+        rank_scales = scales.reshape(comm.size, -1).tolist()
+        results, offset = {}, 0
+        for j, ((name, tensor, _), mine) in enumerate(zip(self.ternary, payloads)):
+            size = packed[j].shape[0]
+            numel = tensor.reshape(-1).shape[0]
+            ranks = [
+                TernaryPayload(
+                    codes=ops.unpack_two_bit(gathered[r * chunk + offset : r * chunk + offset + size], numel),
+                    scale=rank_scales[r][j],
+                    world_size=comm.size,
+                    shared_scale=False,
+                    dtype=mine.dtype,
+                )
+                for r in range(comm.size)
+            ]
+            offset += size
+            results[name] = tern.decode(ranks, self.shapes[name], average=self.average, name=name)
+        return results

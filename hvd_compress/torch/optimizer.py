@@ -1,0 +1,225 @@
+"""``hvd_compress.torch.DistributedOptimizer``: compressed, fused and overlapped gradient exchange.
+
+Same signature as ``horovod.torch.DistributedOptimizer``. Parameters are split
+once into buckets (reverse registration order, the order backward produces
+gradients; one dtype and device per bucket; at most ``bucket_cap_mb`` of
+gradients each), identical on every rank. A hook on each parameter counts its
+gradient in; when a bucket is complete its tensors are encoded and its fused
+collectives start (:class:`~hvd_compress.comm.exchange.BucketExchange`) while
+backward goes on. ``synchronize()`` (called by ``step()``) launches what is
+left, waits, and writes the averaged gradients back.
+
+Error-feedback residuals are keyed by parameter name and saved in
+``optimizer.state_dict()`` under ``"hvd_compress"``, so a checkpoint resumes
+exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.compressors import Compressor, NoneCompressor
+
+
+def _is_sum(op: Any) -> bool:
+    if op is None or op == "average":
+        return False
+    if op == "sum":
+        return True
+    import horovod.torch as hvd
+
+    if op == hvd.Sum:
+        return True
+    if op == hvd.Average:
+        return False
+    raise ValueError(f"hvd_compress: op must be hvd.Average or hvd.Sum, got {op!r}")
+
+
+def make_buckets(named: List[tuple], cap_bytes: int) -> List[List[str]]:
+    """Reverse-order buckets of parameter names, one dtype/device each, at most ``cap_bytes`` each."""
+    buckets: List[List[str]] = []
+    current: List[str] = []
+    size, kind = 0, None
+    for name, p in reversed(named):
+        p_kind = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        if current and (p_kind != kind or size + nbytes > cap_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size, kind = size + nbytes, p_kind
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        named_parameters,
+        compression: Compressor,
+        backward_passes_per_step: int,
+        op: Any,
+        gradient_predivide_factor: float,
+        bucket_cap_mb: float,
+        communicator: Any,
+    ) -> None:
+        super(self.__class__, self).__init__(params)
+        if communicator is None:
+            from hvd_compress.comm.communicator import HorovodTorchCommunicator
+
+            communicator = HorovodTorchCommunicator()
+        self._comm = communicator
+        self._compression = compression
+        self._average = not _is_sum(op)
+        self._predivide = float(gradient_predivide_factor)
+        if self._predivide != 1.0 and not self._average:
+            raise ValueError("hvd_compress: gradient_predivide_factor needs op=hvd.Average")
+        self._passes = int(backward_passes_per_step)
+        all_params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if named_parameters is not None:
+            named = [(n, p) for n, p in named_parameters if p.requires_grad]
+            if {id(p) for _, p in named} != {id(p) for p in all_params}:
+                raise ValueError(
+                    "hvd_compress: named_parameters must name exactly the optimizer's trainable parameters"
+                )
+        else:
+            named = [(f"param.{i}", p) for i, p in enumerate(all_params)]
+        if len({n for n, _ in named}) != len(named):
+            raise ValueError("hvd_compress: parameter names must be unique")
+        self._names = {id(p): n for n, p in named}
+        self._params = dict(named)
+        self._buckets = make_buckets(named, int(bucket_cap_mb * 2**20))
+        self._bucket_of = {n: b for b, names in enumerate(self._buckets) for n in names}
+        self._ready: List[set] = [set() for _ in self._buckets]
+        self._in_flight: Dict[int, BucketExchange] = {}
+        self._delay = {n: self._passes for n in self._params}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._params.values():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    # ----------------------------------------------------------------- hooks
+    def _hook(self, p: torch.Tensor) -> None:
+        name = self._names[id(p)]
+        if self._synchronized:
+            raise AssertionError(
+                "hvd_compress: gradients computed after synchronize() and before step(); "
+                "call step() inside optimizer.skip_synchronize() after an explicit synchronize()"
+            )
+        self._delay[name] -= 1
+        if self._delay[name] > 0:
+            return
+        bucket = self._bucket_of[name]
+        self._ready[bucket].add(name)
+        if len(self._ready[bucket]) == len(self._buckets[bucket]):
+            self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        exchange = BucketExchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
+        for name in self._buckets[bucket]:
+            p = self._params[name]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
+        exchange.launch()
+        self._in_flight[bucket] = exchange
+
+    # ------------------------------------------------------------ public API
+    def synchronize(self) -> None:
+        """Finish every bucket's exchange and write the averaged gradients into ``p.grad``."""
+        for bucket in range(len(self._buckets)):
+            if bucket not in self._in_flight:
+                self._launch(bucket)
+        for bucket in range(len(self._buckets)):
+            for name, result in self._in_flight.pop(bucket).finish(self._average).items():
+                p = self._params[name]
+                if self._predivide != 1.0:
+                    result = result * self._predivide
+                if p.grad is None:
+                    p.grad = result.to(p.dtype)
+                else:
+                    p.grad.copy_(result)
+        self._ready = [set() for _ in self._buckets]
+        self._delay = {n: self._passes for n in self._params}
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` without synchronizing: after an explicit ``synchronize()`` (e.g. to clip)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                raise AssertionError(
+                    "hvd_compress: synchronize() was already called; use "
+                    "`with optimizer.skip_synchronize(): optimizer.step()`"
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._in_flight:
+            raise AssertionError(
+                "hvd_compress: zero_grad() while gradients are being exchanged; call step() or "
+                "synchronize() first"
+            )
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        state = super(self.__class__, self).state_dict()
+        state["hvd_compress"] = self._compression.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        compressor_state = state_dict.pop("hvd_compress", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if compressor_state is not None:
+            self._compression.load_state_dict(compressor_state)
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters=None,
+    compression: Optional[Compressor] = None,
+    backward_passes_per_step: int = 1,
+    op: Any = None,
+    gradient_predivide_factor: float = 1.0,
+    bucket_cap_mb: float = 25.0,
+    communicator: Any = None,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses the compressed average of all ranks' gradients.
+
+    Arguments as ``horovod.torch.DistributedOptimizer``; in addition ``bucket_cap_mb``
+    (gradient bytes per fused bucket) and ``communicator`` (default: Horovod's;
+    any :class:`~hvd_compress.comm.communicator.Communicator`). ``compression``
+    is one of our compressors (default: none).
+    """
+    compression = NoneCompressor() if compression is None else compression
+    if not isinstance(compression, Compressor):
+        raise TypeError(
+            f"hvd_compress: compression must be an hvd_compress compressor such as "
+            f"hvd.Compression.topk(0.01), got {compression!r}"
+        )
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        bucket_cap_mb,
+        communicator,
+    )

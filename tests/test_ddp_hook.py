@@ -1,0 +1,309 @@
+"""``hvd_compress.torch.ddp_hook`` in real 2-process DDP runs (CPU, gloo, ``torch.multiprocessing``).
+
+A small model (one DDP bucket) trains a few steps with every compressor; the
+final parameters on both ranks must equal the in-process Simulator fed the same
+per-rank flat bucket gradients (1e-6; FP16 1e-3, as gloo sums float16 in float16).
+The flat layout is the one the hook keeps for the compressor: DDP's
+construction-time one, parameters in model order (from step 2 DDP's rebuilt
+bucket is in reverse order; each run records and checks both). Also: NaN
+gradients or another ratio on one rank make every rank raise, and a checkpoint
+(pickle or state_dict) resumes bit for bit. One spawn runs it all (each start
+costs seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+import torch.multiprocessing as mp  # noqa: E402
+
+from hvd_compress import Compression, RegTopK  # noqa: E402
+from hvd_compress.compressors import reference  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
+
+RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
+BUCKET = "ddp.bucket0"
+BUCKET_MB = 25  # the model (~38 KB) fits in one bucket
+VARIANTS = ["topk", "gaussiank", "regtopk", "terngrad", "terngrad_allreduce", "fp16", "none"]
+RESUMED = [(v, how) for v in ("regtopk", "terngrad") for how in ("pickle", "state_dict")]
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def batch(rank: int, step: int):
+    generator = torch.Generator().manual_seed(1000 * (rank + 1) + step)
+    return torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator)
+
+
+def compressor(variant: str):
+    name = variant.split("_")[0]
+    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": 0}))
+
+
+@contextlib.contextmanager
+def wire_format(variant: str):
+    """``terngrad_allreduce``: force the packed-lane allreduce (2 ranks would pick the 2-bit allgather)."""
+    original = reference.ternary_wire_format
+    if variant.endswith("_allreduce"):
+        reference.ternary_wire_format = lambda numel, world: "allreduce"
+    try:
+        yield
+    finally:
+        reference.ternary_wire_format = original
+
+
+# ----------------------------------------------------------------- in the ranks
+class Wire:
+    """Counts the collectives ddp.py calls (bytes handed in, and uneven all_to_all calls)."""
+
+    def __init__(self) -> None:
+        self.bytes, self.alltoall = 0, 0
+        for attr in ("all_gather", "all_reduce", "all_to_all_single"):
+            setattr(dist, attr, self._counting(attr, getattr(dist, attr)))
+
+    def _counting(self, attr, function):
+        def wrapper(*args, **kwargs):
+            tensor = args[0] if attr == "all_reduce" else args[1]
+            if attr == "all_to_all_single":
+                self.alltoall += 1
+                tensor = tensor[: tensor.numel() // dist.get_world_size()]  # the repeats are per peer
+            self.bytes += tensor.numel() * tensor.element_size()
+            return function(*args, **kwargs)
+
+        return wrapper
+
+
+def train(rank, variant, steps, start=0, params=None, state=None, wire=None, layouts=None):
+    model = make_model()
+    if params is not None:
+        model.load_state_dict(params)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    state = state or CompressionState(compressor(variant), process_group=None)
+    order = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def hook(state, bucket):
+        if layouts is not None:
+            layouts.append((bucket.index(), [order[id(p)] for p in bucket.parameters()]))
+        return ddp_hook(state, bucket)
+
+    ddp.register_comm_hook(state, ddp_hook if layouts is None else hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    per_step = []
+    for step in range(start, start + steps):
+        before = wire.bytes if wire else 0
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        per_step.append((wire.bytes if wire else 0) - before)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, state, per_step
+
+
+def job(rank: int, out: Path) -> None:
+    """Every training run, then the misconfigured one, which must raise on every rank."""
+    wire = Wire()
+    result = {}
+    for variant in VARIANTS:
+        layouts = []
+        alltoall = wire.alltoall
+        with wire_format(variant):
+            params, _, per_step = train(rank, variant, STEPS, wire=wire, layouts=layouts)
+        result[variant] = {
+            "params": params,
+            "layouts": layouts,
+            "bytes": per_step,
+            "alltoall": wire.alltoall - alltoall,
+        }
+    for variant, how in RESUMED:
+        params, state, _ = train(rank, variant, STEPS // 2)
+        if how == "pickle":
+            state = pickle.loads(pickle.dumps(state))
+            assert state.process_group is None
+        else:
+            saved = io.BytesIO()
+            torch.save(state.state_dict(), saved)
+            state = CompressionState(compressor(variant))
+            state.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+        params, _, _ = train(rank, variant, STEPS - STEPS // 2, start=STEPS // 2, params=params, state=state)
+        result[f"resumed/{variant}/{how}"] = {"params": params}
+    result["nan"] = {}
+    for variant in ("topk", "terngrad", "fp16"):  # NaN gradients on rank 1: every rank raises, none waits
+        model = torch.nn.parallel.DistributedDataParallel(make_model())
+        model.register_comm_hook(CompressionState(compressor(variant)), ddp_hook)
+        x, y = batch(rank, 0)
+        try:
+            torch.nn.functional.cross_entropy(model(x * float("nan") if rank == 1 else x), y).backward()
+            result["nan"][variant] = None
+        except Exception as error:
+            result["nan"][variant] = f"{type(error).__name__}: {error}"
+    torch.save(result, out / f"rank{rank}.pt")
+
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    model.register_comm_hook(CompressionState(RegTopK(2 * RATIO if rank == 1 else RATIO)), ddp_hook)
+    x, y = batch(rank, 0)
+    start = time.monotonic()
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    except ValueError as error:
+        (out / f"error{rank}.txt").write_text(f"{time.monotonic() - start:.3f}\n{error}")
+        dist.barrier()  # both ranks raised: let both report before the spawn ends them
+        raise
+
+
+def _entry(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(seconds=30))
+    try:
+        job(rank, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(out: Path, timeout: float = 60.0) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        _entry, args=(port, str(out)), nprocs=RANKS, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {timeout} s (hang?)")
+
+
+# ---------------------------------------------------------------- in this process
+def simulate(variant: str, steps: int = STEPS):
+    """The Simulator fed each rank's flat bucket: the gradients of the parameters in model order."""
+    model = make_model()
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    sim = Simulator(RANKS, compressor(variant))
+    with wire_format(variant):
+        for step in range(steps):
+            flats = []
+            for rank in range(RANKS):
+                model.zero_grad()
+                x, y = batch(rank, step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                flats.append(torch.cat([p.grad.reshape(-1) for p in params]))
+            average = sim.step({BUCKET: flats})[BUCKET]
+            for p, g in zip(params, average.split([p.numel() for p in params])):
+                p.grad = g.reshape(p.shape).clone()
+            optimizer.step()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """One 2-process run (each start costs seconds): ``(results per rank, error files, what the spawn raised)``."""
+    out = tmp_path_factory.mktemp("ddp")
+    try:
+        spawn(out)
+        raised = None
+    except Exception as error:  # expected: the misconfigured run at the end
+        raised = error
+    errors = [out / f"error{r}.txt" for r in range(RANKS)]
+    return out, errors, raised
+
+
+@pytest.fixture(scope="module")
+def trained(ranks):
+    out, _, raised = ranks
+    if not all((out / f"rank{r}.pt").exists() for r in range(RANKS)):
+        pytest.fail(f"the DDP runs did not finish: {raised}")
+    return [torch.load(out / f"rank{r}.pt") for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_ranks_equal_simulator(trained, variant):
+    model_order = list(range(len(list(make_model().parameters()))))
+    for result in trained:  # DDP's layout: model order at step 1, then rebuilt in gradient-ready order
+        assert result[variant]["layouts"] == [(0, model_order)] + [(0, model_order[::-1])] * (STEPS - 1)
+    expected = simulate(variant)
+    tolerance = 1e-3 if variant == "fp16" else 1e-6
+    for rank, result in enumerate(trained):
+        for key, value in expected.items():
+            np.testing.assert_allclose(
+                result[variant]["params"][key].numpy(),
+                value.numpy(),
+                rtol=0,
+                atol=tolerance,
+                err_msg=f"{variant} {key}: rank {rank} of the DDP run differs from the Simulator",
+            )
+
+
+def test_sparse_payloads_travel_sparse(trained):
+    numel = sum(p.numel() for p in make_model().parameters())
+    k = reference.num_selected(numel, RATIO)
+    header = 5 * 8
+    for result in trained:
+        assert result["topk"]["bytes"] == [header + k * 8] * STEPS  # k fp32 values + k int32 indices
+        assert result["regtopk"]["bytes"] == [header + k * 8] * STEPS
+        assert result["none"]["bytes"] == [header + 4 * numel] + [4 * numel] * (STEPS - 1)
+        assert result["gaussiank"]["alltoall"] > 0  # counts differed: the uneven path ran
+        assert all(b < numel for b in result["gaussiank"]["bytes"])
+
+
+@pytest.mark.parametrize("variant, how", RESUMED)
+def test_checkpoint_resumes_exactly(trained, variant, how):
+    """2 steps, state through pickle or state_dict into a new DDP model, 2 more steps == 4 steps."""
+    for result in trained:
+        for key, value in result[variant]["params"].items():
+            assert torch.equal(result[f"resumed/{variant}/{how}"]["params"][key], value), key
+
+
+def test_mismatched_ratio_fails_every_rank(ranks):
+    _, errors, raised = ranks
+    assert raised is not None, "a rank with another ratio trained without error"
+    assert "ranks disagree on DDP bucket 'ddp.bucket0'" in str(raised), str(raised)[-2000:]
+    for rank, path in enumerate(errors):
+        assert path.exists(), f"rank {rank} did not raise: {raised}"
+        seconds, message = path.read_text().split("\n", 1)
+        assert float(seconds) < 60
+        assert "ranks disagree on DDP bucket 'ddp.bucket0'" in message, message
+        assert "'config'" in message and f"RegTopK(ratio={2 * RATIO if rank else RATIO}" in message, message
+
+
+@pytest.mark.parametrize("variant", ["topk", "terngrad", "fp16"])
+def test_nan_gradient_on_one_rank_fails_every_rank(trained, variant):
+    own, other = trained[1]["nan"][variant], trained[0]["nan"][variant]
+    assert own is not None and "NaN/Inf" in own and "ddp.bucket0" in own, own
+    assert other is not None and "ddp.bucket0" in other, other
+    assert ("could not compress" if variant != "fp16" else "another rank") in other, other
+
+
+def test_state_pickles_without_process_group_and_delegates_state_dict():
+    state = CompressionState(RegTopK(0.1, dense_below=0), process_group=object())
+    state.compressor.bind(0, 2).encode(torch.randn(100), BUCKET)
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.process_group is None
+    assert torch.equal(copy.compressor.residual(BUCKET), state.compressor.residual(BUCKET))
+    assert state.state_dict().keys() == state.compressor.state_dict().keys()
+    fresh = CompressionState(RegTopK(0.1, dense_below=0))
+    fresh.load_state_dict(state.state_dict())
+    assert torch.equal(fresh.compressor.residual(BUCKET), state.compressor.residual(BUCKET))
+    with pytest.raises(ValueError, match="TopK"):
+        CompressionState(Compression.topk(0.1)).load_state_dict(state.state_dict())
