@@ -213,3 +213,23 @@ def test_sent_plus_residual_is_exactly_a(kind, a, p):
     residual = compressor.residual("w")
     np.testing.assert_array_equal(densify(payload, a.shape[0]) + residual, a)
     assert np.all(residual[payload.indices] == 0)
+
+
+# (i) ------------------------------------------------------------------------ #
+@given(
+    a=vectors(min_size=2, dtype=np.float32, elements=st.floats(-100, 100, width=32)),
+    data=st.data(),
+    mu=st.sampled_from([0.5, 4.0, 5.0]),
+)
+def test_regtopk_sparse_posterior_selects_as_the_dense_distortion(a, data, mu):
+    """What the compressor runs (D kept as its informative part) == the spec's dense D."""
+    numel = a.shape[0]
+    sent_idx = np.array(sorted(data.draw(st.sets(st.integers(0, numel - 1), min_size=1), label="sent")), np.int32)
+    sent = data.draw(hnp.arrays(np.float32, sent_idx.shape[0], elements=st.floats(-10, 10, width=32)))
+    total = data.draw(hnp.arrays(np.float32, numel, elements=st.floats(-50, 50, width=32)))
+    k = data.draw(st.integers(1, numel), label="k")
+    idx, values = reference.regtopk_posterior(total, sent_idx, sent)
+    dense = reference.regtopk_distortion(total, sent_idx, sent, numel)
+    np.testing.assert_array_equal(
+        reference.regtopk_select_sparse(a, idx, values, mu, k), reference.regtopk_select(a, dense, mu, k)
+    )

@@ -764,3 +764,17 @@ def test_terngrad_torch_generator_is_in_the_checkpoint():
     assert_same_runs(run_torch(restored, [3]), expected)
     # guard: without the restored stream the same step differs
     assert not torch.equal(fresh[0]["conv.weight"], expected[0]["conv.weight"])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@given(data=st.data(), mu=mus)
+def test_regtopk_select_sparse_matches_reference(dtype, data, mu):
+    a = data.draw(float_arrays(dtype), label="a")
+    numel = a.shape[0]
+    idx = data.draw(index_sets(numel), label="idx")
+    values = data.draw(float_arrays(np.float32, idx.shape[0], idx.shape[0]), label="D at idx")
+    k = data.draw(st.integers(1, numel), label="k")
+    assert_same(
+        T.regtopk_select_sparse(to_torch(a), to_torch(idx), to_torch(values), mu, k),
+        R.regtopk_select_sparse(a, idx, values, mu, k),
+    )

@@ -51,6 +51,10 @@ def itemsize(a: np.ndarray) -> int:
 
 
 def count_nonfinite(a: np.ndarray) -> int:
+    """NaN/Inf entries of ``a``; one cheap sum first, the exact count only when it is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.sum(a)):
+            return 0
     return int(a.size - np.count_nonzero(np.isfinite(a)))
 
 
@@ -104,15 +108,18 @@ def set_generator_state(rng: np.random.Generator, state) -> None:
 # --------------------------------------------------------------------------- #
 # Error feedback
 # --------------------------------------------------------------------------- #
-def error_feedback_split(a: np.ndarray, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def error_feedback_split(
+    a: np.ndarray, indices: np.ndarray, in_place: bool = False
+) -> Tuple[np.ndarray, np.ndarray]:
     """Send ``a[S]`` and keep the rest: returns ``(values, residual)``.
 
     ``residual`` is ``a`` with ``a[S]`` set to zero, so ``values`` scattered at ``S``
     plus ``residual`` equals ``a`` exactly (error feedback, Seide et al. 2014;
-    Stich et al. 2018).
+    Stich et al. 2018). ``in_place``: ``a`` is a buffer of the caller's and becomes
+    the residual (no copy).
     """
     values = a[indices]
-    residual = a.copy()
+    residual = a if in_place else a.copy()
     residual[indices] = 0
     return values, residual
 
@@ -183,6 +190,7 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
     k = num_selected(a.shape[0], ratio)
     magnitude = np.abs(a)
     selected = gaussiank_correct(
+        lambda threshold: int(np.count_nonzero(magnitude > threshold)),
         lambda threshold: np.flatnonzero(magnitude > threshold),
         lambda superset: superset[topk_indices(magnitude[superset], k)],
         gaussiank_threshold(a, ratio),
@@ -191,24 +199,25 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
     return selected.astype(index_dtype(a.shape[0]))
 
 
-def gaussiank_correct(select: Callable, trim: Callable, threshold: float, k: int):
+def gaussiank_correct(count: Callable, select: Callable, trim: Callable, threshold: float, k: int):
     """The bounded threshold correction of Gaussian-k, for any framework.
 
-    ``select(thr)`` returns the indices with ``|a_j| > thr``; ``trim(S)`` the
-    ``k`` largest of ``S``. Returns the indices to send.
+    ``count(thr)`` is the number of ``|a_j| > thr``, ``select(thr)`` their
+    indices, ``trim(S)`` the ``k`` largest of ``S``. Each round only counts; the
+    indices are gathered once, for the threshold finally chosen.
     """
-    smallest_superset = None
+    superset = None  # the lowest count above 4k/3 seen, and its threshold
     for _ in range(GAUSSIANK_ROUNDS):
-        selected = select(threshold)
-        if selected.shape[0] < GAUSSIANK_LOW * k:
-            threshold *= GAUSSIANK_SHRINK
-        elif selected.shape[0] > GAUSSIANK_HIGH * k:
-            threshold *= GAUSSIANK_GROW
-            if smallest_superset is None or selected.shape[0] < smallest_superset.shape[0]:
-                smallest_superset = selected
+        selected = count(threshold)
+        if selected < GAUSSIANK_LOW * k:
+            last, threshold = threshold, threshold * GAUSSIANK_SHRINK
+        elif selected > GAUSSIANK_HIGH * k:
+            if superset is None or selected < superset[0]:
+                superset = (selected, threshold)
+            last, threshold = threshold, threshold * GAUSSIANK_GROW
         else:
-            return selected
-    return selected if smallest_superset is None else trim(smallest_superset)
+            return select(threshold)
+    return select(last) if superset is None else trim(select(superset[1]))
 
 
 # --------------------------------------------------------------------------- #
@@ -235,23 +244,48 @@ def regtopk_select(a: np.ndarray, distortion: np.ndarray, mu: float, k: int) -> 
     return topk_indices(regtopk_scores(a, distortion, mu), k)
 
 
-def regtopk_distortion(total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int) -> np.ndarray:
-    """Posterior distortion after one aggregation (``Delta_updater`` of the reference code).
+def regtopk_posterior(
+    total: np.ndarray, indices: np.ndarray, sent: np.ndarray
+) -> Tuple[np.ndarray, np.ndarray]:
+    """The informative part of the posterior distortion: ``(j, D_j)`` for the ``j`` this rank sent.
 
     ``total`` is the sum over ranks of the sent sparse vectors (``N *`` average),
-    ``indices``/``sent`` what this rank sent. ``D_j = (T_j - s_j) / s_j`` where this
-    rank sent ``j`` (the other ranks' total relative to its own), ``1e8``
-    elsewhere. A sent entry with ``s_j = 0`` carries no information: ``1e8``.
+    ``indices``/``sent`` what this rank sent: ``D_j = (T_j - s_j) / s_j``, the other
+    ranks' total relative to this rank's own (``Delta_updater`` of the reference
+    code). Entries sent as exactly 0 carry no information and are left out.
     Computed in at least float32.
     """
     dtype = accumulation_dtype(total.dtype)
-    total, sent = total.astype(dtype, copy=False), sent.astype(dtype, copy=False)
-    distortion = np.full(numel, NO_DISTORTION, dtype=dtype)
     informative = sent != 0
     idx = indices[informative]
-    own = sent[informative]
-    distortion[idx] = (total[idx] - own) / own
+    own = sent[informative].astype(dtype, copy=False)
+    return idx, (total[idx].astype(dtype, copy=False) - own) / own
+
+
+def regtopk_distortion(total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int) -> np.ndarray:
+    """The whole posterior distortion ``D``: :func:`regtopk_posterior` where informative, ``1e8`` elsewhere."""
+    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
+
+
+def regtopk_expand(idx: np.ndarray, values: np.ndarray, numel: int) -> np.ndarray:
+    """Dense ``D`` from its informative part: ``values`` at ``idx``, ``1e8`` elsewhere."""
+    distortion = np.full(numel, NO_DISTORTION, dtype=values.dtype)
+    distortion[idx] = values
     return distortion
+
+
+def regtopk_select_sparse(
+    a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu: float, k: int
+) -> np.ndarray:
+    """:func:`regtopk_select` with ``D`` given by its informative part ``(idx, values)``.
+
+    Elsewhere ``D = 1e8`` and ``tanh((1 + 1e8) / mu)`` is exactly 1, so the score is
+    ``|a_j|``: only the entries sent last step need ``tanh``. Same result as the
+    dense form, at the cost of one ``|a|`` pass.
+    """
+    scores = np.abs(a).astype(accumulation_dtype(np.result_type(a.dtype, values.dtype)))
+    scores[idx] = regtopk_scores(a[idx], values, mu)
+    return topk_indices(scores, k)
 
 
 # --------------------------------------------------------------------------- #

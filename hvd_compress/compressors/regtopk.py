@@ -17,9 +17,11 @@ ranks cancelled. Per tensor and step::
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Dict
 
-from hvd_compress.compressors import reference
+from hvd_compress import kernels
 from hvd_compress.compressors.sparse import DENSE_BELOW, Sparsifier
 
 
@@ -45,16 +47,19 @@ class RegTopK(Sparsifier):
 
     def distortion(self, name: str):
         """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any)."""
-        return self.memory.peek(name, "distortion")
+        idx = self.memory.peek(name, "posterior_indices")
+        if idx is None:
+            return None
+        values = self.memory.peek(name, "posterior_values")
+        numel = math.prod(self.memory.shape(name))
+        return kernels.ops_for(values).regtopk_expand(idx, values, numel)
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
-        distortion = self.memory.get(
-            name,
-            "distortion",
-            shape,
-            lambda: ops.full(a.shape[0], reference.NO_DISTORTION, a, ops.accumulation_dtype(a.dtype)),
-        )
-        return ops.regtopk_select(a, distortion, self.mu, self.k(a.shape[0]))
+        idx = self.memory.peek(name, "posterior_indices")
+        if idx is None:  # no aggregate seen yet: D = 1e8 everywhere, plain Top-k
+            return ops.topk_select(a, self.k(a.shape[0]))
+        values = self.memory.peek(name, "posterior_values")
+        return ops.regtopk_select_sparse(a, idx, values, self.mu, self.k(a.shape[0]))
 
     def _sent(self, name: str, indices: Any, values: Any) -> None:
         self.memory.set(name, "sent_indices", indices)
@@ -64,6 +69,6 @@ class RegTopK(Sparsifier):
         indices = self.memory.peek(name, "sent_indices")
         if indices is None:
             return
-        values = self.memory.peek(name, "sent_values")
-        distortion = ops.regtopk_distortion(total, indices, ops.cast(values, total.dtype), total.shape[0])
-        self.memory.set(name, "distortion", distortion)
+        idx, values = ops.regtopk_posterior(total, indices, self.memory.peek(name, "sent_values"))
+        self.memory.set(name, "posterior_indices", idx)
+        self.memory.set(name, "posterior_values", values)

@@ -28,8 +28,8 @@ class TensorMemory:
     def shape(self, name: str) -> tuple:
         return self._shapes[name]
 
-    def get(self, name: str, key: str, shape: tuple, init: Callable[[], Any]) -> Any:
-        """The array ``key`` of tensor ``name``, created by ``init()`` when absent.
+    def track(self, name: str, shape: tuple) -> None:
+        """Note that tensor ``name`` has ``shape`` this step.
 
         A tensor whose shape changed gets fresh state (with a warning); state
         restored from a checkpoint that does not fit the tensor is an error.
@@ -50,8 +50,13 @@ class TensorMemory:
             self.reset(name)
         elif known is not None:
             self._restored.discard(name)  # the checkpoint fits: later shape changes are live ones
-        slots = self._slots.setdefault(name, {})
+        self._slots.setdefault(name, {})
         self._shapes[name] = shape
+
+    def get(self, name: str, key: str, shape: tuple, init: Callable[[], Any]) -> Any:
+        """The array ``key`` of tensor ``name`` (of ``shape``), created by ``init()`` when absent."""
+        self.track(name, shape)
+        slots = self._slots[name]
         if key not in slots:
             slots[key] = init()
         return slots[key]

@@ -59,11 +59,12 @@ class Sparsifier(Compressor):
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
+        self.memory.track(name, shape)
         a = flat
         if self.error_feedback:
             a = flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
         indices = self._select(a, name, shape, ops)
-        values, residual = ops.error_feedback_split(a, indices)
+        values, residual = ops.error_feedback_split(a, indices, in_place=self.error_feedback)
         if self.error_feedback:
             self.memory.set(name, "residual", residual)
         self._sent(name, indices, values)

@@ -46,6 +46,8 @@ def itemsize(a: torch.Tensor) -> int:
 
 
 def count_nonfinite(a: torch.Tensor) -> int:
+    if bool(torch.isfinite(a.sum())):
+        return 0
     return int(a.numel() - torch.isfinite(a).sum().item())
 
 
@@ -124,10 +126,12 @@ def dense_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 # -------------------------------------------------------------- error feedback
-def error_feedback_split(a: torch.Tensor, indices: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def error_feedback_split(
+    a: torch.Tensor, indices: torch.Tensor, in_place: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
     idx = indices.long()
     values = a[idx]
-    residual = a.clone()
+    residual = a if in_place else a.clone()
     residual[idx] = 0
     return values, residual
 
@@ -137,10 +141,13 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
     numel = scores.shape[0]
     k = min(k, numel)
-    kth = torch.topk(scores, k, sorted=False).values.min()
-    above = torch.nonzero(scores > kth).flatten()
-    ties = torch.nonzero(scores == kth).flatten()[: k - above.shape[0]]
-    return torch.sort(torch.cat([above, ties])).values.to(index_dtype(numel))
+    values, indices = torch.topk(scores, k, sorted=False)
+    kth = values.min()
+    if int(torch.count_nonzero(scores >= kth)) > k:  # ties at the boundary: lowest indices win
+        above = torch.nonzero(scores > kth).flatten()
+        ties = torch.nonzero(scores == kth).flatten()[: k - above.shape[0]]
+        indices = torch.cat([above, ties])
+    return torch.sort(indices).values.to(index_dtype(numel))
 
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
@@ -154,10 +161,11 @@ def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
-    """One moments pass, then at most ``GAUSSIANK_ROUNDS`` compare-and-nonzero passes; no sort of ``a``."""
+    """One moments pass, at most three counting passes, one ``nonzero``; no sort of ``a``."""
     k = num_selected(a.shape[0], ratio)
     magnitude = a.abs()
     selected = gaussiank_correct(
+        lambda threshold: int(torch.count_nonzero(magnitude > threshold)),
         lambda threshold: torch.nonzero(magnitude > threshold).flatten(),
         lambda superset: superset[topk_indices(magnitude[superset], k).long()],
         gaussiank_threshold(a, ratio),
@@ -177,17 +185,33 @@ def regtopk_select(a: torch.Tensor, distortion: torch.Tensor, mu: float, k: int)
     return topk_indices(regtopk_scores(a, distortion, mu), k)
 
 
+def regtopk_posterior(total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor):
+    dtype = accumulation_dtype(total.dtype)
+    informative = sent != 0
+    idx = indices[informative]
+    own = sent[informative].to(dtype)
+    return idx, (total[idx.long()].to(dtype) - own) / own
+
+
 def regtopk_distortion(
     total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor, numel: int
 ) -> torch.Tensor:
-    dtype = accumulation_dtype(total.dtype)
-    total, sent = total.to(dtype), sent.to(dtype)
-    distortion = full(numel, NO_DISTORTION, total)
-    informative = sent != 0
-    idx = indices.long()[informative]
-    own = sent[informative]
-    distortion[idx] = (total[idx] - own) / own
+    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
+
+
+def regtopk_expand(idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    distortion = full(numel, NO_DISTORTION, values)
+    distortion[idx.long()] = values
     return distortion
+
+
+def regtopk_select_sparse(
+    a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float, k: int
+) -> torch.Tensor:
+    scores = a.abs().to(accumulation_dtype(torch.promote_types(a.dtype, values.dtype)))
+    idx = idx.long()
+    scores[idx] = regtopk_scores(a[idx], values, mu)
+    return topk_indices(scores, k)
 
 
 # -------------------------------------------------------------------- TernGrad
