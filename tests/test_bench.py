@@ -11,8 +11,18 @@ from hvd_compress.bench import compress  # noqa: E402
 from hvd_compress.cli import main  # noqa: E402
 
 ROW_FIELDS = {
-    "backend", "device", "size", "compressor", "seconds", "vs_topk", "vs_pass",
-    "vs_topk_compressor", "density", "payload_bytes", "dense_bytes", "bytes_vs_dense",
+    "backend",
+    "device",
+    "size",
+    "compressor",
+    "seconds",
+    "vs_topk",
+    "vs_pass",
+    "vs_topk_compressor",
+    "density",
+    "payload_bytes",
+    "dense_bytes",
+    "bytes_vs_dense",
 }
 
 
@@ -23,8 +33,14 @@ def _check(path, sizes):
     rows = results["rows"]
     for size in sizes:
         for name in compress.COMPRESSORS:
-            (row,) = [r for r in rows if r["backend"] == "torch" and r["device"] == "cpu"
-                      and r["size"] == size and r["compressor"] == name]
+            (row,) = [
+                r
+                for r in rows
+                if r["backend"] == "torch"
+                and r["device"] == "cpu"
+                and r["size"] == size
+                and r["compressor"] == name
+            ]
             assert ROW_FIELDS <= set(row), row
             assert row["seconds"] > 0 and row["vs_topk"] > 0 and row["vs_pass"] > 0
             assert row["dense_bytes"] == 4 * size
@@ -37,7 +53,9 @@ def _check(path, sizes):
     assert {r["compressor"] for r in numpy_rows} == set(compress.COMPRESSORS)
     assert {r["size"] for r in numpy_rows} == {min(sizes)}
     assert {(t["compressor"], t["against"]) for t in results["targets"]} == {
-        ("gaussiank", "torch.topk"), ("gaussiank", "one pass"), ("regtopk", "Top-k")
+        ("gaussiank", "torch.topk"),
+        ("gaussiank", "one pass"),
+        ("regtopk", "Top-k"),
     }
     png = path / "compress.png"
     assert png.exists() and png.stat().st_size > 0
@@ -53,8 +71,23 @@ def test_run_writes_json_and_plot(tmp_path, capsys):
 
 
 def test_cli(tmp_path, capsys):
-    assert main(["bench", "compress", "--sizes", "10k,12_000", "--repeats", "1",
-                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "compress",
+                "--sizes",
+                "10k,12_000",
+                "--repeats",
+                "1",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     _check(tmp_path, [10_000, 12_000])
     assert "compress.json" in capsys.readouterr().out
 
@@ -67,8 +100,15 @@ def test_cli_rejects_bad_options(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "text, size", [("1M", 1_000_000), ("11.7M", 11_700_000), ("25m", 25_000_000), ("10_000", 10_000),
-                   ("10k", 10_000), ("1e6", 1_000_000)],
+    "text, size",
+    [
+        ("1M", 1_000_000),
+        ("11.7M", 11_700_000),
+        ("25m", 25_000_000),
+        ("10_000", 10_000),
+        ("10k", 10_000),
+        ("1e6", 1_000_000),
+    ],
 )
 def test_parse_size(text, size):
     assert compress.parse_size(text) == size

@@ -31,6 +31,7 @@ def _horovod():
 
 
 def run_workload(kind, ranks, names, tmp_path, *extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "result.npz"
     done = launch.run(
         kind,
@@ -63,19 +64,21 @@ def assert_equals_simulator(result, names, ranks):
 
 
 def expected_topk_bytes(path):
-    """What one rank hands Horovod per step with Top-k: k indices + values per weight and dense biases,
-    plus per weight a 4-int64 header and a 4-byte placeholder (stock), or one header
-    ``[config, signature, counts...]`` for the single fused bucket (drop-in)."""
+    """What one rank hands Horovod per step with Top-k: k indices + values per weight and the dense
+    biases, plus an int64 header ``[config, layout, counts...]`` per exchange: one per weight and a
+    4-byte placeholder for Horovod's allreduce (stock), or one for the single fused bucket (drop-in)."""
     params = [p for _, p in workload.make_model().named_parameters()]
     sparse = [p for p in params if p.numel() >= 1024]
     total = sum(4 * p.numel() for p in params if p.numel() < 1024)
     total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) for p in sparse)
     if path == "stock":
-        return total + len(sparse) * (4 * 8 + 4)
+        return total + len(sparse) * (8 * 3 + 4)
     return total + 8 * (2 + len(sparse))
 
 
-@pytest.mark.parametrize("kind, path", [("horovodrun", "stock"), ("mpirun", "stock"), ("horovodrun", "dropin")])
+@pytest.mark.parametrize(
+    "kind, path", [("horovodrun", "stock"), ("mpirun", "stock"), ("horovodrun", "dropin")]
+)
 def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_path):
     result = run_workload(kind, 2, ALL, tmp_path, "--path", path)
     assert_equals_simulator(result, ALL, 2)

@@ -224,7 +224,9 @@ def test_sent_plus_residual_is_exactly_a(kind, a, p):
 def test_regtopk_sparse_posterior_selects_as_the_dense_distortion(a, data, mu):
     """What the compressor runs (D kept as its informative part) == the spec's dense D."""
     numel = a.shape[0]
-    sent_idx = np.array(sorted(data.draw(st.sets(st.integers(0, numel - 1), min_size=1), label="sent")), np.int32)
+    sent_idx = np.array(
+        sorted(data.draw(st.sets(st.integers(0, numel - 1), min_size=1), label="sent")), np.int32
+    )
     sent = data.draw(hnp.arrays(np.float32, sent_idx.shape[0], elements=st.floats(-10, 10, width=32)))
     total = data.draw(hnp.arrays(np.float32, numel, elements=st.floats(-50, 50, width=32)))
     k = data.draw(st.integers(1, numel), label="k")

@@ -314,7 +314,9 @@ def test_packed_lanes_that_overflow_int32_when_summed(world_size):
 def test_sum_int32_wrapping_of_arbitrary_lanes(world_size, numel, seed):
     """Full-range int32 lanes: sums of up to 16 wrap around many times."""
     rng = np.random.default_rng(seed)
-    arrays = [rng.integers(-(2**31), 2**31, numel, dtype=np.int64).astype(np.int32) for _ in range(world_size)]
+    arrays = [
+        rng.integers(-(2**31), 2**31, numel, dtype=np.int64).astype(np.int32) for _ in range(world_size)
+    ]
     arrays[0][0] = np.iinfo(np.int32).min
     arrays[-1][-1] = np.iinfo(np.int32).max
     want = R.sum_int32_wrapping(arrays)
@@ -355,8 +357,10 @@ def test_sparse_sum_matches_reference_bit_exactly(dtype, data, world_size):
     """Overlapping index sets of up to 8 ranks: float sums in rank order, bit-exact on CPU."""
     numel = data.draw(st.integers(1, 3000))
     indices = [data.draw(index_sets(numel)) for _ in range(world_size)]
-    values = [data.draw(float_arrays(dtype, i.shape[0], i.shape[0])) if i.shape[0] else
-              np.zeros(0, dtype) for i in indices]
+    values = [
+        data.draw(float_arrays(dtype, i.shape[0], i.shape[0])) if i.shape[0] else np.zeros(0, dtype)
+        for i in indices
+    ]
     got = T.sparse_sum([to_torch(i) for i in indices], [to_torch(v) for v in values], numel)
     assert_same(got, R.sparse_sum(indices, values, numel))
 
@@ -472,9 +476,9 @@ def _kernel_calls(ops, a, dtype):
         "gaussiank_select": ops.gaussiank_select(a, 0.1),
         "regtopk_scores": ops.regtopk_scores(a, no_info, 5.0),
         "regtopk_select": ops.regtopk_select(a, no_info, 5.0, k),
-        "regtopk_distortion": ops.regtopk_distortion(ops.dense_sum([a, a]), idx, values, numel)
-        if dtype != np.float16
-        else None,
+        "regtopk_distortion": (
+            ops.regtopk_distortion(ops.dense_sum([a, a]), idx, values, numel) if dtype != np.float16 else None
+        ),
         "terngrad_clip": ops.terngrad_clip(a, 2.5),
         "terngrad_codes": codes,
         "uniform": ops.uniform(ops.generator(0, 0, a), a),
@@ -601,8 +605,13 @@ def test_simulator_on_torch_equals_numpy_on_large_tensors(kind, dtype, seed, n_r
 
 @pytest.mark.parametrize(
     "compressor",
-    [NoneCompressor(), FP16(), TopK(0.05, dense_below=0), GaussianK(0.05, dense_below=0),
-     RegTopK(0.05, mu=4.0, dense_below=0)],
+    [
+        NoneCompressor(),
+        FP16(),
+        TopK(0.05, dense_below=0),
+        GaussianK(0.05, dense_below=0),
+        RegTopK(0.05, mu=4.0, dense_below=0),
+    ],
     ids=repr,
 )
 def test_simulator_on_torch_equals_numpy_for_float16(compressor):
@@ -626,7 +635,7 @@ def test_fp16_cast_of_float64_rounds_once():
 @given(seed=st.integers(0, 2**32 - 1), numel=st.integers(1, 3000), clip=st.sampled_from([None, 2.5]))
 def test_terngrad_torch_codes_are_ternary_and_sign_consistent(dtype, seed, numel, clip):
     g = torch.randn(numel, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-    g[:: 7] = 0
+    g[::7] = 0
     payload = TernGrad(clip=clip, dense_below=0, seed=seed).encode(g, "w")
     codes = payload.codes
     assert isinstance(payload, TernaryPayload)
@@ -662,8 +671,10 @@ def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(n_ranks, numel, sc
     """Both wire formats (packed int32 allreduce, 2-bit allgather) and per-rank scales."""
     gen = torch.Generator().manual_seed(n_ranks * numel)
     grads = [torch.randn(numel, generator=gen) * (r + 1) for r in range(n_ranks)]
-    compressors = [TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2).bind(r, n_ranks)
-                   for r in range(n_ranks)]
+    compressors = [
+        TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2).bind(r, n_ranks)
+        for r in range(n_ranks)
+    ]
     shared = max(c.local_scale(g, "w") for c, g in zip(compressors, grads)) if scalar_sharing else None
     payloads = [c.encode(g, "w", scale=shared) for c, g in zip(compressors, grads)]
     out = compressors[0].decode(payloads, (numel,))

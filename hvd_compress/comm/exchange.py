@@ -35,7 +35,7 @@ class BucketExchange:
     """One bucket's payloads and the collectives that move them."""
 
     def __init__(self, compressor: Any, comm: Any, key: str) -> None:
-        self.compressor, self.comm, self.key = compressor, comm, key
+        self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
         self.average = True
         self.shapes: Dict[str, tuple] = {}
         self.dense: List[Tuple[str, DensePayload]] = []

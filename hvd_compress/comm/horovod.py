@@ -67,8 +67,6 @@ def _calls(compressor: Any, tensor: Any) -> _Calls:
                 "pass torch tensors (horovod.torch)"
             )
         calls = compressor.__dict__["_horovod_calls"] = _Calls(HorovodTorchCommunicator())
-    if (compressor.rank, compressor.size) != (calls.comm.rank, calls.comm.size):
-        compressor.bind(calls.comm.rank, calls.comm.size)
     return calls
 
 
