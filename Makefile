@@ -1,0 +1,34 @@
+# Makefile: entry points for hvd_compress development and CI.
+#   make setup   create/refresh .venv with the full stack (ci/setup.sh; idempotent)
+#   make test    setup, then pytest inside .venv    (extra args: make test PYTEST_ARGS='-k topk')
+#   make demo    setup, then `hvd-compress demo`
+#   make clean   remove .venv (the Horovod wheel cache in ~/.cache/hvd_compress is kept)
+# Test and demo runs (only those; nothing is exported to the calling shell) get:
+#  - .venv/bin first on PATH, so spawned horovodrun/mpirun/mpicc are the venv's;
+#  - as root, the variables Open MPI needs to run as root;
+#  - Open MPI 5 allowed to oversubscribe (more ranks than the 2 cores of CI);
+#  - TF_USE_LEGACY_KERAS=1 unless set: horovod.tensorflow.keras only averages gradients
+#    with tf_keras (Keras 2); under Keras 3 it imports but silently skips the allreduce.
+SHELL := /bin/bash
+VENV := $(CURDIR)/.venv
+PYTEST_ARGS ?=
+ROOT_ENV := $(if $(filter 0,$(shell id -u)),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+RUN := env PATH="$(VENV)/bin:$$PATH" $(ROOT_ENV) \
+	PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe \
+	TF_USE_LEGACY_KERAS=$${TF_USE_LEGACY_KERAS:-1}
+
+.PHONY: setup test demo clean
+
+setup:
+	@bash ci/setup.sh
+
+# HVD_COMPRESS_REQUIRE_HOROVOD=1: setup installed Horovod, so its tests fail instead of skipping.
+test: setup
+	$(RUN) HVD_COMPRESS_REQUIRE_HOROVOD=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	@test -x $(VENV)/bin/hvd-compress || { echo "error: $(VENV)/bin/hvd-compress is missing: the hvd_compress CLI (entry point hvd_compress.cli:main) is not installed" >&2; exit 1; }
+	$(RUN) $(VENV)/bin/hvd-compress demo
+
+clean:
+	rm -rf $(VENV)
