@@ -24,9 +24,10 @@ RATIO = 0.05
 LR = 0.1
 
 
-def make_model() -> torch.nn.Module:
+def make_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    return model.to(dtype)
 
 
 def batches(rank: int, steps: int):
@@ -39,31 +40,38 @@ def batches(rank: int, steps: int):
 
 
 def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(model(x), y)
+    dtype = next(model.parameters()).dtype
+    return torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
 
 
 def compressor(name: str, seed: int = 0):
     return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": seed}))
 
 
-def simulate(name: str, ranks: int, steps: int) -> Dict[str, np.ndarray]:
-    """The same training on the in-process simulator; gradients in backward-hook order."""
-    model = make_model()
+def simulate(
+    name: str, ranks: int, steps: int, passes: int = 1, dtype: torch.dtype = torch.float32
+) -> Dict[str, np.ndarray]:
+    """The same training on the in-process simulator; gradients in backward-hook order.
+
+    ``passes`` backward passes accumulate into each step's gradient (``backward_passes_per_step``).
+    """
+    model = make_model(dtype)
     sim = Simulator(ranks, compressor(name))
-    data = [batches(r, steps) for r in range(ranks)]
+    data = [batches(r, steps * passes) for r in range(ranks)]
     params = list(model.named_parameters())[::-1]  # Horovod's hooks fire last layer first
     for step in range(steps):
         grads: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in params}
         for rank in range(ranks):
             model.zero_grad()
-            loss_fn(model, *data[rank][step]).backward()
+            for micro in range(passes):
+                loss_fn(model, *data[rank][step * passes + micro]).backward()
             for n, p in params:
                 grads[n].append(p.grad.clone())
         averaged = sim.step(grads)
         with torch.no_grad():
             for n, p in params:
                 p -= LR * averaged[n]
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
 class ByteCounter:
@@ -104,6 +112,8 @@ def make_optimizer(model: torch.nn.Module, compression, args: argparse.Namespace
         named_parameters=model.named_parameters(),
         compression=compression,
         op=hvd.Sum if args.op == "sum" else hvd.Average,
+        backward_passes_per_step=args.passes,
+        gradient_predivide_factor=args.predivide,
     )
 
 
@@ -123,26 +133,27 @@ def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespa
 def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace) -> Dict[str, np.ndarray]:
     import horovod.torch as hvd
 
-    model = make_model()
+    model = make_model(torch.float16 if args.half else torch.float32)
     compression = compressor(name)
     if hvd.rank() == 1 and args.rank1_ratio is not None:
         compression.ratio = args.rank1_ratio
     optimizer = make_optimizer(model, compression, args)
-    data = batches(hvd.rank(), steps)
+    data = batches(hvd.rank(), steps * args.passes)
     counter.bytes = 0
     for step in range(steps):
         if step == args.resume_at:
             model, optimizer = resumed(model, optimizer, name, args)
         optimizer.zero_grad()
-        x, y = data[step]
-        if hvd.rank() == 1 and args.rank1_nan:
-            x = x * float("nan")
-        loss = loss_fn(model, x, y)
-        if args.op == "sum":
-            loss = loss / hvd.size()  # Sum of per-rank means / N == the average
-        loss.backward()
+        for micro in range(args.passes):
+            x, y = data[step * args.passes + micro]
+            if hvd.rank() == 1 and args.rank1_nan:
+                x = x * float("nan")
+            loss = loss_fn(model, x, y)
+            if args.op == "sum":
+                loss = loss / hvd.size()  # Sum of per-rank means / N == the average
+            loss.backward()
         optimizer.step()
-    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
 def main() -> None:
@@ -154,6 +165,9 @@ def main() -> None:
     parser.add_argument("--op", choices=["average", "sum"], default="average")
     parser.add_argument("--out", required=True)
     parser.add_argument("--path", choices=["stock", "dropin"], default="stock")
+    parser.add_argument("--passes", type=int, default=1, help="backward_passes_per_step")
+    parser.add_argument("--half", action="store_true", help="float16 model and gradients")
+    parser.add_argument("--predivide", type=float, default=1.0, help="gradient_predivide_factor")
     parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
