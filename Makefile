@@ -1,7 +1,7 @@
 # Makefile: entry points for hvd_compress development and CI.
 #   make setup   create/refresh .venv with the full stack (ci/setup.sh; idempotent)
 #   make test    setup, then pytest inside .venv    (extra args: make test PYTEST_ARGS='-k topk')
-#   make demo    setup, then `hvd-compress demo`
+#   make demo    setup, then `hvd-compress demo` and a 2-process horovodrun of examples/pytorch_train.py
 #   make clean   remove .venv (the Horovod wheel cache in ~/.cache/hvd_compress is kept)
 # Test and demo runs (only those; nothing is exported to the calling shell) get:
 #  - .venv/bin first on PATH, so spawned horovodrun/mpirun/mpicc are the venv's;
@@ -26,9 +26,16 @@ setup:
 test: setup
 	$(RUN) HVD_COMPRESS_REQUIRE_HOROVOD=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+# The demo: every compressor on 4 simulated ranks (a comparison table), then a real
+# 2-process Horovod run of examples/pytorch_train.py with RegTop-k.
 demo: setup
 	@test -x $(VENV)/bin/hvd-compress || { echo "error: $(VENV)/bin/hvd-compress is missing: the hvd_compress CLI (entry point hvd_compress.cli:main) is not installed" >&2; exit 1; }
 	$(RUN) $(VENV)/bin/hvd-compress demo
+	@echo
+	@echo "== 2 processes under horovodrun --gloo: examples/pytorch_train.py, RegTop-k at 1% =="
+	@set -o pipefail; $(RUN) TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 --gloo \
+	  $(VENV)/bin/python examples/pytorch_train.py --compression regtopk --ratio 0.01 --epochs 3 2>&1 \
+	  | sed -n 's/^\[0\]<stdout>://p'
 
 clean:
 	rm -rf $(VENV)
