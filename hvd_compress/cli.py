@@ -1,8 +1,9 @@
 """The ``hvd-compress`` command.
 
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
-hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4]
+hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4] [--mu-sweep 1,2,4,8] [--plot DIR]
 hvd-compress bench compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
+hvd-compress bench wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 """
 
 from __future__ import annotations
@@ -60,24 +61,30 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _simulate_linreg(args: argparse.Namespace) -> int:
-    from hvd_compress import RegTopK, TopK
-    from hvd_compress.bench import linreg, single_threaded_blas
+    from hvd_compress.bench import linreg
 
-    problem = linreg.LinearRegressionProblem.generate(n_ranks=args.ranks, dim=args.dim, seed=args.seed)
-    runs = {
-        "top-k": TopK(args.ratio, dense_below=0),
-        "regtop-k": RegTopK(args.ratio, mu=args.mu, dense_below=0),
-    }
     print(
         f"Distributed linear regression: {args.ranks} ranks, d={args.dim}, density {args.ratio}, lr {args.lr}"
     )
-    final = {}
-    for label, compressor in runs.items():
-        with single_threaded_blas():
-            distances = linreg.run(problem, compressor, steps=args.steps, lr=args.lr)
-        final[label] = distances[-1]
-        print(f"  {label:<9} ||x - x*||^2 after {args.steps} steps: {distances[-1]:.3e}")
-    print(f"  regtop-k / top-k = {final['regtop-k'] / final['top-k']:.3f}")
+    try:
+        results = linreg.study(
+            n_ranks=args.ranks,
+            dim=args.dim,
+            ratio=args.ratio,
+            mu=args.mu,
+            mu_sweep=args.mu_sweep or (),
+            steps=args.steps,
+            lr=args.lr,
+            seed=args.seed,
+            out=args.plot,
+        )
+    except ImportError as error:
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 2
+    final = {r["label"]: r["final_distance"] for r in results["final"]}
+    print(f"  regtop-k / top-k = {final[f'regtop-k mu={args.mu:g}'] / final['top-k']:.3f}")
+    if args.plot:
+        print(f"Wrote {args.plot}/linreg.json and {args.plot}/linreg.png")
     return 0
 
 
@@ -99,6 +106,44 @@ def _bench_compress(args: argparse.Namespace) -> int:
         return 2
     print(f"Wrote {args.out}/compress.json and {args.out}/compress.png")
     return 0
+
+
+def _bench_wire(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import wire
+
+    print(
+        f"Wire bytes: one simulated step of every compressor on ResNet-18-shaped gradients"
+        f"{'' if args.scale == 1 else f' (widths x {args.scale:g})'}, N = "
+        f"{', '.join(map(str, args.ranks))}, ratio {args.ratio}"
+    )
+    try:
+        wire.run(
+            ranks=args.ranks,
+            ratio=args.ratio,
+            scale=args.scale,
+            dense_below=args.dense_below,
+            seed=args.seed,
+            out=args.out,
+        )
+    except ImportError as error:
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 2
+    print(f"Wrote {args.out}/wire.json and {args.out}/wire.png")
+    return 0
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,4,16, got {text!r}") from error
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4,8, got {text!r}") from error
 
 
 def _size(text: str) -> List[int]:
@@ -136,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     linreg.add_argument("--lr", type=float, default=0.01)
     linreg.add_argument("--steps", type=int, default=2500)
     linreg.add_argument("--seed", type=int, default=0)
+    linreg.add_argument(
+        "--mu-sweep", type=_floats, help="add a RegTop-k run per temperature, e.g. 1,2,4,8"
+    )
+    linreg.add_argument("--plot", metavar="DIR", help="write linreg.json and linreg.png (log scale) here")
     linreg.set_defaults(run=_simulate_linreg)
 
     bench = commands.add_parser("bench", help="benchmarks; ratios against baselines measured in the same run")
@@ -155,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compress.add_argument("--out", default="results", help="folder for compress.json and compress.png")
     compress.set_defaults(run=_bench_compress)
+    wire = benchmarks.add_parser("wire", help="bytes per rank per step vs dense fp32, ResNet-18 shapes")
+    wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")
+    wire.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    wire.add_argument(
+        "--scale", type=float, default=1.0, help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)"
+    )
+    wire.add_argument(
+        "--dense-below", type=int, default=1024, help="tensors below this many elements go dense (default 1024)"
+    )
+    wire.add_argument("--seed", type=int, default=0)
+    wire.add_argument("--out", default="results", help="folder for wire.json and wire.png")
+    wire.set_defaults(run=_bench_wire)
     return parser
 
 

@@ -89,7 +89,7 @@ class Simulator:
             raise ValueError(
                 f"hvd_compress: tensor '{name}' has {len(per_rank)} gradients for " f"{self.n_ranks} ranks"
             )
-        arrays = [as_tensor(g, name) for g in per_rank]
+        arrays = [as_tensor(g) for g in per_rank]
         shapes = {tuple(a.shape) for a in arrays}
         if len(shapes) != 1:
             raise ValueError(f"hvd_compress: ranks disagree on the shape of '{name}': {shapes}")

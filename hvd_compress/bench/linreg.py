@@ -11,8 +11,12 @@ distance from ``x*``; RegTop-k keeps approaching it.
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -85,3 +89,174 @@ def run(
         if callback is not None:
             callback(step, distances[-1])
     return distances
+
+
+# ------------------------------------------------------------------- study
+#: Fraction of the last steps whose mean distance is the "final" distance.
+FINAL_FRACTION = 0.1
+#: Points kept per curve in the JSON (evenly spaced steps, the last one included).
+CURVE_POINTS = 500
+
+
+def final_distance(distances: Sequence[float], fraction: float = FINAL_FRACTION) -> float:
+    """Mean of ``||x - x*||^2`` over the last ``fraction`` of the steps (at least one)."""
+    window = max(1, int(round(fraction * len(distances))))
+    return float(np.mean(distances[-window:]))
+
+
+def subsample(distances: Sequence[float], points: int = CURVE_POINTS) -> Dict[str, List[Any]]:
+    """``{"step": [...], "distance": [...]}`` at about ``points`` evenly spaced steps (1-based)."""
+    steps = np.unique(np.linspace(0, len(distances) - 1, min(points, len(distances))).round().astype(int))
+    return {"step": (steps + 1).tolist(), "distance": [float(distances[i]) for i in steps]}
+
+
+def study(
+    n_ranks: int = 20,
+    dim: int = 100,
+    ratio: float = 0.4,
+    mu: float = 4.0,
+    mu_sweep: Sequence[float] = (),
+    steps: int = 2500,
+    lr: float = 0.01,
+    seed: int = 0,
+    out: Optional[str] = None,
+    progress: bool = True,
+    plot: bool = True,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """The RegTop-k paper's linear-regression study on the simulator.
+
+    Curves of ``||x_t - x*||^2``: dense gradient descent, Top-k, RegTop-k (``mu``),
+    RegTop-k with the reference script's step revert (``run(..., revert=True)``),
+    and RegTop-k at every ``mu`` of ``mu_sweep``. The final distance is the mean
+    over the last 10% of the steps, compared with Top-k's. Writes
+    ``linreg.json`` (curves subsampled) and ``linreg.png`` (log scale) to ``out``
+    when given and prints the table; returns the results.
+    """
+    from hvd_compress.bench import single_threaded_blas
+    from hvd_compress.bench.compress import _require
+    from hvd_compress.bench.wire import describe_machine, progress_bar
+    from hvd_compress.compressors import NoneCompressor, RegTopK, TopK
+
+    if plot and out is not None:
+        _require("matplotlib", "bench")
+    if int(steps) < 1:
+        raise ValueError(f"hvd_compress: steps must be at least 1, got {steps}")
+    steps = int(steps)
+    stdout = stdout or sys.stdout
+    # (label, compressor, mu, revert); every compressor is built (and checked) before any run
+    runs = [
+        ("dense", NoneCompressor(), None, False),
+        ("top-k", TopK(ratio, dense_below=0), None, False),
+        (f"regtop-k mu={mu:g}", RegTopK(ratio, mu=mu, dense_below=0), float(mu), False),
+        (f"regtop-k mu={mu:g} + revert", RegTopK(ratio, mu=mu, dense_below=0), float(mu), True),
+    ]
+    for m in dict.fromkeys(float(m) for m in mu_sweep):
+        if m != float(mu):
+            runs.append((f"regtop-k mu={m:g}", RegTopK(ratio, mu=m, dense_below=0), m, False))
+    problem = LinearRegressionProblem.generate(n_ranks=n_ranks, dim=dim, seed=seed)
+
+    bar = progress_bar(len(runs) * steps, "simulate linreg", "step", progress)
+    every = max(1, steps // 100)
+    curves: Dict[str, List[float]] = {}
+    started = time.perf_counter()
+    try:
+        for label, compressor, _, revert in runs:
+            bar.set_postfix_str(label)
+
+            done = [0]
+
+            def tick(step: int, distance: float, done: List[int] = done) -> None:
+                if (step + 1) % every == 0 or step + 1 == steps:
+                    bar.update(step + 1 - done[0])
+                    done[0] = step + 1
+
+            with single_threaded_blas():
+                curves[label] = run(problem, compressor, steps=steps, lr=lr, revert=revert, callback=tick)
+    finally:
+        bar.close()
+
+    top = final_distance(curves["top-k"])
+    rows = []
+    for label, _, m, revert in runs:
+        final = final_distance(curves[label])
+        rows.append(
+            {
+                "label": label,
+                "compressor": "none" if label == "dense" else label.split(" ")[0],
+                "mu": m,
+                "revert": revert,
+                "final_distance": final,
+                "last_distance": curves[label][-1],
+                "vs_topk": final / top if top > 0 else None,
+            }
+        )
+    results = {
+        "study": "linreg",
+        "machine": describe_machine(),
+        "settings": {
+            "ranks": n_ranks,
+            "dim": dim,
+            "ratio": ratio,
+            "mu": mu,
+            "mu_sweep": [float(m) for m in mu_sweep],
+            "steps": steps,
+            "lr": lr,
+            "seed": seed,
+            "samples_per_rank": int(problem.features[0].shape[0]),
+            "final": f"mean ||x - x*||^2 over the last {FINAL_FRACTION:.0%} of the steps",
+            "revert": "reference script's heuristic (DistLearnLinearReg.py), outside the compressor",
+            "curve_points": f"about {CURVE_POINTS} evenly spaced steps per curve",
+        },
+        "wall_seconds": time.perf_counter() - started,
+        "final": rows,
+        "curves": {label: subsample(d) for label, d in curves.items()},
+    }
+    if out is not None:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / "linreg.json", "w") as f:
+            json.dump(results, f, indent=2)
+        if plot:
+            write_plot(results, path / "linreg.png")
+    print_table(results, stdout)
+    return results
+
+
+def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
+    stdout = stdout or sys.stdout
+    s = results["settings"]
+    print(
+        f"Distributed linear regression: {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, "
+        f"lr {s['lr']}, {s['steps']} steps; final = {s['final']}",
+        file=stdout,
+    )
+    print(f"\n  {'run':<26} {'final':>10} {'last step':>10} {'/ top-k':>8}", file=stdout)
+    for r in results["final"]:
+        ratio = "" if r["vs_topk"] is None else f"{r['vs_topk']:>7.3f}x"
+        print(f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}", file=stdout)
+
+
+def write_plot(results: Dict[str, Any], path: Path) -> None:
+    """``||x_t - x*||^2`` against the step, log scale, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = {"dense": ("black", "-"), "top-k": ("tab:red", "-")}
+    for label, curve in results["curves"].items():
+        color, line = styles.get(label, (None, "--" if "revert" in label else "-"))
+        distance = np.maximum(np.asarray(curve["distance"]), np.finfo(float).tiny)
+        ax.plot(curve["step"], distance, line, color=color, label=label, linewidth=1.3)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(r"$\|x_t - x^*\|^2$")
+    s = results["settings"]
+    ax.set_title(f"Linear regression, {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, lr {s['lr']}")
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -29,6 +29,7 @@ The drop-in :mod:`hvd_compress.torch` knows the real names.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,7 +41,6 @@ from hvd_compress.comm.exchange import BucketExchange
 class _Calls:
     """Counts ``compress`` calls of the current step for deterministic collective names."""
 
-    comm: Any
     index: int = 0
     decompressing: bool = False
 
@@ -58,16 +58,18 @@ class _Context:
     exchange: Optional[BucketExchange] = None
 
 
+@functools.lru_cache(maxsize=None)
+def _communicator() -> HorovodTorchCommunicator:
+    return HorovodTorchCommunicator()
+
+
 def _calls(compressor: Any, tensor: Any) -> _Calls:
-    calls = compressor.__dict__.get("_horovod_calls")
-    if calls is None:
-        if type(tensor).__module__.split(".")[0] != "torch":
-            raise TypeError(
-                f"hvd_compress: Horovod compression of {type(tensor).__name__} is not supported; "
-                "pass torch tensors (horovod.torch)"
-            )
-        calls = compressor.__dict__["_horovod_calls"] = _Calls(HorovodTorchCommunicator())
-    return calls
+    if type(tensor).__module__.split(".")[0] != "torch":
+        raise TypeError(
+            f"hvd_compress: Horovod compression of {type(tensor).__name__} is not supported; "
+            "pass torch tensors (horovod.torch)"
+        )
+    return compressor.__dict__.setdefault("_horovod_calls", _Calls())
 
 
 def compress(compressor: Any, tensor: Any):
@@ -80,9 +82,8 @@ def compress(compressor: Any, tensor: Any):
     if isinstance(compressor, FP16):
         payload = compressor.encode(tensor, "gradient passed to Horovod")
         return payload.values.reshape(tensor.shape), _Context(dtype=tensor.dtype)
-    calls = _calls(compressor, tensor)
-    name = calls.next_name()
-    exchange = BucketExchange(compressor, calls.comm, name)
+    name = _calls(compressor, tensor).next_name()
+    exchange = BucketExchange(compressor, _communicator(), name)
     exchange.add(name, tensor)
     if exchange.only_dense:
         return tensor, _Context()
@@ -94,9 +95,8 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: wait for our collectives, return the dense gradient."""
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
-    calls = _calls(compressor, output)
-    calls.decompressing = True
-    world = calls.comm.size
+    _calls(compressor, output).decompressing = True
+    world = _communicator().size
     divisor = world / float(output.reshape(-1)[0])  # N for op=Average, 1 for op=Sum
     if divisor == world:
         return ctx.exchange.finish(average=True)[ctx.name]

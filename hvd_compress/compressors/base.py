@@ -31,7 +31,7 @@ def check_ratio(ratio: Any) -> float:
     return ratio
 
 
-def as_tensor(tensor: Any, name: str) -> Any:
+def as_tensor(tensor: Any) -> Any:
     """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays."""
     if isinstance(tensor, (list, tuple, numbers.Number)):
         return np.asarray(tensor)
@@ -140,7 +140,7 @@ class Compressor:
 
     def _validated(self, tensor: Any, name: str):
         """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
-        tensor = as_tensor(tensor, name)
+        tensor = as_tensor(tensor)
         ops = kernels.ops_for(tensor, name)
         flat = tensor.reshape(-1)
         check_gradient(flat, ops, name, type(self).__name__)

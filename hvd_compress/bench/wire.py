@@ -1,0 +1,410 @@
+"""Bytes on the wire: what every compressor sends per rank and step, against dense fp32.
+
+One simulated step (:class:`hvd_compress.simulator.Simulator`, numpy) of every
+compressor on synthetic gradients shaped like ResNet-18's parameters (11.7M;
+``scale`` shrinks the channel widths for quick runs), for each world size N.
+Tensors below ``dense_below`` elements (biases, batch-norm weights) go dense, as
+the compressors do. Two numbers per compressor and N, both per rank:
+
+* ``payload``: the bytes a rank hands to the collectives (``Simulator.bytes_sent``,
+  the sum of the payloads' ``nbytes``);
+* ``traffic``: the bytes a rank sends over a ring. An allreduce of P bytes sends
+  ``2 (N-1)/N * P``; an allgather of Q bytes per rank sends ``(N-1) * Q`` (mean
+  over ranks, exact for Gaussian-k's varying Q). Dense payloads (fallback
+  tensors, None, FP16) are allreduced, sparse ones allgathered; TernGrad's codes
+  go the way their ``wire_format`` says (packed int32 allreduce or 2-bit
+  allgather) and, with scalar sharing, the 4-byte scale goes through the
+  allreduce-Max (without it, it is allgathered with the codes).
+
+The baseline is a dense fp32 allreduce of the whole model measured in the same
+run: payload ``4 * numel``, traffic ``2 (N-1)/N * 4 * numel``.
+
+Outputs (in ``out``): ``wire.json``, ``wire.png`` (ratio to dense per compressor,
+bars per N) and a table. The target "TernGrad wire <= 1/8 of dense at N=4" is
+printed with the measured value, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hvd_compress.bench.compress import _progress, _require, format_size, gradient, machine
+from hvd_compress.compressors import Compression
+from hvd_compress.compressors.base import check_ratio
+from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.compressors.sparse import DENSE_BELOW
+from hvd_compress.simulator import Simulator
+
+#: Compressors measured, in table order.
+COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
+SPARSE = ("topk", "gaussiank", "regtopk")
+DEFAULT_RANKS = (2, 4, 16)
+#: Synthetic gradients: ``compress.gradient`` times this (keeps FP16's range safe).
+GRADIENT_SCALE = 1e-3
+#: (compressor, world size, field, bound): printed, never asserted (the issue's target).
+TARGETS = (("terngrad", 4, "traffic_vs_dense", 1 / 8),)
+SCALE_BYTES = 4  # TernGrad's float32 scale per tensor
+
+
+# -------------------------------------------------------------------- model
+def resnet18_shapes(scale: float = 1.0, num_classes: int = 1000) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Trainable parameter shapes of torchvision's ``resnet18`` (11,689,512 at ``scale=1``).
+
+    ``scale`` multiplies every channel width (at least 1 channel); the input's 3
+    channels and ``num_classes`` stay. Batch-norm weights and biases are listed
+    (their running statistics are buffers, not gradients).
+    """
+    if not scale > 0:
+        raise ValueError(f"hvd_compress: scale must be > 0, got {scale!r}")
+
+    def width(channels: int) -> int:
+        return max(1, int(round(channels * scale)))
+
+    shapes: List[Tuple[str, Tuple[int, ...]]] = []
+
+    def conv_bn(name: str, out_c: int, in_c: int, kernel: int, bn: str) -> None:
+        shapes.append((f"{name}.weight", (out_c, in_c, kernel, kernel)))
+        shapes.append((f"{bn}.weight", (out_c,)))
+        shapes.append((f"{bn}.bias", (out_c,)))
+
+    conv_bn("conv1", width(64), 3, 7, "bn1")
+    in_c = width(64)
+    for stage, channels in enumerate((64, 128, 256, 512), start=1):
+        out_c = width(channels)
+        for block in range(2):
+            prefix = f"layer{stage}.{block}"
+            stride_or_widen = block == 0 and stage > 1
+            conv_bn(f"{prefix}.conv1", out_c, in_c, 3, f"{prefix}.bn1")
+            conv_bn(f"{prefix}.conv2", out_c, out_c, 3, f"{prefix}.bn2")
+            if stride_or_widen:
+                conv_bn(f"{prefix}.downsample.0", out_c, in_c, 1, f"{prefix}.downsample.1")
+            in_c = out_c
+    shapes.append(("fc.weight", (num_classes, in_c)))
+    shapes.append(("fc.bias", (num_classes,)))
+    return shapes
+
+
+def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
+    """A tqdm bar named ``desc`` on stderr; without tqdm, ``compress``'s plain-line fallback."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    return _progress(total, enabled)
+
+
+def describe_machine() -> Dict[str, Any]:
+    """``compress.machine`` for numpy-only runs: torch's fields are ``None`` without torch."""
+    try:
+        import torch
+    except ImportError:
+        torch = types.SimpleNamespace(get_num_threads=lambda: None, __version__=None)
+    return machine(torch, ["cpu"])
+
+
+def numel(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+# ------------------------------------------------------------------ traffic
+def allreduce_traffic(nbytes: float, n_ranks: int) -> float:
+    """Bytes one rank sends in a ring allreduce of ``nbytes``: ``2 (N-1)/N * P``."""
+    return 2.0 * (n_ranks - 1) / n_ranks * nbytes
+
+
+def allgather_traffic(nbytes: float, n_ranks: int) -> float:
+    """Bytes one rank sends in a ring allgather of ``nbytes`` per rank: ``(N-1) * Q``."""
+    return float((n_ranks - 1) * nbytes)
+
+
+def wire(payload: Any, n_ranks: int) -> Tuple[str, float]:
+    """``(collective, ring bytes sent by this rank)`` for one payload of one tensor."""
+    if isinstance(payload, DensePayload):
+        return "dense allreduce", allreduce_traffic(payload.nbytes, n_ranks)
+    if isinstance(payload, SparsePayload):
+        return "sparse allgather", allgather_traffic(payload.nbytes, n_ranks)
+    if isinstance(payload, TernaryPayload):
+        codes = payload.nbytes - SCALE_BYTES
+        if not payload.shared_scale:  # each rank's codes and scale
+            return "ternary allgather", allgather_traffic(payload.nbytes, n_ranks)
+        scale = allreduce_traffic(SCALE_BYTES, n_ranks)  # the allreduce-Max of the scales
+        if payload.wire_format == "allreduce":
+            return "ternary allreduce", allreduce_traffic(codes, n_ranks) + scale
+        return "ternary allgather", allgather_traffic(codes, n_ranks) + scale
+    raise TypeError(f"hvd_compress: unexpected payload {type(payload).__name__}")
+
+
+def _record(compressor: Any, n_ranks: int, log: List[Dict[str, Any]]) -> None:
+    """Wrap ``compressor.encode`` so that every payload's bytes and collective are logged."""
+    encode = compressor.encode
+
+    def recording(tensor: Any, name: str, **options: Any) -> Any:
+        payload = encode(tensor, name, **options)
+        collective, traffic = wire(payload, n_ranks)
+        log.append(
+            {
+                "rank": compressor.rank,
+                "name": name,
+                "collective": collective,
+                "fallback": isinstance(payload, DensePayload),
+                "payload": int(payload.nbytes),
+                "traffic": traffic,
+            }
+        )
+        return payload
+
+    compressor.encode = recording
+
+
+# ---------------------------------------------------------------------- run
+def _make(name: str, ratio: float, dense_below: int) -> Any:
+    if name in SPARSE or name == "terngrad":
+        return Compression.by_name(name, ratio, dense_below=dense_below)
+    return Compression.by_name(name, ratio)
+
+
+def _gradients(shapes, n_ranks: int, seed: int) -> Dict[str, List[np.ndarray]]:
+    return {
+        name: [
+            GRADIENT_SCALE * gradient(numel(shape), seed=[seed, rank, i]).reshape(shape)
+            for rank in range(n_ranks)
+        ]
+        for i, (name, shape) in enumerate(shapes)
+    }
+
+
+def measure(
+    name: str,
+    grads: Dict[str, List[np.ndarray]],
+    n_ranks: int,
+    ratio: float,
+    dense_below: int,
+    seed: int = 0,
+) -> Dict[str, Any]:
+    """One simulated step of compressor ``name`` on ``n_ranks`` ranks; its wire row."""
+    sim = Simulator(n_ranks, _make(name, ratio, dense_below), seed=seed)
+    log: List[Dict[str, Any]] = []
+    for compressor in sim.compressors:
+        _record(compressor, n_ranks, log)
+    started = time.perf_counter()
+    sim.step({tensor: per_rank[:n_ranks] for tensor, per_rank in grads.items()})
+    seconds = time.perf_counter() - started
+    payload = sum(e["payload"] for e in log) / n_ranks
+    if int(round(payload)) != sim.bytes_sent:
+        raise RuntimeError(f"hvd_compress: logged {payload} bytes, simulator counted {sim.bytes_sent}")
+    dense = sim.dense_bytes
+    traffic = sum(e["traffic"] for e in log) / n_ranks
+    dense_traffic = allreduce_traffic(dense, n_ranks)
+    collectives: Dict[str, int] = {}
+    for e in log:
+        if e["rank"] == 0:
+            collectives[e["collective"]] = collectives.get(e["collective"], 0) + 1
+    # the tensors the compressor does compress (fallbacks excluded), when it has fallbacks
+    compressed = [e for e in log if not e["fallback"]]
+    compressed_dense = sum(grads[e["name"]][0].nbytes for e in compressed if e["rank"] == 0)
+    compressed_traffic = sum(e["traffic"] for e in compressed) / n_ranks
+    return {
+        "ranks": n_ranks,
+        "compressor": name,
+        "ratio": ratio if name in SPARSE else None,
+        "payload_bytes": sim.bytes_sent,
+        "traffic_bytes": traffic,
+        "dense_payload_bytes": dense,
+        "dense_traffic_bytes": dense_traffic,
+        "payload_vs_dense": payload / dense,
+        "traffic_vs_dense": traffic / dense_traffic,
+        "compressed_traffic_vs_dense": (
+            compressed_traffic / allreduce_traffic(compressed_dense, n_ranks) if compressed_dense else None
+        ),
+        "collectives": collectives,
+        "step_seconds": seconds,
+    }
+
+
+def run(
+    ranks: Sequence[int] = DEFAULT_RANKS,
+    ratio: float = 0.01,
+    scale: float = 1.0,
+    dense_below: int = DENSE_BELOW,
+    seed: int = 0,
+    out: Optional[str] = "results",
+    progress: bool = True,
+    plot: bool = True,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """Measure, write ``wire.json`` and ``wire.png`` to ``out``, print the table; returns the results."""
+    if plot and out is not None:
+        _require("matplotlib", "bench")
+    stdout = stdout or sys.stdout
+    ratio = check_ratio(ratio)
+    ranks = sorted({int(n) for n in ranks})
+    if not ranks or ranks[0] < 2:
+        raise ValueError(f"hvd_compress: ranks must be at least 2, got {list(ranks)}")
+    shapes = resnet18_shapes(scale)
+    total_numel = sum(numel(s) for _, s in shapes)
+    bar = progress_bar(len(ranks) * len(COMPRESSORS) + 1, "bench wire", "meas", progress)
+    rows: List[Dict[str, Any]] = []
+    started = time.perf_counter()
+    try:
+        bar.set_postfix_str(f"{max(ranks)} ranks x {format_size(total_numel)} gradients")
+        grads = _gradients(shapes, max(ranks), seed)
+        bar.update()
+        for n in ranks:
+            for name in COMPRESSORS:
+                bar.set_postfix_str(f"N={n} {name}")
+                rows.append(measure(name, grads, n, ratio, dense_below, seed))
+                bar.update()
+        del grads
+    finally:
+        bar.close()
+
+    results = {
+        "benchmark": "wire",
+        "machine": describe_machine(),
+        "settings": {
+            "ranks": ranks,
+            "ratio": ratio,
+            "scale": scale,
+            "dense_below": dense_below,
+            "seed": seed,
+            "model": "ResNet-18 (torchvision resnet18, 1000 classes) parameter shapes"
+            + ("" if scale == 1 else f", channel widths x {scale:g}"),
+            "numel": total_numel,
+            "tensors": len(shapes),
+            "tensors_below_dense_below": sum(1 for _, s in shapes if numel(s) < dense_below),
+            "gradient": f"{GRADIENT_SCALE:g} x (float32 standard normal with a 1e-3 heavy tail), per rank",
+            "payload": "bytes a rank hands to the collectives in one step (Simulator.bytes_sent)",
+            "traffic": "bytes a rank sends over a ring: allreduce 2(N-1)/N * P, allgather (N-1) * Q; "
+            "TernGrad per wire_format, its scale by allreduce-Max",
+            "baseline": "dense fp32 allreduce of every tensor",
+        },
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+        "targets": targets(rows),
+    }
+    if out is not None:
+        path = Path(out)
+        path.mkdir(parents=True, exist_ok=True)
+        with open(path / "wire.json", "w") as f:
+            json.dump(results, f, indent=2)
+        if plot:
+            write_plot(results, path / "wire.png")
+    print_table(results, stdout)
+    return results
+
+
+def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Measured value of every target whose world size was run; ``met`` is informative only."""
+    checks = []
+    for name, n, field, bound in TARGETS:
+        for row in rows:
+            if row["compressor"] == name and row["ranks"] == n:
+                checks.append(
+                    {
+                        "compressor": name,
+                        "ranks": n,
+                        "field": field,
+                        "measured": row[field],
+                        "compressed_tensors_only": row["compressed_traffic_vs_dense"],
+                        "target": bound,
+                        "met": row[field] <= bound,
+                    }
+                )
+    return checks
+
+
+# -------------------------------------------------------------------- output
+def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
+    stdout = stdout or sys.stdout
+    s = results["settings"]
+    ranks = s["ranks"]
+    print(
+        f"Bytes per rank per step vs dense fp32 allreduce: {s['model']}, {format_size(s['numel'])} "
+        f"parameters in {s['tensors']} tensors ({s['tensors_below_dense_below']} below "
+        f"{s['dense_below']} elements go dense), ratio {s['ratio']:g}",
+        file=stdout,
+    )
+    by_key = {(r["compressor"], r["ranks"]): r for r in results["rows"]}
+    head = "".join(f" {'N=' + str(n) + ' payload':>14} {'traffic':>9}" for n in ranks)
+    print(f"\n  {'compressor':<10}{head}", file=stdout)
+    dense = "".join(
+        f" {format_size(by_key[(COMPRESSORS[0], n)]['dense_payload_bytes']) + 'B':>14} "
+        f"{format_size(int(by_key[(COMPRESSORS[0], n)]['dense_traffic_bytes'])) + 'B':>9}"
+        for n in ranks
+    )
+    print(f"  {'dense fp32':<10}{dense}", file=stdout)
+    for name in COMPRESSORS:
+        cells = "".join(
+            f" {by_key[(name, n)]['payload_vs_dense']:>13.4f}x {by_key[(name, n)]['traffic_vs_dense']:>8.4f}x"
+            for n in ranks
+        )
+        print(f"  {name:<10}{cells}", file=stdout)
+    if results["targets"]:
+        print("\nTargets (the issue's; measured, not asserted):", file=stdout)
+        for t in results["targets"]:
+            print(
+                f"  {t['compressor']} traffic at N={t['ranks']}: {t['measured']:.4f} of dense "
+                f"(compressed tensors only: {t['compressed_tensors_only']:.4f})  target <= "
+                f"{t['target']:.4f}  {'ok' if t['met'] else 'MISSED'}",
+                file=stdout,
+            )
+
+
+def write_plot(results: Dict[str, Any], path: Path) -> None:
+    """Two panels (payload, ring traffic) of bytes / dense per compressor, one bar per N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = results["settings"]["ranks"]
+    by_key = {(r["compressor"], r["ranks"]): r for r in results["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    width = 0.8 / len(ranks)
+    for ax, field, title in (
+        (axes[0], "payload_vs_dense", "payload (bytes handed to collectives)"),
+        (axes[1], "traffic_vs_dense", "ring traffic (bytes sent per rank)"),
+    ):
+        for i, n in enumerate(ranks):
+            xs = [j + (i - (len(ranks) - 1) / 2) * width for j in range(len(COMPRESSORS))]
+            ax.bar(xs, [by_key[(c, n)][field] for c in COMPRESSORS], width, label=f"N={n}")
+        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
+        ax.set_xticks(range(len(COMPRESSORS)), COMPRESSORS)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(axis="y", which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    for name, n, field, bound in TARGETS:
+        if n in ranks:
+            axes[1].axhline(bound, color="tab:red", linewidth=1, linestyle=":", label=f"{name} target N={n}")
+    axes[1].legend(fontsize="small")
+    axes[0].set_ylabel("bytes / dense fp32 allreduce")
+    s = results["settings"]
+    fig.suptitle(f"Wire bytes per rank per step vs dense, {format_size(s['numel'])} params, ratio {s['ratio']:g}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = [
+    "run",
+    "measure",
+    "resnet18_shapes",
+    "allreduce_traffic",
+    "allgather_traffic",
+    "wire",
+    "COMPRESSORS",
+    "TARGETS",
+    "describe_machine",
+    "progress_bar",
+]
