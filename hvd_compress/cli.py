@@ -63,9 +63,6 @@ def _demo(args: argparse.Namespace) -> int:
 def _simulate_linreg(args: argparse.Namespace) -> int:
     from hvd_compress.bench import linreg
 
-    print(
-        f"Distributed linear regression: {args.ranks} ranks, d={args.dim}, density {args.ratio}, lr {args.lr}"
-    )
     try:
         results = linreg.study(
             n_ranks=args.ranks,
@@ -181,9 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     linreg.add_argument("--lr", type=float, default=0.01)
     linreg.add_argument("--steps", type=int, default=2500)
     linreg.add_argument("--seed", type=int, default=0)
-    linreg.add_argument(
-        "--mu-sweep", type=_floats, help="add a RegTop-k run per temperature, e.g. 1,2,4,8"
-    )
+    linreg.add_argument("--mu-sweep", type=_floats, help="add a RegTop-k run per temperature, e.g. 1,2,4,8")
     linreg.add_argument("--plot", metavar="DIR", help="write linreg.json and linreg.png (log scale) here")
     linreg.set_defaults(run=_simulate_linreg)
 
@@ -208,10 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")
     wire.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
     wire.add_argument(
-        "--scale", type=float, default=1.0, help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)"
+        "--scale",
+        type=float,
+        default=1.0,
+        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
     )
     wire.add_argument(
-        "--dense-below", type=int, default=1024, help="tensors below this many elements go dense (default 1024)"
+        "--dense-below",
+        type=int,
+        default=1024,
+        help="tensors below this many elements go dense (default 1024)",
     )
     wire.add_argument("--seed", type=int, default=0)
     wire.add_argument("--out", default="results", help="folder for wire.json and wire.png")

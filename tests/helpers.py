@@ -13,18 +13,19 @@ from hypothesis.extra import numpy as hnp
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
 
 # --------------------------------------------------------------------------- #
-# Compressor factories (small tests send everything sparsely: dense_below=0)
+# Compressor factories (small tests send everything sparsely: dense_below=0, and no switch to
+# dense when N * k >= numel)
 # --------------------------------------------------------------------------- #
 SPARSIFIERS = {
-    "topk": lambda ratio: TopK(ratio, dense_below=0),
-    "gaussiank": lambda ratio: GaussianK(ratio, dense_below=0),
-    "regtopk": lambda ratio: RegTopK(ratio, mu=4.0, dense_below=0),
+    "topk": lambda ratio: TopK(ratio, dense_below=0, dense_when_cheaper=False),
+    "gaussiank": lambda ratio: GaussianK(ratio, dense_below=0, dense_when_cheaper=False),
+    "regtopk": lambda ratio: RegTopK(ratio, mu=4.0, dense_below=0, dense_when_cheaper=False),
 }
 
 ALL_COMPRESSORS = {
-    "topk": lambda: TopK(0.1, dense_below=0),
-    "gaussiank": lambda: GaussianK(0.1, dense_below=0),
-    "regtopk": lambda: RegTopK(0.1, dense_below=0),
+    "topk": lambda: TopK(0.1, dense_below=0, dense_when_cheaper=False),
+    "gaussiank": lambda: GaussianK(0.1, dense_below=0, dense_when_cheaper=False),
+    "regtopk": lambda: RegTopK(0.1, dense_below=0, dense_when_cheaper=False),
     "terngrad": lambda: TernGrad(dense_below=0),
     "terngrad_ef_noshare": lambda: TernGrad(dense_below=0, error_feedback=True, scalar_sharing=False),
     "none": lambda: NoneCompressor(),

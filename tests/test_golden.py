@@ -242,7 +242,7 @@ def test_regtopk_distortion_update():
 def test_regtopk_two_ranks_two_steps_in_simulator():
     # d = 4, ratio 0.5 -> k = 2, mu = 4; both steps use the same gradients.
     g0, g1 = arr(4, 3, 0, 1), arr(-4, 1, 2, 0)
-    sim = Simulator(2, RegTopK(0.5, mu=4.0, dense_below=0))
+    sim = Simulator(2, RegTopK(0.5, mu=4.0, dense_below=0, dense_when_cheaper=False))
 
     # step 1 (D = 1e8: plain Top-k): rank 0 sends {0: 4, 1: 3}, rank 1 sends {0: -4, 2: 2}
     # T = [0, 3, 2, 0]; average = [0, 1.5, 1, 0]

@@ -187,7 +187,7 @@ def _oracle_average(kind, grads, p):
 SIMULATED = {
     "none": lambda p: NoneCompressor(),
     "fp16": lambda p: FP16(),
-    "topk": lambda p: TopK(p / 1000, dense_below=0),
+    "topk": lambda p: TopK(p / 1000, dense_below=0, dense_when_cheaper=False),
     "terngrad": lambda p: TernGrad(clip=None, dense_below=0),
 }
 

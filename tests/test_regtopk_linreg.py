@@ -31,8 +31,8 @@ def problem():
 @pytest.fixture(scope="module")
 def distances(problem):
     runs = {
-        "top-k": TopK(DENSITY, dense_below=0),
-        "regtop-k": RegTopK(DENSITY, mu=MU, dense_below=0),
+        "top-k": TopK(DENSITY, dense_below=0, dense_when_cheaper=False),
+        "regtop-k": RegTopK(DENSITY, mu=MU, dense_below=0, dense_when_cheaper=False),
     }
     return {label: np.array(linreg.run(problem, c, steps=STEPS, lr=LR)) for label, c in runs.items()}
 

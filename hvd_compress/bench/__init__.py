@@ -1,6 +1,9 @@
 """Workloads of the ``hvd-compress`` command: the demo, simulations and benchmarks."""
 
 import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
 
 
 def single_threaded_blas():
@@ -10,3 +13,15 @@ def single_threaded_blas():
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(limits=1, user_api="blas")
+
+
+def save(results: Dict[str, Any], out: Optional[str], stem: str, plot: Optional[Callable] = None) -> None:
+    """Write ``out/<stem>.json`` and, with ``plot(results, path)``, ``out/<stem>.png`` (nothing without ``out``)."""
+    if out is None:
+        return
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / f"{stem}.json", "w") as f:
+        json.dump(results, f, indent=2)
+    if plot is not None:
+        plot(results, path / f"{stem}.png")

@@ -17,8 +17,6 @@ are printed next to the measured numbers.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import platform
 import re
@@ -33,6 +31,7 @@ import numpy as np
 from hvd_compress import __version__
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.bench import save
 from hvd_compress.compressors.reference import num_selected
 
 #: Default gradient sizes (elements): a ResNet-50-scale layer bucket up to a whole model.
@@ -341,13 +340,7 @@ def run(
         "rows": rows,
         "targets": targets(rows),
     }
-    if out is not None:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / "compress.json", "w") as f:
-            json.dump(results, f, indent=2)
-        if plot:
-            write_plot(results, path / "compress.png")
+    save(results, out, "compress", write_plot if plot else None)
     print_table(results, stdout)
     return results
 

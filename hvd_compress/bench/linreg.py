@@ -11,7 +11,6 @@ distance from ``x*``; RegTop-k keeps approaching it.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from hvd_compress.compressors import Compressor
+from hvd_compress.bench import save
 from hvd_compress.simulator import Simulator
 
 
@@ -110,6 +110,15 @@ def subsample(distances: Sequence[float], points: int = CURVE_POINTS) -> Dict[st
     return {"step": (steps + 1).tolist(), "distance": [float(distances[i]) for i in steps]}
 
 
+def _sparse(cls: type, ratio: float, **options: Any) -> Compressor:
+    """A sparsifier that sparsifies the whole vector even where ``N k >= d`` (the paper's setting).
+
+    The study compares selection rules, so it turns off the switch to a dense
+    allreduce that a sparsifier makes when that moves fewer bytes.
+    """
+    return cls(ratio, dense_below=0, dense_when_cheaper=False, **options)
+
+
 def study(
     n_ranks: int = 20,
     dim: int = 100,
@@ -147,13 +156,13 @@ def study(
     # (label, compressor, mu, revert); every compressor is built (and checked) before any run
     runs = [
         ("dense", NoneCompressor(), None, False),
-        ("top-k", TopK(ratio, dense_below=0), None, False),
-        (f"regtop-k mu={mu:g}", RegTopK(ratio, mu=mu, dense_below=0), float(mu), False),
-        (f"regtop-k mu={mu:g} + revert", RegTopK(ratio, mu=mu, dense_below=0), float(mu), True),
+        ("top-k", _sparse(TopK, ratio), None, False),
+        (f"regtop-k mu={mu:g}", _sparse(RegTopK, ratio, mu=mu), float(mu), False),
+        (f"regtop-k mu={mu:g} + revert", _sparse(RegTopK, ratio, mu=mu), float(mu), True),
     ]
     for m in dict.fromkeys(float(m) for m in mu_sweep):
         if m != float(mu):
-            runs.append((f"regtop-k mu={m:g}", RegTopK(ratio, mu=m, dense_below=0), m, False))
+            runs.append((f"regtop-k mu={m:g}", _sparse(RegTopK, ratio, mu=m), m, False))
     problem = LinearRegressionProblem.generate(n_ranks=n_ranks, dim=dim, seed=seed)
 
     bar = progress_bar(len(runs) * steps, "simulate linreg", "step", progress)
@@ -212,13 +221,7 @@ def study(
         "final": rows,
         "curves": {label: subsample(d) for label, d in curves.items()},
     }
-    if out is not None:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / "linreg.json", "w") as f:
-            json.dump(results, f, indent=2)
-        if plot:
-            write_plot(results, path / "linreg.png")
+    save(results, out, "linreg", write_plot if plot else None)
     print_table(results, stdout)
     return results
 
@@ -234,29 +237,48 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     print(f"\n  {'run':<26} {'final':>10} {'last step':>10} {'/ top-k':>8}", file=stdout)
     for r in results["final"]:
         ratio = "" if r["vs_topk"] is None else f"{r['vs_topk']:>7.3f}x"
-        print(f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}", file=stdout)
+        print(
+            f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}",
+            file=stdout,
+        )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
-    """``||x_t - x*||^2`` against the step, log scale, one line per run."""
+    """``||x_t - x*||^2`` against the step, log scale: all runs, and the sparsified runs zoomed in."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    styles = {"dense": ("black", "-"), "top-k": ("tab:red", "-")}
-    for label, curve in results["curves"].items():
-        color, line = styles.get(label, (None, "--" if "revert" in label else "-"))
-        distance = np.maximum(np.asarray(curve["distance"]), np.finfo(float).tiny)
-        ax.plot(curve["step"], distance, line, color=color, label=label, linewidth=1.3)
-    ax.set_yscale("log")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel(r"$\|x_t - x^*\|^2$")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels = list(results["curves"])
+    regtopk = [label for label in labels if label.startswith("regtop-k")]
+    colors = {"dense": "black", "top-k": "tab:red"}
+    colors.update(
+        {label: plt.cm.viridis(i / max(1, len(regtopk) - 1) * 0.85) for i, label in enumerate(regtopk)}
+    )
+    steps = results["settings"]["steps"]
+    for ax, zoom in ((axes[0], False), (axes[1], True)):
+        for label in labels:
+            if zoom and label == "dense":
+                continue
+            curve = results["curves"][label]
+            step = np.asarray(curve["step"])
+            distance = np.maximum(np.asarray(curve["distance"]), np.finfo(float).tiny)
+            if zoom:
+                keep = step > steps // 10
+                step, distance = step[keep], distance[keep]
+            line = "--" if "revert" in label else "-"
+            ax.plot(step, distance, line, color=colors[label], label=label, linewidth=1.1)
+        ax.set_yscale("log")
+        ax.set_xlabel("iteration")
+        ax.grid(which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_ylabel(r"$\|x_t - x^*\|^2$")
+    axes[0].set_title("all runs")
+    axes[1].set_title(f"sparsified runs after step {steps // 10}")
     s = results["settings"]
-    ax.set_title(f"Linear regression, {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, lr {s['lr']}")
-    ax.grid(which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    fig.suptitle(f"Linear regression, {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, lr {s['lr']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -26,7 +26,6 @@ printed with the measured value, never asserted.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import types
@@ -40,6 +39,7 @@ from hvd_compress.compressors import Compression
 from hvd_compress.compressors.base import check_ratio
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.compressors.sparse import DENSE_BELOW
+from hvd_compress.bench import save
 from hvd_compress.simulator import Simulator
 
 #: Compressors measured, in table order.
@@ -292,13 +292,7 @@ def run(
         "rows": rows,
         "targets": targets(rows),
     }
-    if out is not None:
-        path = Path(out)
-        path.mkdir(parents=True, exist_ok=True)
-        with open(path / "wire.json", "w") as f:
-            json.dump(results, f, indent=2)
-        if plot:
-            write_plot(results, path / "wire.png")
+    save(results, out, "wire", write_plot if plot else None)
     print_table(results, stdout)
     return results
 
@@ -390,7 +384,9 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     axes[1].legend(fontsize="small")
     axes[0].set_ylabel("bytes / dense fp32 allreduce")
     s = results["settings"]
-    fig.suptitle(f"Wire bytes per rank per step vs dense, {format_size(s['numel'])} params, ratio {s['ratio']:g}")
+    fig.suptitle(
+        f"Wire bytes per rank per step vs dense, {format_size(s['numel'])} params, ratio {s['ratio']:g}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

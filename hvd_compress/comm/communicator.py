@@ -16,6 +16,9 @@ class Communicator:
 
     SUM = "sum"
     MAX = "max"
+    #: Collectives are matched by call order (MPI), not by name (Horovod): ranks must
+    #: agree on a bucket's layout before issuing its payload collectives.
+    matches_by_order = False
 
     @property
     def rank(self) -> int:

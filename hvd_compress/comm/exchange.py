@@ -3,11 +3,12 @@
 A bucket holds several tensors (same dtype and device). Their payloads share
 a few collectives instead of a few per tensor:
 
-- first, for any sparse or ternary tensor, one allgather of a header
-  ``[config hash, bucket signature, count of every sparse tensor]``; ``finish``
-  checks it before waiting for anything else, so ranks configured differently
-  (compressor, ratio, tensor names or sizes) all fail with the same error
-  instead of waiting for collectives the others never start;
+- first, one allgather of a header ``[config hash, layout hash, count of every
+  sparse tensor]``; ``finish`` checks it before waiting for anything else (and
+  ``launch`` already, for communicators that match collectives by order), so
+  ranks configured differently (compressor, ratio, tensor names, sizes or
+  dense/sparse split) all fail with the same error instead of waiting for
+  collectives the others never start;
 - sparse payloads: one allgather of all indices, one of all values; every
   rank's segment of each tensor is cut out by the counts (no padding) and the
   compressor decodes each tensor (scatter-add; RegTop-k learns from it);
@@ -42,6 +43,7 @@ class BucketExchange:
         self.sparse: List[Tuple[str, SparsePayload]] = []
         self.ternary: List[Tuple[str, Any, float]] = []
         self.handles: Dict[str, Any] = {}
+        self.rows: Any = None  # every rank's header, once checked
         self.ops: Any = None
 
     # ------------------------------------------------------------------ encode
@@ -69,15 +71,15 @@ class BucketExchange:
     def launch(self) -> None:
         """Start the bucket's collectives (asynchronous)."""
         ops, comm, key = self.ops, self.comm, self.key
-        if not self.only_dense:
-            layout = [(n, p.numel, "sparse") for n, p in self.sparse]
-            layout += [(n, t.reshape(-1).shape[0], "ternary") for n, t, _ in self.ternary]
-            signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
-            counts = [p.values.shape[0] for _, p in self.sparse]
-            header = ops.as_int64(
-                [[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor()
-            )
-            self.handles["header"] = comm.allgather_async(header, f"{key}.header")
+        layout = [(n, p.values.reshape(-1).shape[0], "dense") for n, p in self.dense]
+        layout += [(n, p.numel, "sparse") for n, p in self.sparse]
+        layout += [(n, t.reshape(-1).shape[0], "ternary") for n, t, _ in self.ternary]
+        signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+        counts = [p.values.shape[0] for _, p in self.sparse]
+        header = ops.as_int64([[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor())
+        self.handles["header"] = comm.allgather_async(header, f"{key}.header")
+        if comm.matches_by_order:
+            self._check_header()
         if self.dense:
             flat = ops.concat([p.values.reshape(-1) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
@@ -96,14 +98,16 @@ class BucketExchange:
                 self.handles["scales"] = comm.allgather_async(scales, f"{key}.scales")
 
     def _any_tensor(self) -> Any:
-        return self.sparse[0][1].values if self.sparse else self.ternary[0][1]
+        if self.sparse:
+            return self.sparse[0][1].values
+        return self.ternary[0][1] if self.ternary else self.dense[0][1].values
 
     # ------------------------------------------------------------------ finish
     def finish(self, average: bool = True) -> Dict[str, Any]:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape."""
         self.average = average
         results: Dict[str, Any] = {}
-        if "header" in self.handles:
+        if self.rows is None:
             self._check_header()
         if self.dense:
             results.update(self._finish_dense())

@@ -36,9 +36,10 @@ bucket order: header allgather, dense allreduce, indices allgather, values
 allgather, scales allreduce/allgather, then the ternary code collectives in
 ``finish``), and the drop-in optimizer launches buckets in the same order on
 every rank. Ranks that disagree about the layout are caught by the header
-check. Ranks that issue *different* collectives (e.g. one rank has a dense
-part the others lack) are erroneous MPI programs and may hang; the header
-exists to make that impossible for identically built models.
+check, which :class:`~hvd_compress.comm.exchange.BucketExchange` waits for
+before issuing anything else when ``matches_by_order`` is set, so ranks that
+would issue different collectives (one rank has a dense part the others lack)
+stop with an error instead of mismatching.
 
 Progress: Open MPI has no progress thread by default, so a nonblocking
 collective mostly advances inside ``wait`` (small ones complete eagerly);
@@ -240,6 +241,8 @@ class MPICommunicator(Communicator):
     every rank must issue the same collectives in the same order (see the
     module docstring).
     """
+
+    matches_by_order = True
 
     def __init__(self, comm: Any = None) -> None:
         from mpi4py import MPI

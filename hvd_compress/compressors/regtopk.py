@@ -34,9 +34,16 @@ class RegTopK(Sparsifier):
         mu: float = 5.0,
         error_feedback: bool = True,
         dense_below: int = DENSE_BELOW,
+        dense_when_cheaper: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(ratio, error_feedback=error_feedback, dense_below=dense_below, seed=seed)
+        super().__init__(
+            ratio,
+            error_feedback=error_feedback,
+            dense_below=dense_below,
+            dense_when_cheaper=dense_when_cheaper,
+            seed=seed,
+        )
         mu = float(mu)
         if not mu > 0:
             raise ValueError(f"hvd_compress: RegTopK temperature mu must be > 0, got {mu!r}")

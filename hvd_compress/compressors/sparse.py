@@ -10,6 +10,7 @@ Tensors smaller than ``dense_below`` elements (biases, norms) are sent dense.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List
 
 from hvd_compress.compressors import reference
@@ -28,12 +29,15 @@ class Sparsifier(Compressor):
         ratio: float,
         error_feedback: bool = True,
         dense_below: int = DENSE_BELOW,
+        dense_when_cheaper: bool = True,
         seed: int = 0,
     ) -> None:
         super().__init__(seed=seed)
         self.ratio = ratio
         self.error_feedback = bool(error_feedback)
         self.dense_below = int(dense_below)
+        self.dense_when_cheaper = bool(dense_when_cheaper)
+        self._warned_dense: set = set()
 
     @property
     def ratio(self) -> float:
@@ -50,11 +54,17 @@ class Sparsifier(Compressor):
             "ratio": self.ratio,
             "error_feedback": self.error_feedback,
             "dense_below": self.dense_below,
+            "dense_when_cheaper": self.dense_when_cheaper,
         }
 
     def k(self, numel: int) -> int:
         """Entries sent for a tensor of ``numel`` elements."""
         return reference.num_selected(numel, self.ratio)
+
+    def dense_is_cheaper(self, numel: int) -> bool:
+        """``N * k >= numel``: a ring allgather of every rank's ``k`` (value, index) pairs then
+        moves at least the bytes of a dense ring allreduce (``(N-1) 8k`` vs ``2 (N-1)/N 4 numel``)."""
+        return self.dense_when_cheaper and self.size > 1 and self.size * self.k(numel) >= numel
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if flat.shape[0] < self.dense_below:
@@ -63,12 +73,29 @@ class Sparsifier(Compressor):
         a = flat
         if self.error_feedback:
             a = flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
+        if self.dense_is_cheaper(flat.shape[0]):
+            return self._send_dense(a, name, ops)
         indices = self._select(a, name, shape, ops)
         values, residual = ops.error_feedback_split(a, indices, in_place=self.error_feedback)
         if self.error_feedback:
             self.memory.set(name, "residual", residual)
         self._sent(name, indices, values)
         return SparsePayload(values=values, indices=indices, numel=flat.shape[0])
+
+    def _send_dense(self, a: Any, name: str, ops: Any) -> DensePayload:
+        """All of ``a`` (gradient + residual): nothing is left in the residual."""
+        if name not in self._warned_dense:
+            self._warned_dense.add(name)
+            warnings.warn(
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
+                f"k = {self.k(a.shape[0])} >= {a.shape[0]} elements, where allgathering sparse "
+                "payloads would move more bytes than a dense allreduce",
+                stacklevel=4,
+            )
+        if self.error_feedback:
+            self.memory.set(name, "residual", ops.zeros_like(a))
+        self._sent(name, None, None)
+        return DensePayload(values=a, dtype=a.dtype)
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
         """Indices ``S`` to send of the error-compensated gradient ``a``."""

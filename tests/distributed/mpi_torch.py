@@ -1,0 +1,218 @@
+"""Workloads for :mod:`hvd_compress.comm.mpi` and :mod:`hvd_compress.mpi`, run under ``mpirun``.
+
+``collectives --out PREFIX``: every rank checks MPICommunicator's collectives
+against numpy (every rank can compute every rank's input: they are seeded by
+rank) and writes ``PREFIX.<rank>`` with the number of checks that passed.
+
+``train --compression NAMES... --out FILE``: trains
+:func:`tests.distributed.torch_horovod.make_model` like that workload, but with
+``hvd_compress.mpi.DistributedOptimizer``; rank 0 writes the final parameters
+(compare with :func:`tests.distributed.torch_horovod.simulate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict
+
+import numpy as np
+import torch
+
+from tests.distributed.torch_horovod import LR, batches, compressor, loss_fn, make_model
+
+
+# --------------------------------------------------------------------- collectives
+def _wrap_int32(total: np.ndarray) -> np.ndarray:
+    return (((total.astype(np.int64) + 2**31) % 2**32) - 2**31).astype(np.int32)
+
+
+def _input(rank: int, case: int, dtype: str, shape) -> np.ndarray:
+    """Rank ``rank``'s input of ``case``: exactly representable, so any summation order is exact."""
+    rng = np.random.default_rng(1000 * case + rank)
+    if dtype == "int32-wrap":  # near the ends of the int32 range: sums wrap around
+        big = rng.integers(2**31 - 1000, 2**31, size=shape)
+        return np.where(rng.random(shape) < 0.5, big, -big).astype(np.int32)
+    if dtype == "float16":  # small integers: every partial sum is exact in float16
+        return rng.integers(-100, 100, size=shape).astype(dtype)
+    if np.dtype(dtype).kind == "f":
+        return (rng.integers(-1000, 1000, size=shape) / 8).astype(dtype)
+    if np.dtype(dtype).kind == "b":
+        return rng.random(shape) < 0.5
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), size=shape, endpoint=True).astype(dtype)
+
+
+class Checker:
+    def __init__(self, comm) -> None:
+        self.comm, self.count = comm, 0
+
+    def equal(self, got, expected: np.ndarray, what: str, like) -> None:
+        if isinstance(like, torch.Tensor):
+            assert isinstance(got, torch.Tensor), (what, type(got))
+            assert got.dtype == like.dtype and got.device == like.device, (what, got.dtype, like.dtype)
+            got = got.view(torch.int16).numpy() if got.dtype == torch.bfloat16 else got.numpy()
+        else:
+            assert isinstance(got, np.ndarray) and got.dtype == like.dtype, (what, type(got), got.dtype)
+        assert got.shape == expected.shape, (what, got.shape, expected.shape)
+        np.testing.assert_array_equal(got, expected, err_msg=f"rank {self.comm.rank}: {what}")
+        self.count += 1
+
+
+def _as(kind: str, array: np.ndarray):
+    return torch.from_numpy(array.copy()) if kind == "torch" else array
+
+
+def check_collectives(comm) -> int:
+    rank, size = comm.rank, comm.size
+    check = Checker(comm)
+    case = 0
+    # allreduce SUM / MAX; several in flight at once, waited in reverse order
+    started = []
+    for kind in ("numpy", "torch"):
+        for dtype, op in [
+            ("float32", comm.SUM),
+            ("float64", comm.SUM),
+            ("int32", comm.SUM),
+            ("int32-wrap", comm.SUM),
+            ("int64", comm.SUM),
+            ("float32", comm.MAX),
+            ("float64", comm.MAX),
+            ("int32", comm.MAX),
+            ("int32-wrap", comm.MAX),
+            ("int8", comm.MAX),
+            ("float16", comm.SUM),
+        ]:
+            case += 1
+            shape = (3, 5) if case % 2 else (7,)
+            inputs = [_input(r, case, dtype, shape) for r in range(size)]
+            stack = np.stack(inputs)
+            if op == comm.MAX:
+                expected = stack.max(axis=0)
+            elif stack.dtype == np.int32:
+                expected = _wrap_int32(stack.astype(np.int64).sum(axis=0))
+            else:
+                expected = stack.sum(axis=0).astype(stack.dtype)
+            mine = _as(kind, inputs[rank])
+            handle = comm.allreduce_async(mine, op, f"r{case}")
+            started.append((handle, expected, f"{kind} {dtype} {op}", mine))
+    for handle, expected, what, like in reversed(started):
+        check.equal(comm.wait(handle), expected, "allreduce " + what, like)
+    # int32 wrap-around, explicitly: every rank adds 2^31 - 1
+    top = np.full(4, 2**31 - 1, dtype=np.int32)
+    expected = _wrap_int32(np.full(4, (2**31 - 1) * size, dtype=np.int64))
+    check.equal(comm.wait(comm.allreduce_async(top, comm.SUM, "wrap")), expected, "int32 wrap", top)
+    # bfloat16 sums (reduced in float32 and cast back; the values are exact in bfloat16)
+    half = torch.full((5,), float(rank + 1), dtype=torch.bfloat16)
+    expected = torch.full((5,), float(size * (size + 1) // 2), dtype=torch.bfloat16).view(torch.int16).numpy()
+    check.equal(comm.wait(comm.allreduce_async(half, comm.SUM, "bf16")), expected, "bfloat16 sum", half)
+    # variable-size allgather: ranks with no rows, trailing dimensions, several dtypes
+    patterns = [
+        lambda r: [0, 3, 0, 5][r % 4],  # empty contributions
+        lambda r: r + 1,  # all different
+        lambda r: 2 if r == size - 1 else 0,  # only the last rank
+        lambda r: 0,  # nobody
+    ]
+    started = []
+    for kind in ("numpy", "torch"):
+        for dtype in ("int8", "int32", "float32", "int64", "uint8", "float16", "bool"):
+            for p, rows in enumerate(patterns):
+                for trailing in ((), (3,)):
+                    case += 1
+                    inputs = [_input(r, case, dtype, (rows(r),) + trailing) for r in range(size)]
+                    expected = np.concatenate(inputs)
+                    mine = _as(kind, inputs[rank])
+                    what = f"allgather {kind} {dtype} pattern {p} trailing {trailing}"
+                    started.append((comm.allgather_async(mine, what), expected, what, mine))
+    for handle, expected, what, like in reversed(started):
+        check.equal(comm.wait(handle), expected, what, like)
+    bf = torch.full((rank,), float(rank), dtype=torch.bfloat16)
+    expected = torch.cat([torch.full((r,), float(r), dtype=torch.bfloat16) for r in range(size)])
+    gathered = comm.wait(comm.allgather_async(bf, "bf16"))
+    check.equal(gathered, expected.view(torch.int16).numpy(), "bfloat16 allgather", bf)
+    # a non-contiguous torch input is gathered by value
+    wide = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * rank
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    expected = np.concatenate([(base + 100 * r)[:, ::2] for r in range(size)])
+    check.equal(comm.wait(comm.allgather_async(wide[:, ::2], "strided")), expected, "strided allgather", wide)
+    # ranks that disagree on the trailing shape all get the same error, and the communicator goes on working
+    try:
+        comm.allgather_async(np.zeros((1, 2 + (rank == size - 1)), np.float32), "bad")
+    except ValueError as error:
+        assert "ranks disagree" in str(error), error
+        check.count += 1
+    else:
+        raise AssertionError("mismatched trailing shapes were not detected")
+    # broadcast in place (numpy and torch, contiguous and not)
+    vec = torch.full((4,), float(rank))
+    comm.broadcast_(vec, root=size - 1)
+    check.equal(vec, np.full(4, float(size - 1), np.float32), "broadcast torch", vec)
+    mat = torch.full((4, 4), float(rank)).t()
+    comm.broadcast_(mat, root=size - 1)
+    check.equal(mat.contiguous(), np.full((4, 4), float(size - 1), np.float32), "broadcast strided", mat)
+    arr = np.full(3, rank, dtype=np.int64)
+    comm.broadcast_(arr, root=0)
+    check.equal(arr, np.zeros(3, np.int64), "broadcast numpy", arr)
+    return check.count
+
+
+# --------------------------------------------------------------------- training
+def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarray]:
+    import hvd_compress.mpi as hvd
+
+    model = make_model()
+    compression = compressor(name)
+    if hvd.rank() == 1 and args.rank1_ratio is not None:
+        compression.ratio = args.rank1_ratio
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=args.op,
+    )
+    data = batches(hvd.rank(), steps)
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(model, *data[step])
+        if args.op == "sum":
+            loss = loss / hvd.size()
+        loss.backward()
+        optimizer.step()
+    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["collectives", "train"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--compression", nargs="+", default=[])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--op", choices=["average", "sum"], default="average")
+    parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    args = parser.parse_args()
+
+    import hvd_compress.mpi as hvd
+
+    comm = hvd.communicator()
+    if args.mode == "collectives":
+        count = check_collectives(comm)
+        Path(f"{args.out}.{comm.rank}").write_text(str(count))
+        return
+    arrays = {}
+    for name in args.compression:
+        try:
+            trained = train(name, args.steps, args)
+        except ValueError as error:
+            Path(f"{args.out}.error.{comm.rank}").write_text(str(error))
+            print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
+            comm.barrier()  # every rank raised: let all of them report before the launcher ends the job
+            sys.exit(1)
+        for param, value in trained.items():
+            arrays[f"{name}/{param}"] = value
+    if comm.rank == 0:
+        np.savez(args.out, **arrays, size=comm.size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The mpi4py transport under ``mpirun``: MPICommunicator's collectives, the MPI optimizer, the example.
+
+- collectives (``mpirun -np 2`` and ``-np 4``) against numpy: SUM/MAX allreduce of
+  float and int dtypes (int32 sums wrap around), variable-size allgather with
+  empty contributions, numpy and torch inputs, broadcast;
+- ``hvd_compress.mpi.DistributedOptimizer`` on 4 processes == the in-process
+  Simulator (1e-6 absolute, as for Horovod);
+- a rank configured with another ratio makes every rank fail fast with "ranks disagree";
+- ``examples/mpi_train.py`` trains (1 epoch, 2 processes): its loss decreases.
+
+Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make test``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+
+from tests.distributed import launch
+from tests.distributed import torch_horovod as workload
+
+STEPS = 4
+MODULE = "tests.distributed.mpi_torch"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def _mpi4py():
+    try:
+        import mpi4py  # noqa: F401  (not mpi4py.MPI: that would initialize MPI in pytest)
+    except ImportError as error:
+        if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
+            raise
+        pytest.skip(f"mpi4py is not installed: {error}")
+    launch.launcher("mpirun", 2)  # skips (or fails, if required) without mpirun
+
+
+def _output(done) -> str:
+    return (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_collectives_match_numpy(ranks, tmp_path):
+    prefix = tmp_path / "checks"
+    done = launch.run("mpirun", ranks, MODULE, "collectives", "--out", str(prefix), timeout=120)
+    assert done.returncode == 0, _output(done)
+    counts = [int((tmp_path / f"checks.{r}").read_text()) for r in range(ranks)]
+    assert counts == [counts[0]] * ranks and counts[0] > 100, counts
+
+
+def test_mpi_optimizer_equals_simulator(tmp_path):
+    names = ["topk", "regtopk", "terngrad", "gaussiank"]
+    out = tmp_path / "result.npz"
+    done = launch.run(
+        "mpirun",
+        4,
+        MODULE,
+        "train",
+        "--compression",
+        *names,
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(out),
+        timeout=180,
+    )
+    assert done.returncode == 0, _output(done)
+    result = np.load(out)
+    assert int(result["size"]) == 4
+    for name in names:
+        for param, value in workload.simulate(name, 4, STEPS).items():
+            np.testing.assert_allclose(
+                result[f"{name}/{param}"],
+                value,
+                rtol=0,
+                atol=1e-6,
+                err_msg=f"{name} {param}: 4-process MPI run differs from the Simulator",
+            )
+
+
+def test_mismatched_ratio_fails_every_rank_fast(tmp_path):
+    start = time.monotonic()
+    out = tmp_path / "x.npz"
+    done = launch.run(
+        "mpirun",
+        2,
+        MODULE,
+        "train",
+        "--compression",
+        "topk",
+        "--steps",
+        "2",
+        "--rank1-ratio",
+        "0.2",
+        "--out",
+        str(out),
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert "ranks disagree" in done.stdout + done.stderr, _output(done)
+    assert elapsed < 60, f"took {elapsed:.0f} s to fail"
+    for rank in (0, 1):
+        assert "ranks disagree" in (tmp_path / f"x.npz.error.{rank}").read_text()
+
+
+def test_mpi_example_trains():
+    done = launch.run(
+        "mpirun", 2, "examples.mpi_train", "--epochs", "1", "--compression", "regtopk", timeout=180
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    epoch = re.search(r"epoch 1: loss ([\d.]+)  test accuracy ([\d.]+)  sent .*\(([\d.]+)x less", output)
+    progress = re.search(r"first \d+ batches ([\d.]+) -> last \d+ batches ([\d.]+)", output)
+    assert epoch and progress, output[-3000:]
+    first, last = map(float, progress.groups())
+    assert last < first, f"loss did not decrease within the epoch: {first} -> {last}"
+    assert float(epoch.group(2)) > 0.3, f"accuracy {epoch.group(2)} is no better than chance"
+    assert float(epoch.group(3)) > 5, f"only {epoch.group(3)}x fewer bytes than dense"
