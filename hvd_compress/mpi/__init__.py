@@ -100,8 +100,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, comm: Any = None) -> Any:
     return communicator(comm).comm.bcast(obj, root=root_rank)
 
 
-def allreduce_scalar(value: float, op: str = Average, comm: Any = None) -> float:
-    """Average (or sum) of a Python number over ranks, e.g. a loss for logging."""
+def allreduce(tensor: Any, average: bool = True, name: Optional[str] = None, comm: Any = None) -> Any:
+    """Average (or sum) of a tensor over ranks, like ``horovod.torch.allreduce`` (``name`` is ignored)."""
     channel = communicator(comm)
-    total = channel.comm.allreduce(float(value))
-    return total / channel.size if op == Average else total
+    total = channel.wait(channel.allreduce_async(tensor, channel.SUM, name or "allreduce"))
+    return total / channel.size if average else total
