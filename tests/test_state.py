@@ -17,17 +17,22 @@ N_RANKS = 3
 SHAPES = {"conv.weight": (8, 25), "fc.bias": (7,)}
 
 
-def gradients(step):
-    """Deterministic float32 gradients of every rank for ``step`` (their scale drifts with the step)."""
+def gradients(step, framework="numpy"):
+    """Deterministic float32 gradients of every rank for ``step`` (their scale drifts with the step),
+    as numpy arrays or torch tensors (then the torch kernels and random streams run)."""
     rng = np.random.default_rng(1000 + step)
-    return {
+    grads = {
         name: [(rng.standard_normal(shape) * (1 + 0.1 * step)).astype(np.float32) for _ in range(N_RANKS)]
         for name, shape in SHAPES.items()
     }
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        grads = {name: [torch.from_numpy(g) for g in per_rank] for name, per_rank in grads.items()}
+    return grads
 
 
-def run(sim, steps):
-    return [sim.step(gradients(step)) for step in steps]
+def run(sim, steps, framework="numpy"):
+    return [sim.step(gradients(step, framework)) for step in steps]
 
 
 def assert_identical(outputs, expected):
@@ -48,20 +53,21 @@ def assert_same_residuals(sim_a, sim_b):
                 np.testing.assert_array_equal(ra, rb, err_msg=name)
 
 
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
 @pytest.mark.parametrize(
     "checkpoint", [copy.deepcopy, lambda s: pickle.loads(pickle.dumps(s))], ids=["deepcopy", "pickle"]
 )
 @pytest.mark.parametrize("kind", sorted(ALL_COMPRESSORS))
-def test_restored_simulator_continues_bit_exactly(kind, checkpoint):
+def test_restored_simulator_continues_bit_exactly(kind, checkpoint, framework):
     original = Simulator(N_RANKS, ALL_COMPRESSORS[kind](), seed=5)
-    run(original, range(1, 6))
+    run(original, range(1, 6), framework)
     state = checkpoint(original.state_dict())
-    expected = run(original, range(6, 11))
+    expected = run(original, range(6, 11), framework)
 
     restored = Simulator(N_RANKS, ALL_COMPRESSORS[kind](), seed=5)
     restored.load_state_dict(state)
     assert restored.steps == 5
-    assert_identical(run(restored, range(6, 11)), expected)
+    assert_identical(run(restored, range(6, 11), framework), expected)
     assert_same_residuals(restored, original)
 
 
