@@ -8,7 +8,7 @@ must be the same on every rank.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 
 class Communicator:
@@ -32,8 +32,12 @@ class Communicator:
         """Elementwise ``op`` (``SUM`` or ``MAX``) over ranks; integer tensors sum exactly."""
         raise NotImplementedError
 
-    def allgather_async(self, tensor: Any, name: str) -> Any:
-        """Concatenation along dim 0 of every rank's tensor, rank order; sizes may differ."""
+    def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
+        """Concatenation along dim 0 of every rank's tensor, rank order; sizes may differ.
+
+        ``rows``: every rank's dim-0 size, when the caller already knows them
+        (a transport that must exchange sizes first can skip that).
+        """
         raise NotImplementedError
 
     def wait(self, handle: Any) -> Any:
@@ -49,7 +53,7 @@ class SingleProcessCommunicator(Communicator):
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         return tensor
 
-    def allgather_async(self, tensor: Any, name: str) -> Any:
+    def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         return tensor
 
     def wait(self, handle: Any) -> Any:
@@ -76,7 +80,7 @@ class HorovodTorchCommunicator(Communicator):
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         return self.hvd.allreduce_async(tensor, op=self._ops[op], name=name)
 
-    def allgather_async(self, tensor: Any, name: str) -> Any:
+    def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         return self.hvd.allgather_async(tensor, name=name)
 
     def wait(self, handle: Any) -> Any:

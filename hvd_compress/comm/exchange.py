@@ -84,11 +84,12 @@ class BucketExchange:
             flat = ops.concat([p.values.reshape(-1) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
         if self.sparse:
+            rows = None if self.rows is None else [sum(row[2:]) for row in self.rows]
             self.handles["indices"] = comm.allgather_async(
-                ops.concat([p.indices for _, p in self.sparse]), f"{key}.indices"
+                ops.concat([p.indices for _, p in self.sparse]), f"{key}.indices", rows
             )
             self.handles["values"] = comm.allgather_async(
-                ops.concat([p.values for _, p in self.sparse]), f"{key}.values"
+                ops.concat([p.values for _, p in self.sparse]), f"{key}.values", rows
             )
         if self.ternary:
             scales = ops.as_float32([s for _, _, s in self.ternary], like=self.ternary[0][1])

@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import warnings
 import zlib
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 
@@ -279,18 +279,35 @@ class MPICommunicator(Communicator):
         request = self.comm.Iallreduce([wire.buffer, datatype], [received, datatype], self._ops[op])
         return _Handle(request, wire, received)
 
-    def allgather_async(self, tensor: Any, name: str = "") -> _Handle:
+    def allgather_async(self, tensor: Any, name: str = "", rows: Optional[Sequence[int]] = None) -> _Handle:
         """Start the concatenation along dim 0 in rank order (sizes may differ; ``name`` is ignored).
 
-        The per-rank row counts travel first in a blocking ``Allgather``: every
-        rank must reach this call before any returns.
+        Without ``rows`` (every rank's row count, when the caller already agreed
+        on them), the counts travel first in a blocking ``Allgather``, which also
+        checks trailing shapes and dtypes: every rank must reach this call
+        before any returns.
         """
         wire = _Wire(tensor)
         shape = tuple(wire.buffer.shape)
         if not shape:
             raise ValueError("hvd_compress: allgather needs a tensor with at least one dimension")
         per_row = int(np.prod(shape[1:], dtype=np.int64))
-        dtype_id = zlib.crc32(wire.np_dtype.str.encode()) & 0x7FFFFFFF
+        if rows is None:
+            rows = self._exchange_rows(shape, per_row, wire.np_dtype, name)
+        elif rows[self._rank] != shape[0]:
+            raise ValueError(
+                f"hvd_compress: allgather '{name}': {shape[0]} rows, announced {rows[self._rank]}"
+            )
+        counts = [int(r) * per_row for r in rows]
+        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+        received = wire.empty((int(sum(rows)),) + shape[1:])
+        datatype = _mpi_type(wire.np_dtype)
+        send = [wire.buffer, counts[self._rank], datatype]
+        request = self.comm.Iallgatherv(send, [received, counts, displacements, datatype])
+        return _Handle(request, wire, received)
+
+    def _exchange_rows(self, shape: tuple, per_row: int, dtype: np.dtype, name: str) -> list:
+        dtype_id = zlib.crc32(dtype.str.encode()) & 0x7FFFFFFF
         mine = np.array([shape[0], per_row, dtype_id], dtype=np.int64)
         everyone = np.empty((self._size, 3), dtype=np.int64)
         self.comm.Allgather([mine, self.MPI.INT64_T], [everyone, self.MPI.INT64_T])
@@ -298,15 +315,9 @@ class MPICommunicator(Communicator):
             raise ValueError(
                 f"hvd_compress: allgather '{name}': ranks disagree on the trailing shape or dtype "
                 f"([rows, elements per row, dtype id] per rank = {everyone.tolist()}); this rank "
-                f"has shape {shape} and dtype {wire.np_dtype}"
+                f"has shape {shape} and dtype {dtype}"
             )
-        counts = (everyone[:, 0] * per_row).tolist()
-        displacements = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-        received = wire.empty((int(everyone[:, 0].sum()),) + shape[1:])
-        datatype = _mpi_type(wire.np_dtype)
-        send = [wire.buffer, counts[self._rank], datatype]
-        request = self.comm.Iallgatherv(send, [received, counts, displacements, datatype])
-        return _Handle(request, wire, received)
+        return everyone[:, 0].tolist()
 
     def wait(self, handle: _Handle) -> Any:
         """Complete ``handle``'s collective; the result in the input's framework, dtype and device."""
