@@ -18,6 +18,7 @@ allgather of its 1% sparse payload (fp32 values + int32 indices)::
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -44,8 +45,11 @@ def worker(rank: int, world: int, mode: str) -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://10.77.0.1:{PORT}", rank=rank, world_size=world,
-        timeout=__import__("datetime").timedelta(seconds=60),
+        "gloo",
+        init_method=f"tcp://10.77.0.1:{PORT}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     result = {"rank": rank}
     if mode == "check":
@@ -105,7 +109,11 @@ def run_job(mode: str, prefix: str, timeout: float = 120.0):
     procs = [
         subprocess.Popen(
             [str(SCRIPT), "run", str(r), sys.executable, __file__, "worker", str(r), "2", mode],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(2)
     ]
@@ -123,7 +131,7 @@ def run_job(mode: str, prefix: str, timeout: float = 120.0):
     for out in outputs:
         line = [l for l in out.splitlines() if l.startswith("RESULT ")]
         assert line, out[-3000:]
-        results.append(json.loads(line[-1][len("RESULT "):]))
+        results.append(json.loads(line[-1][len("RESULT ") :]))
     return results
 
 
@@ -154,7 +162,9 @@ def test_two_namespaces_allreduce_and_rate():
     env = dict(os.environ, HVDC_PREFIX=prefix)
     up = subprocess.run([str(SCRIPT), "up", "2", "1gbit", "0.1ms"], env=env, capture_output=True, text=True)
     try:
-        if up.returncode != 0 and ("Operation not permitted" in up.stderr or "qdisc kind is unknown" in up.stderr):
+        if up.returncode != 0 and (
+            "Operation not permitted" in up.stderr or "qdisc kind is unknown" in up.stderr
+        ):
             pytest.skip(f"namespace cluster not possible here: {up.stderr.strip()[-500:]}")
         assert up.returncode == 0, up.stdout + up.stderr
         results = run_job("check", prefix, timeout=60)
@@ -167,8 +177,12 @@ def test_two_namespaces_allreduce_and_rate():
     assert all(r["received_ok"] for r in results), results
     floor = BYTES * 8 / RATE_BITS
     seconds = results[0]["transfer_s"]
-    print(f"10 MiB over the emulated 1 Gbit/s link: {seconds * 1e3:.1f} ms (rate implies {floor * 1e3:.1f} ms)")
-    assert seconds >= SLACK * floor, f"10 MiB took {seconds:.4f} s < {SLACK} x {floor:.4f} s: link not shaped?"
+    print(
+        f"10 MiB over the emulated 1 Gbit/s link: {seconds * 1e3:.1f} ms (rate implies {floor * 1e3:.1f} ms)"
+    )
+    assert (
+        seconds >= SLACK * floor
+    ), f"10 MiB took {seconds:.4f} s < {SLACK} x {floor:.4f} s: link not shaped?"
     assert seconds < 20 * floor, f"10 MiB took {seconds:.3f} s: link far slower than 1 Gbit/s"
 
 
