@@ -19,7 +19,6 @@ from typing import Any, Optional
 from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01), like Horovod's)
 from hvd_compress.comm.communicator import Communicator
 from hvd_compress.comm.mpi import MPICommunicator, cuda_aware  # noqa: F401
-from hvd_compress.torch.optimizer import DistributedOptimizer as _torch_optimizer
 
 Average = "average"
 Sum = "sum"
@@ -66,6 +65,8 @@ def DistributedOptimizer(
     ``op``: ``"average"`` (default, also ``None``) or ``"sum"``. ``comm``: an
     mpi4py communicator or any :class:`Communicator` (default ``COMM_WORLD``).
     """
+    from hvd_compress.torch.optimizer import DistributedOptimizer as _torch_optimizer  # torch only here
+
     if op not in (None, Average, Sum):
         raise ValueError(f"hvd_compress: op must be 'average' or 'sum', got {op!r}")
     return _torch_optimizer(

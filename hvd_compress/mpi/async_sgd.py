@@ -124,7 +124,13 @@ class AsyncSGDResult:
         if d.size == 0:
             return {"mean": 0.0, "max": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
         p50, p90, p99 = np.percentile(d, [50, 90, 99])
-        return {"mean": float(d.mean()), "max": float(d.max()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+        return {
+            "mean": float(d.mean()),
+            "max": float(d.max()),
+            "p50": float(p50),
+            "p90": float(p90),
+            "p99": float(p99),
+        }
 
 
 # ------------------------------------------------------------------- the update rule
@@ -158,7 +164,9 @@ def worker_rng(seed: int, worker: int) -> np.random.Generator:
 
 
 # ------------------------------------------------------------------- helpers
-def _wait(request: Any, deadline: Optional[float] = None, on_timeout: Optional[Callable[[], None]] = None) -> None:
+def _wait(
+    request: Any, deadline: Optional[float] = None, on_timeout: Optional[Callable[[], None]] = None
+) -> None:
     """Complete ``request`` by polling (``Test`` + short sleeps: no busy spin on oversubscribed cores)."""
     while not request.Test():
         if deadline is not None and time.monotonic() > deadline:
@@ -176,7 +184,7 @@ def _abort(comm: Any, error: BaseException) -> None:
     comm.Abort(1)
 
 
-def _payload_arrays(payload: Any, dtype: np.dtype):
+def _payload_arrays(payload: Any):
     """``(format, values, indices, scale)`` of a payload, as contiguous numpy arrays."""
     from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 
@@ -208,7 +216,9 @@ def _compressor_for(compressor: Any, worker: int) -> Any:
         if not isinstance(made, Compressor):
             raise TypeError(f"hvd_compress: compressor factory returned {made!r}, not a Compressor")
         return made
-    raise TypeError(f"hvd_compress: compressor must be a Compressor or a factory worker -> Compressor, got {compressor!r}")
+    raise TypeError(
+        f"hvd_compress: compressor must be a Compressor or a factory worker -> Compressor, got {compressor!r}"
+    )
 
 
 # ------------------------------------------------------------------- entry point
@@ -250,7 +260,9 @@ def async_sgd(
     rank, size = comm.Get_rank(), comm.Get_size()
     # argument checks: the same on every rank, so every rank raises alike
     if size < 2:
-        raise ValueError("hvd_compress: async_sgd needs at least 2 ranks (a server and a worker); run under mpirun -np N")
+        raise ValueError(
+            "hvd_compress: async_sgd needs at least 2 ranks (a server and a worker); run under mpirun -np N"
+        )
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"hvd_compress: steps must be a positive integer, got {steps!r}")
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (0 < float(lr) < math.inf):
@@ -278,8 +290,12 @@ def async_sgd(
     comm.Allgather(mine, everyone)
     if everyone[0, 0] < 0:
         raise ValueError("hvd_compress: async_sgd needs x0 on rank 0 (the server)")
-    disagree = [r for r in range(size) if (everyone[r, 2:] != everyone[0, 2:]).any()
-                or (everyone[r, 0] >= 0 and (everyone[r, :2] != everyone[0, :2]).any())]
+    disagree = [
+        r
+        for r in range(size)
+        if (everyone[r, 2:] != everyone[0, 2:]).any()
+        or (everyone[r, 0] >= 0 and (everyone[r, :2] != everyone[0, :2]).any())
+    ]
     if disagree:
         raise ValueError(
             f"hvd_compress: async_sgd ranks {disagree} disagree with rank 0 on x0's size/dtype, the "
@@ -290,8 +306,19 @@ def async_sgd(
 
     try:
         if rank == 0:
-            return _Server(comm, x0, steps, float(lr), clip, loss_fn, loss_every, local,
-                           delay_schedule, deterministic, float(timeout)).run()
+            return _Server(
+                comm,
+                x0,
+                steps,
+                float(lr),
+                clip,
+                loss_fn,
+                loss_every,
+                local,
+                delay_schedule,
+                deterministic,
+                float(timeout),
+            ).run()
         _worker(comm, rank, numel, dtype, grad_fn, local, delay_schedule, seed)
         return None
     except BaseException as error:
@@ -319,12 +346,14 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
 
         g = np.asarray(grad_fn(x, rng))
         if g.size != numel:
-            raise ValueError(f"hvd_compress: grad_fn returned {g.size} elements on worker {rank}, x has {numel}")
+            raise ValueError(
+                f"hvd_compress: grad_fn returned {g.size} elements on worker {rank}, x has {numel}"
+            )
         g = np.ascontiguousarray(g.reshape(-1), dtype=dtype)
         if compressor is None:
             fmt, values, indices, scale = DENSE, g, None, 0.0
         else:
-            fmt, values, indices, scale = _payload_arrays(compressor.encode(g, "x"), dtype)
+            fmt, values, indices, scale = _payload_arrays(compressor.encode(g, "x"))
 
         if delay_schedule is not None:  # injected delay, cut short by STOP
             until = time.monotonic() + float(delay_schedule(rank, iteration))
@@ -333,12 +362,23 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
             if ctrl_req.Test():
                 if ctrl[0] == STOP:
                     break
-                raise RuntimeError(f"hvd_compress: worker {rank} got {ctrl.tolist()} before sending its gradient")
+                raise RuntimeError(
+                    f"hvd_compress: worker {rank} got {ctrl.tolist()} before sending its gradient"
+                )
 
         header = np.array(
-            [GRAD, rank, version, iteration, fmt, values.size, numel,
-             np.float64(scale).view(np.int64), _dtype_code(values.dtype),
-             0 if indices is None else _dtype_code(indices.dtype)],
+            [
+                GRAD,
+                rank,
+                version,
+                iteration,
+                fmt,
+                values.size,
+                numel,
+                np.float64(scale).view(np.int64),
+                _dtype_code(values.dtype),
+                0 if indices is None else _dtype_code(indices.dtype),
+            ],
             dtype=np.int64,
         )
         sends = [comm.Isend(header, dest=0, tag=TAG_HDR), comm.Isend(values, dest=0, tag=TAG_VALUES)]
@@ -354,8 +394,20 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
 
 # ------------------------------------------------------------------- server
 class _Server:
-    def __init__(self, comm, x0, steps, lr, clip, loss_fn, loss_every, compressor, delay_schedule,
-                 deterministic, timeout) -> None:
+    def __init__(
+        self,
+        comm,
+        x0,
+        steps,
+        lr,
+        clip,
+        loss_fn,
+        loss_every,
+        compressor,
+        delay_schedule,
+        deterministic,
+        timeout,
+    ) -> None:
         self.comm, self.steps, self.lr, self.clip = comm, steps, lr, clip
         self.loss_fn, self.loss_every = loss_fn, max(1, int(loss_every))
         self.compressor, self.schedule = compressor, delay_schedule
@@ -369,6 +421,7 @@ class _Server:
         self.arrivals = 0
         self.sent_at: Dict[int, float] = {}
         self.sends: Dict[int, List[Any]] = {w: [] for w in self.workers}
+        self._keep: Dict[int, tuple] = {}  # buffers of the sends in flight, alive until completed
         # virtual clock (deterministic order)
         self.vfinish: Dict[int, float] = {}
         self.vseq: Dict[int, int] = {}
@@ -385,7 +438,6 @@ class _Server:
             _wait(request)
         ctrl = np.array([kind, self.version], dtype=np.int64)
         self.sends[w] = [self.comm.Isend(ctrl, dest=w, tag=TAG_CTRL)]
-        self._keep = getattr(self, "_keep", {})
         if kind == MODEL:
             snapshot = self.x.copy()
             self.sends[w].append(self.comm.Isend(snapshot, dest=w, tag=TAG_X))
@@ -443,10 +495,14 @@ class _Server:
 
     def _decode(self, w: int, header: np.ndarray, fmt, values, indices, numel) -> np.ndarray:
         if numel != self.x.size:
-            raise ValueError(f"hvd_compress: worker {w} sent a gradient of {numel} elements, x has {self.x.size}")
+            raise ValueError(
+                f"hvd_compress: worker {w} sent a gradient of {numel} elements, x has {self.x.size}"
+            )
         if self.compressor is None:
             if fmt != DENSE:
-                raise ValueError(f"hvd_compress: worker {w} sent a compressed gradient, the server has no compressor")
+                raise ValueError(
+                    f"hvd_compress: worker {w} sent a compressed gradient, the server has no compressor"
+                )
             return values
         from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 
@@ -456,8 +512,12 @@ class _Server:
             payload = SparsePayload(values=values, indices=indices, numel=numel)
         else:
             scale = float(np.int64(header[7]).view(np.float64))
-            payload = TernaryPayload(codes=values, scale=scale, world_size=1, shared_scale=False, dtype=self.x.dtype)
-        return np.asarray(self.compressor.decode([payload], (numel,), average=False)).astype(self.x.dtype, copy=False)
+            payload = TernaryPayload(
+                codes=values, scale=scale, world_size=1, shared_scale=False, dtype=self.x.dtype
+            )
+        return np.asarray(self.compressor.decode([payload], (numel,), average=False)).astype(
+            self.x.dtype, copy=False
+        )
 
     # -- the loop
     def run(self) -> AsyncSGDResult:
@@ -494,7 +554,9 @@ class _Server:
             result.delays.append(tau)
             result.workers.append(w)
             result.counts[w] += 1
-            if self.loss_fn is not None and (self.version % self.loss_every == 0 or self.version == self.steps):
+            if self.loss_fn is not None and (
+                self.version % self.loss_every == 0 or self.version == self.steps
+            ):
                 result.losses.append(float(self.loss_fn(self.x)))
                 result.loss_steps.append(self.version)
             if self.version < self.steps:
