@@ -1,0 +1,115 @@
+"""The fused exchange over ``torch.distributed`` (gloo): :class:`TorchDistCommunicator`.
+
+One 2-process spawn checks the collectives against the expected values and
+trains the drop-in optimizer with it; the parameters must equal the Simulator
+on the same gradients (tolerance 1e-6, as the Horovod and MPI runs).
+"""
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+mp = pytest.importorskip("torch.multiprocessing")
+
+from tests.distributed import torch_horovod as workload  # noqa: E402
+
+RANKS = 2
+NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "none"]
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def check_collectives(comm, rank):
+    """Returns a list of failed checks (empty when all hold)."""
+    failures = []
+    summed = comm.wait(comm.allreduce_async(torch.arange(5.0) * (rank + 1), comm.SUM, "s"))
+    if not torch.equal(summed, torch.arange(5.0) * 3):
+        failures.append(f"sum {summed}")
+    top = comm.wait(comm.allreduce_async(torch.tensor([rank, -rank], dtype=torch.int32), comm.MAX, "m"))
+    if top.tolist() != [1, 0]:
+        failures.append(f"max {top}")
+    wrap = comm.wait(comm.allreduce_async(torch.tensor([2**31 - 1], dtype=torch.int32), comm.SUM, "w"))
+    if wrap.tolist() != [-2]:  # (2^31 - 1) * 2 wraps to -2 in int32
+        failures.append(f"int32 wrap {wrap}")
+    for rows in ([3, 3], [2, 5], [0, 4]):  # equal, unequal, an empty contribution
+        mine = torch.full((rows[rank], 2), float(rank))
+        for known in (None, rows):
+            got = comm.wait(comm.allgather_async(mine, "g", known))
+            want = torch.cat([torch.full((r, 2), float(i)) for i, r in enumerate(rows)])
+            if not torch.equal(got, want):
+                failures.append(f"allgather rows={rows} known={known}: {got.tolist()}")
+    return failures
+
+
+def job(rank, out):
+    import hvd_compress.torch as hvd_torch
+    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator()
+    result = {"failures": check_collectives(comm, rank), "params": {}}
+    for name in NAMES:
+        model = workload.make_model()
+        optimizer = hvd_torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=workload.LR),
+            named_parameters=model.named_parameters(),
+            compression=workload.compressor(name),
+            communicator=comm,
+        )
+        for x, y in workload.batches(rank, workload_steps()):
+            optimizer.zero_grad()
+            workload.loss_fn(model, x, y).backward()
+            optimizer.step()
+        result["params"][name] = {n: p.detach().tolist() for n, p in model.named_parameters()}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def workload_steps():
+    return 4
+
+
+def _entry(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(seconds=30))
+    try:
+        job(rank, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_drop_in_optimizer_over_gloo_equals_simulator(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        _entry, args=(port, str(tmp_path)), nprocs=RANKS, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 150
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish within 150 s (hang?)")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"rank {rank}: {result['failures']}"
+    for name in NAMES:
+        expected = workload.simulate(name, RANKS, workload_steps())
+        for param, value in expected.items():
+            for result in results:
+                np.testing.assert_allclose(
+                    np.array(result["params"][name][param], dtype=np.float32),
+                    value,
+                    rtol=0,
+                    atol=1e-6,
+                    err_msg=f"{name} {param}",
+                )
