@@ -10,6 +10,7 @@
 Like MPI, torch.distributed matches collectives by call order, so
 ``matches_by_order`` is set and names are ignored.
 """
+
 from __future__ import annotations
 
 import math

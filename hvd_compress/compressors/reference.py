@@ -401,6 +401,11 @@ def unpack_two_bit(packed: np.ndarray, numel: int) -> np.ndarray:
     return (_unpack_fields(packed.view(np.uint8), 2, 4, numel) - 1).astype(np.int8)
 
 
+def maximum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise maximum (an allreduce-Max of two ranks)."""
+    return np.maximum(a, b)
+
+
 def concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """Rank-ordered concatenation, as an allgather returns it."""
     return np.concatenate(arrays)

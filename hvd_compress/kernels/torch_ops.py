@@ -273,6 +273,10 @@ def unpack_two_bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return (_unpack_fields(words, 2, 4, numel) - 1).to(torch.int8)
 
 
+def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(a, b)
+
+
 def concat(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(list(arrays))
 
