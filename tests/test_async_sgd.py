@@ -16,7 +16,6 @@ Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make 
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -33,20 +32,6 @@ LR = 0.1
 CLIP = 1.0
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _require_mpi() -> None:
-    try:
-        import mpi4py  # noqa: F401  (not mpi4py.MPI: that would initialize MPI in pytest)
-    except ImportError as error:
-        if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
-            raise
-        pytest.skip(f"mpi4py is not installed: {error}")
-    launch.launcher("mpirun", 2)  # skips (or fails, if required) without mpirun
-
-
-def _output(done) -> str:
-    return (done.stdout + done.stderr)[-4000:]
 
 
 # ------------------------------------------------------------------ clip_lambda
@@ -119,7 +104,7 @@ def replay(problem, size, steps, lr, clip, schedule, seed, compressor=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One ``mpirun -np 3`` of every configuration in ``async_sgd_work.RUNS``."""
-    _require_mpi()
+    launch.require_mpi()
     out = tmp_path_factory.mktemp("async") / "runs.npz"
     done = launch.run(
         "mpirun",
@@ -136,7 +121,7 @@ def runs(tmp_path_factory):
         str(out),
         timeout=120,
     )
-    assert done.returncode == 0, _output(done)
+    assert done.returncode == 0, launch.output(done)
     return dict(np.load(out))
 
 
@@ -184,12 +169,12 @@ def test_arrival_order_follows_injected_delays(runs):
 
 # ------------------------------------------------------------------ clipping helps
 def test_clipping_beats_unclipped_under_heavy_tails_and_delays(tmp_path):
-    _require_mpi()
+    launch.require_mpi()
     out = tmp_path / "contrast.npz"
     done = launch.run(
         "mpirun", 4, MODULE, "contrast", "--steps", str(work.CONTRAST_STEPS), "--out", str(out), timeout=120
     )
-    assert done.returncode == 0, _output(done)
+    assert done.returncode == 0, launch.output(done)
     result = np.load(out)
     clipped, unclipped = result["clipped"], result["unclipped"]  # [final, median of last 20%, max delay]
     message = (
@@ -204,16 +189,16 @@ def test_clipping_beats_unclipped_under_heavy_tails_and_delays(tmp_path):
 # ------------------------------------------------------------------ failures
 @pytest.mark.parametrize("how", ["exit", "hang"])
 def test_dead_worker_ends_the_job_with_a_clear_error(how):
-    _require_mpi()
+    launch.require_mpi()
     start = time.monotonic()
     done = launch.run("mpirun", 3, MODULE, "die", "--how", how, "--timeout", "3", timeout=90)
     elapsed = time.monotonic() - start
     output = done.stdout + done.stderr
-    assert done.returncode != 0, _output(done)
+    assert done.returncode != 0, launch.output(done)
     assert "finished without noticing" not in output
     assert elapsed < 60, f"took {elapsed:.0f} s to end"
     ours = "worker rank 1 sent no gradient within 3 s" in output
     if how == "hang":
-        assert ours, _output(done)
+        assert ours, launch.output(done)
     else:  # Open MPI's launcher may notice the exit before the server's timeout does
-        assert ours or re.search(r"process rank 1 .*exiting\s+improperly|@1,1\]", output), _output(done)
+        assert ours or re.search(r"process rank 1 .*exiting\s+improperly|@1,1\]", output), launch.output(done)

@@ -13,7 +13,6 @@ Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make 
 
 from __future__ import annotations
 
-import os
 import re
 import time
 
@@ -31,24 +30,14 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(autouse=True)
 def _mpi4py():
-    try:
-        import mpi4py  # noqa: F401  (not mpi4py.MPI: that would initialize MPI in pytest)
-    except ImportError as error:
-        if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
-            raise
-        pytest.skip(f"mpi4py is not installed: {error}")
-    launch.launcher("mpirun", 2)  # skips (or fails, if required) without mpirun
-
-
-def _output(done) -> str:
-    return (done.stdout + done.stderr)[-4000:]
+    launch.require_mpi()
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_collectives_match_numpy(ranks, tmp_path):
     prefix = tmp_path / "checks"
     done = launch.run("mpirun", ranks, MODULE, "collectives", "--out", str(prefix), timeout=120)
-    assert done.returncode == 0, _output(done)
+    assert done.returncode == 0, launch.output(done)
     counts = [int((tmp_path / f"checks.{r}").read_text()) for r in range(ranks)]
     assert counts == [counts[0]] * ranks and counts[0] > 100, counts
 
@@ -69,7 +58,7 @@ def test_mpi_optimizer_equals_simulator(tmp_path):
         str(out),
         timeout=180,
     )
-    assert done.returncode == 0, _output(done)
+    assert done.returncode == 0, launch.output(done)
     result = np.load(out)
     assert int(result["size"]) == 4
     for name in names:
@@ -103,7 +92,7 @@ def test_mismatched_ratio_fails_every_rank_fast(tmp_path):
     )
     elapsed = time.monotonic() - start
     assert done.returncode != 0
-    assert "ranks disagree" in done.stdout + done.stderr, _output(done)
+    assert "ranks disagree" in done.stdout + done.stderr, launch.output(done)
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     for rank in (0, 1):
         assert "ranks disagree" in (tmp_path / f"x.npz.error.{rank}").read_text()

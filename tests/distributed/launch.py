@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -15,14 +16,30 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 240
 
 
-def require_horovod_torch() -> None:
-    """Skip without Horovod, unless the run promises it (``make test`` sets HVD_COMPRESS_REQUIRE_HOROVOD=1)."""
+def require(module: str) -> None:
+    """Skip without ``module``, unless the run promises the full stack (``make test`` sets
+    HVD_COMPRESS_REQUIRE_HOROVOD=1): then its absence is a failure."""
     try:
-        import horovod.torch  # noqa: F401
+        importlib.import_module(module)
     except ImportError as error:
         if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
             raise
-        pytest.skip(f"horovod.torch is not installed: {error}")
+        pytest.skip(f"{module} is not installed: {error}")
+
+
+def require_horovod_torch() -> None:
+    require("horovod.torch")
+
+
+def require_mpi() -> None:
+    """mpi4py (not mpi4py.MPI: importing that would initialize MPI in pytest) and mpirun."""
+    require("mpi4py")
+    launcher("mpirun", 2)
+
+
+def output(done: subprocess.CompletedProcess) -> str:
+    """The end of a finished run's output, for assertion messages."""
+    return (done.stdout + done.stderr)[-4000:]
 
 
 def launcher(kind: str, ranks: int) -> List[str]:
