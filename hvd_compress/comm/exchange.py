@@ -24,12 +24,18 @@ complete, ``finish(average)`` for ``{name: average or sum}``.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any, Dict, List, Tuple
 
 from hvd_compress.compressors import TernGrad
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.kernels import ops_for
+
+
+def elements(tensor: Any) -> int:
+    """Elements of a tensor of any framework."""
+    return math.prod(int(n) for n in tensor.shape)
 
 
 class BucketExchange:
@@ -71,9 +77,9 @@ class BucketExchange:
     def launch(self) -> None:
         """Start the bucket's collectives (asynchronous)."""
         ops, comm, key = self.ops, self.comm, self.key
-        layout = [(n, p.values.reshape(-1).shape[0], "dense") for n, p in self.dense]
+        layout = [(n, elements(p.values), "dense") for n, p in self.dense]
         layout += [(n, p.numel, "sparse") for n, p in self.sparse]
-        layout += [(n, t.reshape(-1).shape[0], "ternary") for n, t, _ in self.ternary]
+        layout += [(n, elements(t), "ternary") for n, t, _ in self.ternary]
         signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
         counts = [p.values.shape[0] for _, p in self.sparse]
         header = ops.as_int64([[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor())
@@ -81,7 +87,7 @@ class BucketExchange:
         if comm.matches_by_order:
             self._check_header()
         if self.dense:
-            flat = ops.concat([p.values.reshape(-1) for _, p in self.dense])
+            flat = ops.concat([ops.reshape(p.values, (-1,)) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
         if self.sparse:
             rows = None if self.rows is None else [sum(row[2:]) for row in self.rows]
@@ -121,11 +127,11 @@ class BucketExchange:
     def _result(self, name: str, total: Any, dtype: Any) -> Any:
         if self.average:
             total = total / self.comm.size
-        return self.ops.cast(total, dtype).reshape(self.shapes[name])
+        return self.ops.reshape(self.ops.cast(total, dtype), self.shapes[name])
 
     def _finish_dense(self) -> Dict[str, Any]:
         total = self.comm.wait(self.handles["dense"])
-        sizes = [p.values.reshape(-1).shape[0] for _, p in self.dense]
+        sizes = [elements(p.values) for _, p in self.dense]
         acc = self.ops.accumulation_dtype(total.dtype)
         return {
             name: self._result(name, self.ops.cast(part, acc), p.dtype)
@@ -133,7 +139,7 @@ class BucketExchange:
         }
 
     def _check_header(self) -> None:
-        self.rows = self.comm.wait(self.handles["header"]).tolist()
+        self.rows = self.ops.to_list(self.comm.wait(self.handles["header"]))
         if any(row[:2] != self.rows[0][:2] for row in self.rows):
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
@@ -161,7 +167,7 @@ class BucketExchange:
         scales = comm.wait(self.handles["scales"])
         if not tern.scalar_sharing:
             return self._finish_ternary_unshared(scales)
-        shared = scales.tolist()
+        shared = ops.to_list(scales)
         payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, shared)]
         received = {}
         for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):
@@ -176,7 +182,7 @@ class BucketExchange:
         received = {fmt: comm.wait(handle) for fmt, handle in received.items()}
         results, offsets = {}, {"allreduce": 0, "allgather": 0}
         for (name, tensor, _), payload, scale in zip(self.ternary, payloads, shared):
-            fmt, numel = payload.wire_format, tensor.reshape(-1).shape[0]
+            fmt, numel = payload.wire_format, elements(tensor)
             size = tern.wire_tensor(payload, ops).shape[0]
             if fmt == "allreduce":
                 wire = received[fmt][offsets[fmt] : offsets[fmt] + size]
@@ -201,11 +207,11 @@ class BucketExchange:
         packed = [ops.pack_two_bit(p.codes) for p in payloads]
         gathered = comm.wait(comm.allgather_async(ops.concat(packed), f"{self.key}.codes2bit"))
         chunk = gathered.shape[0] // comm.size
-        rank_scales = scales.reshape(comm.size, -1).tolist()
+        rank_scales = ops.to_list(ops.reshape(scales, (comm.size, -1)))
         results, offset = {}, 0
         for j, ((name, tensor, _), mine) in enumerate(zip(self.ternary, payloads)):
             size = packed[j].shape[0]
-            numel = tensor.reshape(-1).shape[0]
+            numel = elements(tensor)
             ranks = [
                 TernaryPayload(
                     codes=ops.unpack_two_bit(gathered[r * chunk + offset : r * chunk + offset + size], numel),

@@ -142,7 +142,7 @@ class Compressor:
         """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
         tensor = as_tensor(tensor)
         ops = kernels.ops_for(tensor, name)
-        flat = tensor.reshape(-1)
+        flat = ops.reshape(tensor, (-1,))
         check_gradient(flat, ops, name, type(self).__name__)
         return flat, tuple(tensor.shape), ops
 
@@ -169,7 +169,7 @@ class Compressor:
             self._observe(name, total, ops)
         if average:
             total = total / len(payloads)
-        return ops.cast(total, dtype).reshape(shape)
+        return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface
     def compress(self, tensor: Any):
@@ -190,7 +190,9 @@ class Compressor:
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
         residual = self.memory.peek(name, "residual")
-        return None if residual is None else residual.reshape(self.memory.shape(name))
+        if residual is None:
+            return None
+        return kernels.ops_for(residual).reshape(residual, self.memory.shape(name))
 
     def reset(self, name: Optional[str] = None) -> None:
         """Drop the state of one tensor, or of all."""
@@ -236,10 +238,11 @@ def payload_tensor(payload: Any) -> Any:
 
 def dense_sum(payloads: List[DensePayload], numel: int, ops: Any):
     """Sum of dense payloads in rank order, in at least float32."""
-    for payload in payloads:
-        if payload.values.reshape(-1).shape[0] != numel:
+    flats = [ops.reshape(p.values, (-1,)) for p in payloads]
+    for flat in flats:
+        if flat.shape[0] != numel:
             raise ValueError(
-                f"hvd_compress: a rank sent {payload.values.reshape(-1).shape[0]} elements, "
+                f"hvd_compress: a rank sent {flat.shape[0]} elements, "
                 f"expected {numel}; ranks disagree on the tensor shape"
             )
-    return ops.dense_sum([p.values.reshape(-1) for p in payloads]), payloads[0].dtype
+    return ops.dense_sum(flats), payloads[0].dtype

@@ -16,9 +16,11 @@ from hvd_compress.compressors import reference
 
 def array_nbytes(array: Any) -> int:
     """Bytes of a numpy array or framework tensor (torch, TF) without copying it."""
-    if hasattr(array, "nbytes"):
+    if hasattr(array, "nbytes"):  # numpy
         return int(array.nbytes)
-    return int(array.numel() * array.element_size())
+    if hasattr(array, "element_size"):  # torch
+        return int(array.numel() * array.element_size())
+    return int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size  # tensorflow
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,15 @@ def as_float32(values, like: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.float32)
 
 
+def reshape(a: np.ndarray, shape) -> np.ndarray:
+    return a.reshape(shape)
+
+
+def to_list(a: np.ndarray) -> list:
+    """A small array (headers, scales) as Python numbers."""
+    return a.tolist()
+
+
 def split(a: np.ndarray, sizes) -> list:
     """Consecutive pieces of ``a`` of the given sizes (views)."""
     return np.split(a, np.cumsum(sizes)[:-1])

@@ -87,6 +87,14 @@ def as_float32(values, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
+def reshape(a: torch.Tensor, shape) -> torch.Tensor:
+    return a.reshape(shape)
+
+
+def to_list(a: torch.Tensor) -> list:
+    return a.tolist()
+
+
 def split(a: torch.Tensor, sizes) -> list:
     return list(torch.split(a, list(sizes)))
 
