@@ -26,6 +26,7 @@ import numpy as np
 
 from hvd_compress.compressors import Compressor, TernGrad
 from hvd_compress.compressors.base import as_tensor
+from hvd_compress.compressors.payload import array_nbytes
 
 
 class Simulator:
@@ -66,7 +67,7 @@ class Simulator:
     def step(self, grads: Mapping[str, Sequence[Any]]) -> Dict[str, np.ndarray]:
         """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``.
 
-        Gradients may be numpy arrays or torch tensors (then the torch kernels run).
+        Gradients may be numpy arrays, torch or TensorFlow tensors (then that framework's kernels run).
         """
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
         scales = self._shared_scales(grads)
@@ -80,7 +81,7 @@ class Simulator:
             decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
             out[name] = decoded[0]
         self.bytes_sent_per_rank = sent
-        self.dense_bytes = sum(per_rank[0].nbytes for per_rank in grads.values())
+        self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1
         return out
 

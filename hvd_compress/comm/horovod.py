@@ -25,6 +25,9 @@ the header lets every rank check that the others compressed a tensor of the
 same name and size with the same configuration, and raise a clear error
 otherwise.
 The drop-in :mod:`hvd_compress.torch` knows the real names.
+
+TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
+:mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
 """
 
 from __future__ import annotations
@@ -63,12 +66,17 @@ def _communicator() -> HorovodTorchCommunicator:
     return HorovodTorchCommunicator()
 
 
-def _calls(compressor: Any, tensor: Any) -> _Calls:
-    if type(tensor).__module__.split(".")[0] != "torch":
+def _framework(tensor: Any) -> str:
+    framework = type(tensor).__module__.split(".")[0]
+    if framework not in ("torch", "tensorflow"):
         raise TypeError(
             f"hvd_compress: Horovod compression of {type(tensor).__name__} is not supported; "
-            "pass torch tensors (horovod.torch)"
+            "pass torch tensors (horovod.torch) or TensorFlow tensors (horovod.tensorflow)"
         )
+    return framework
+
+
+def _calls(compressor: Any) -> _Calls:
     return compressor.__dict__.setdefault("_horovod_calls", _Calls())
 
 
@@ -76,13 +84,18 @@ def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress``: start our collectives, return ``(placeholder, ctx)``."""
     from hvd_compress.compressors import FP16, NoneCompressor
 
+    if _framework(tensor) == "tensorflow":
+        from hvd_compress.comm import horovod_tf
+
+        return horovod_tf.compress(compressor, tensor)
+
     if isinstance(compressor, NoneCompressor):
         compressor.encode(tensor, "gradient passed to Horovod")  # validates, counts bytes
         return tensor, _Context()
     if isinstance(compressor, FP16):
         payload = compressor.encode(tensor, "gradient passed to Horovod")
         return payload.values.reshape(tensor.shape), _Context(dtype=tensor.dtype)
-    name = _calls(compressor, tensor).next_name()
+    name = _calls(compressor).next_name()
     exchange = BucketExchange(compressor, _communicator(), name)
     exchange.add(name, tensor)
     if exchange.only_dense:
@@ -93,9 +106,13 @@ def compress(compressor: Any, tensor: Any):
 
 def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: wait for our collectives, return the dense gradient."""
+    if _framework(output) == "tensorflow":
+        from hvd_compress.comm import horovod_tf
+
+        return horovod_tf.decompress(compressor, output, ctx)
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
-    _calls(compressor, output).decompressing = True
+    _calls(compressor).decompressing = True
     world = _communicator().size
     divisor = world / float(output.reshape(-1)[0])  # N for op=Average, 1 for op=Sum
     if divisor == world:

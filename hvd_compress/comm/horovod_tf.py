@@ -1,0 +1,139 @@
+"""Our compressors with ``horovod.tensorflow``: the communicator and the stock-Horovod hooks.
+
+TensorFlow runs gradient exchange inside graphs: Horovod wraps its
+allreduce in a ``tf.function`` even in eager mode, and Keras compiles the
+train step. The compressors are Python classes that branch on what they see
+(Gaussian-k's count, the header check, TernGrad's shared scale), so each
+exchange runs eagerly as one ``tf.py_function`` op (:func:`eagerly`) whose
+collectives are eager Horovod calls. Inside a ``tf.function`` these stateful
+ops run in program order, so every rank issues its exchanges in the same
+order; no collective waits on a tensor another rank has not reached.
+
+Stock Horovod (``hvd.DistributedGradientTape(tape, compression=RegTopK(0.01))``)
+calls ``compress`` per gradient: it runs that gradient's whole exchange
+(:class:`~hvd_compress.comm.exchange.BucketExchange` of one tensor: header,
+sparse allgather or TernGrad's scale Max and packed code sum) and hands
+Horovod a one-element placeholder of ones. Horovod's reduction of the
+placeholder is the scaling it wants (1 for ``op=Average``, N for ``op=Sum``),
+so ``decompress`` returns the average times that.
+
+Collective names: the i-th gradient compressed while tracing one graph is
+``hvd_compress.<i>``; gradients come in the model's variable order, the same
+on every rank. The header makes every rank check that the others compressed a
+tensor of the same name and size with the same configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+import tensorflow as tf
+
+from hvd_compress.comm.communicator import Communicator
+from hvd_compress.comm.exchange import BucketExchange
+
+
+class HorovodTensorFlowCommunicator(Communicator):
+    """``horovod.tensorflow`` collectives, called eagerly (each call returns its result)."""
+
+    def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+
+        self.hvd = hvd
+        self._ops = {self.SUM: hvd.Sum, self.MAX: hvd.Max}
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def size(self) -> int:
+        return self.hvd.size()
+
+    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+        return self.hvd.allreduce(tensor, op=self._ops[op], name=name)
+
+    def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
+        return self.hvd.allgather(tensor, name=name)
+
+    def wait(self, handle: Any) -> Any:
+        return handle
+
+
+def eagerly(
+    fn: Callable[..., List[Any]], tensors: Sequence[Any], dtypes: Optional[Sequence] = None
+) -> List[Any]:
+    """``fn(*tensors)`` run eagerly; inside a graph as one ``tf.py_function`` op.
+
+    ``fn`` returns one tensor per input, of the input's shape and dtype (or ``dtypes``).
+    """
+    tensors = list(tensors)
+    if tf.executing_eagerly():
+        return list(fn(*tensors))
+    dtypes = [t.dtype for t in tensors] if dtypes is None else list(dtypes)
+    outputs = tf.py_function(lambda *ts: list(fn(*ts)), tensors, Tout=dtypes)
+    for output, tensor in zip(outputs, tensors):
+        output.set_shape(tensor.shape)
+    return list(outputs)
+
+
+def exchange(compressor: Any, comm: Any, key: str, named: Sequence[tuple], average: bool = True) -> List[Any]:
+    """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange."""
+    bucket = BucketExchange(compressor, comm, key)
+    for name, tensor in named:
+        bucket.add(name, tensor)
+    bucket.launch()
+    results = bucket.finish(average=average)
+    return [results[name] for name, _ in named]
+
+
+@functools.lru_cache(maxsize=None)
+def _communicator() -> HorovodTensorFlowCommunicator:
+    return HorovodTensorFlowCommunicator()
+
+
+@dataclass
+class _Context:
+    dtype: Any = None
+    average: Any = None  # the exchanged average, for compressors that exchange themselves
+
+
+_names: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _next_name() -> str:
+    """``hvd_compress.<i>``: i counts the gradients compressed while tracing the outermost graph."""
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
+    index = _names.get(graph, 0)
+    _names[graph] = index + 1
+    return f"hvd_compress.{index}"
+
+
+def compress(compressor: Any, tensor: Any):
+    """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
+    from hvd_compress.compressors import FP16, NoneCompressor
+
+    if isinstance(compressor, NoneCompressor):
+        return tensor, _Context()
+    if isinstance(compressor, FP16):
+        encode = lambda t: [tf.reshape(compressor.encode(t, "gradient passed to Horovod").values, t.shape)]
+        (values,) = eagerly(encode, [tensor], [tf.float16])
+        return values, _Context(dtype=tensor.dtype)
+    if tensor.shape.num_elements() < getattr(compressor, "dense_below", 0):
+        return tensor, _Context()
+    name = _next_name()
+    (average,) = eagerly(lambda t: exchange(compressor, _communicator(), name, [(name, t)]), [tensor])
+    return tf.ones([1], dtype=tensor.dtype), _Context(tensor.dtype, average)
+
+
+def decompress(compressor: Any, output: Any, ctx: _Context):
+    """Horovod ``Compressor.decompress``: the dense average (``op=Average``) or sum (``op=Sum``)."""
+    if ctx.average is None:
+        return output if ctx.dtype is None else tf.cast(output, ctx.dtype)
+    scaling = tf.reshape(output, [-1])[0]  # 1 for op=Average, N for op=Sum
+    return ctx.average * tf.cast(scaling, ctx.average.dtype)

@@ -1,0 +1,174 @@
+"""Trains a small Keras model a few steps with Horovod's TensorFlow API and each compressor.
+
+Run by the tests under ``horovodrun --gloo``. ``--path``: ``tape`` (stock
+``horovod.tensorflow.DistributedGradientTape(tape, compression=...)``),
+``tape-dropin`` (``hvd_compress.tensorflow.DistributedGradientTape``),
+``keras`` (stock ``horovod.tensorflow.keras.DistributedOptimizer`` in
+``model.fit``) or ``keras-dropin`` (``hvd_compress.keras.DistributedOptimizer``).
+Rank 0 writes the final weights and the bytes each rank handed to our
+collectives per step to ``--out`` (an ``.npz``); :func:`simulate` computes the
+same training in one process with the :class:`~hvd_compress.simulator.Simulator`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Dict, List
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from hvd_compress import Compression  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+
+RATIO = 0.05
+LR = 0.1
+BATCH = 16
+
+
+def make_model() -> tf.keras.Model:
+    init = tf.keras.initializers.GlorotUniform
+    model = tf.keras.Sequential(
+        [
+            tf.keras.layers.Dense(128, activation="relu", kernel_initializer=init(seed=1)),
+            tf.keras.layers.Dense(10, kernel_initializer=init(seed=2)),
+        ]
+    )
+    model.build((None, 64))
+    return model
+
+
+def data(rank: int, steps: int):
+    """Rank ``rank``'s batches, a different stream per rank."""
+    rng = np.random.default_rng(1000 + rank)
+    x = rng.standard_normal((steps * BATCH, 64)).astype(np.float32)
+    y = rng.integers(0, 10, steps * BATCH).astype(np.int64)
+    return x, y
+
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def compressor(name: str):
+    return Compression.by_name(name, RATIO)
+
+
+def weights(model: tf.keras.Model) -> Dict[str, np.ndarray]:
+    return {f"w{i}": v.numpy() for i, v in enumerate(model.trainable_variables)}
+
+
+def simulate(name: str, ranks: int, steps: int) -> Dict[str, np.ndarray]:
+    """The same training on the in-process simulator (TF tensors, so the same kernels and draws)."""
+    model = make_model()
+    sim = Simulator(ranks, compressor(name))
+    sets = [data(r, steps) for r in range(ranks)]
+    for step in range(steps):
+        grads: Dict[str, List[tf.Tensor]] = {f"w{i}": [] for i in range(len(model.trainable_variables))}
+        for x, y in sets:
+            batch = slice(step * BATCH, (step + 1) * BATCH)
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[batch], model(x[batch], training=True))
+            for i, g in enumerate(tape.gradient(loss, model.trainable_variables)):
+                grads[f"w{i}"].append(g)
+        averaged = sim.step(grads)
+        for i, v in enumerate(model.trainable_variables):
+            v.assign_sub(LR * averaged[f"w{i}"])
+    return weights(model)
+
+
+class ByteCounter:
+    """Sums the bytes our communicator hands to Horovod collectives."""
+
+    def __init__(self) -> None:
+        from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator as comm
+
+        self.bytes = 0
+        for attr in ("allreduce_async", "allgather_async"):
+            setattr(comm, attr, self._counting(getattr(comm, attr)))
+
+    def _counting(self, method):
+        def wrapper(this, tensor, *args, **kwargs):
+            self.bytes += int(tf.size(tensor)) * tensor.dtype.size
+            return method(this, tensor, *args, **kwargs)
+
+        return wrapper
+
+
+def train_tape(compression, args: argparse.Namespace) -> tf.keras.Model:
+    import horovod.tensorflow as hvd
+
+    import hvd_compress.tensorflow as hvd_compress_tf
+
+    model = make_model()
+    x, y = data(hvd.rank(), args.steps)
+    wrap = (
+        hvd_compress_tf.DistributedGradientTape if args.path == "tape-dropin" else hvd.DistributedGradientTape
+    )
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, model(xb, training=True))
+        tape = wrap(tape, compression=compression)
+        for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+            v.assign_sub(LR * g)
+
+    step = step if args.eager else tf.function(step)
+    for s in range(args.steps):
+        step(x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH])
+    return model
+
+
+def train_keras(compression, args: argparse.Namespace) -> tf.keras.Model:
+    import horovod.tensorflow.keras as hvd
+
+    if args.path == "keras-dropin":
+        import hvd_compress.keras as hvd_compress_keras
+
+        wrap = hvd_compress_keras.DistributedOptimizer
+    else:
+        wrap = hvd.DistributedOptimizer
+    model = make_model()
+    model.compile(optimizer=wrap(tf.keras.optimizers.SGD(LR), compression=compression), loss=LOSS)
+    x, y = data(hvd.rank(), args.steps)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def main() -> None:
+    import horovod.tensorflow as hvd
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--compression", nargs="+", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--path", choices=["tape", "tape-dropin", "keras", "keras-dropin"], default="tape")
+    parser.add_argument("--eager", action="store_true", help="tape paths: no tf.function")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    args = parser.parse_args()
+    hvd.init()
+    counter = ByteCounter()
+    arrays, wire = {}, {}
+    for name in args.compression:
+        compression = compressor(name)
+        if hvd.rank() == 1 and args.rank1_ratio is not None:
+            compression.ratio = args.rank1_ratio
+        counter.bytes = 0
+        try:
+            model = (train_keras if args.path.startswith("keras") else train_tape)(compression, args)
+        except (ValueError, tf.errors.OpError) as error:
+            Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
+            raise
+        for key, value in weights(model).items():
+            arrays[f"{name}/{key}"] = value
+        wire[name] = hvd.allgather_object(counter.bytes // args.steps)
+    if hvd.rank() == 0:
+        np.savez(args.out, **arrays, wire=json.dumps(wire), size=hvd.size())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Compression state of TensorFlow training in ``tf.train.Checkpoint``: a restored run continues exactly."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from tests.distributed.launch import require
+
+require("tensorflow")
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import tensorflow as tf  # noqa: E402
+
+from hvd_compress import Compression  # noqa: E402
+from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.tensorflow import CompressionCheckpoint  # noqa: E402
+from hvd_compress.tensorflow.gradients import GradientExchange  # noqa: E402
+
+NAMES = ["topk", "gaussiank", "regtopk", "terngrad"]
+
+
+def gradients(step):
+    rng = np.random.default_rng(step)
+    return [tf.constant(rng.standard_normal(shape).astype(np.float32)) for shape in [(64, 40), (40,)]]
+
+
+class Var:
+    def __init__(self, name):
+        self.name = name
+
+
+VARIABLES = [Var("dense/kernel:0"), Var("dense/bias:0")]
+
+
+def run_steps(exchange, steps):
+    return [[g.numpy() for g in exchange(gradients(step), VARIABLES)] for step in steps]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_restores_residuals_and_continues_exactly(name, tmp_path):
+    options = {} if name == "terngrad" else {"ratio": 0.05}
+    straight = GradientExchange(Compression.by_name(name, **options), SingleProcessCommunicator())
+    expected = run_steps(straight, range(6))
+
+    first = Compression.by_name(name, **options)
+    run_steps(GradientExchange(first, SingleProcessCommunicator()), range(3))
+    path = tf.train.Checkpoint(compression=CompressionCheckpoint(first)).save(str(tmp_path / "ckpt"))
+
+    restored = Compression.by_name(name, **options)
+    tf.train.Checkpoint(compression=CompressionCheckpoint(restored)).restore(path).assert_consumed()
+    if name != "terngrad":
+        np.testing.assert_array_equal(
+            restored.residual("dense/kernel:0"), first.residual("dense/kernel:0").numpy()
+        )
+    resumed = run_steps(GradientExchange(restored, SingleProcessCommunicator()), range(3, 6))
+    for got, want in zip(resumed, expected[3:]):
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_of_another_algorithm_is_an_error(tmp_path):
+    topk = Compression.topk(0.05)
+    run_steps(GradientExchange(topk, SingleProcessCommunicator()), range(1))
+    path = tf.train.Checkpoint(compression=CompressionCheckpoint(topk)).save(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match="TopK state"):
+        tf.train.Checkpoint(compression=CompressionCheckpoint(Compression.regtopk(0.05))).restore(path)

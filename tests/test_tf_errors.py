@@ -1,0 +1,79 @@
+"""Bad input with TensorFlow gets a clear error, eagerly and inside ``tf.function``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.distributed.launch import ROOT, require
+
+require("tensorflow")
+
+import tensorflow as tf  # noqa: E402
+
+from hvd_compress import Compression  # noqa: E402
+from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.tensorflow.gradients import GradientExchange  # noqa: E402
+
+
+class Var:
+    def __init__(self, name):
+        self.name = name
+
+
+def exchange(grads, compressor=None):
+    compressor = compressor or Compression.topk(0.05)
+    return GradientExchange(compressor, SingleProcessCommunicator())(
+        grads, [Var(f"v{i}") for i in range(len(grads))]
+    )
+
+
+def test_nan_gradient_is_a_value_error_eagerly():
+    grad = np.ones(2048, dtype=np.float32)
+    grad[7] = np.nan
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        exchange([tf.constant(grad)])
+
+
+def test_nan_gradient_fails_the_graph_with_the_same_message():
+    grad = np.ones(2048, dtype=np.float32)
+    grad[7] = np.inf
+    with pytest.raises(tf.errors.InvalidArgumentError, match="NaN/Inf"):
+        tf.function(lambda g: exchange([g]))(tf.constant(grad))
+
+
+def test_integer_gradient_is_a_type_error():
+    with pytest.raises(TypeError, match="floating point"):
+        exchange([tf.range(2048)])
+
+
+def test_none_gradients_pass_through():
+    grad = tf.constant(np.arange(2048, dtype=np.float32))
+    out = exchange([None, grad])
+    assert out[0] is None
+    assert out[1].shape == grad.shape
+
+
+def test_keras_3_is_refused_with_instructions():
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "0", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", "import hvd_compress.keras"], env=env, capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "needs Keras 2" in done.stderr and "TF_USE_LEGACY_KERAS=1" in done.stderr
+
+
+def test_predivide_and_unknown_op_are_refused():
+    require("horovod.tensorflow")
+    import horovod.tensorflow as hvd
+
+    from hvd_compress.tensorflow import exchange_for
+
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        exchange_for(Compression.topk(0.01), hvd.Average, 2.0, None)
+    with pytest.raises(ValueError, match="op must be"):
+        exchange_for(Compression.topk(0.01), hvd.Adasum, 1.0, None)
