@@ -10,6 +10,7 @@ float16), and the bytes handed to the collectives must be the compressed ones.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -113,3 +114,12 @@ def test_mismatched_ratio_fails_on_every_rank(path, tmp_path):
         error = out.parent / f"{out.name}.error.{rank}"
         assert error.exists(), f"rank {rank} reported no error:\n{launch.output(done)}"
         assert "ranks disagree" in error.read_text()
+
+
+def test_nan_gradient_on_one_rank_stops_the_job_quickly(tmp_path):
+    started = time.monotonic()
+    done, out = run_workload("tape-dropin", ["regtopk"], tmp_path, "--rank1-nan", expect_success=False)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 120, "the job hung after a NaN gradient"
+    error = out.parent / f"{out.name}.error.1"
+    assert error.exists() and "NaN/Inf" in error.read_text(), launch.output(done)

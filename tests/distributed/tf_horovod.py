@@ -106,6 +106,8 @@ def train_tape(compression, args: argparse.Namespace) -> tf.keras.Model:
 
     model = make_model()
     x, y = data(hvd.rank(), args.steps)
+    if hvd.rank() == 1 and args.rank1_nan:
+        x = x * np.float32("nan")
     wrap = (
         hvd_compress_tf.DistributedGradientTape if args.path == "tape-dropin" else hvd.DistributedGradientTape
     )
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="tape paths: no tf.function")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
     args = parser.parse_args()
     hvd.init()
     counter = ByteCounter()
