@@ -9,8 +9,8 @@ import pytest
 
 from tests.distributed.launch import require
 
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # before TensorFlow is imported
 require("tensorflow")
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 import tensorflow as tf  # noqa: E402
 
@@ -67,3 +67,27 @@ def test_checkpoint_of_another_algorithm_is_an_error(tmp_path):
     path = tf.train.Checkpoint(compression=CompressionCheckpoint(topk)).save(str(tmp_path / "ckpt"))
     with pytest.raises(ValueError, match="TopK state"):
         tf.train.Checkpoint(compression=CompressionCheckpoint(Compression.regtopk(0.05))).restore(path)
+
+
+def test_keras_optimizer_checkpoint_holds_the_compression_state(tmp_path):
+    require("horovod.tensorflow.keras")
+    import hvd_compress.keras as hvd
+
+    hvd.init()
+    compression = Compression.topk(0.05)
+    opt = hvd.DistributedOptimizer(
+        tf.keras.optimizers.SGD(0.1), compression=compression, communicator=SingleProcessCommunicator()
+    )
+    model = tf.keras.Sequential([tf.keras.layers.Dense(40, input_shape=(64,))])
+    model.compile(optimizer=opt, loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.standard_normal((32, 64)), rng.standard_normal((32, 40)), batch_size=16, verbose=0)
+    kernel = next(name for name in compression.memory.names() if "kernel" in name)
+    path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    restored = Compression.topk(0.05)
+    fresh = hvd.DistributedOptimizer(
+        tf.keras.optimizers.SGD(0.1), compression=restored, communicator=SingleProcessCommunicator()
+    )
+    tf.train.Checkpoint(optimizer=fresh).restore(path)
+    np.testing.assert_array_equal(restored.residual(kernel), compression.residual(kernel).numpy())
