@@ -3,8 +3,10 @@
 ``ops_for(tensor)`` returns the module implementing
 :mod:`hvd_compress.compressors.reference`'s functions for that tensor: the
 reference itself for numpy arrays, :mod:`hvd_compress.kernels.torch_ops` for
-torch tensors. Compressor classes only ever call these functions, so one class
-serves every framework.
+torch tensors, :mod:`hvd_compress.kernels.tf_ops` for TensorFlow tensors and
+variables. Compressor classes only ever call these functions, so one class
+serves every framework. A framework's kernels are imported only when one of its
+tensors arrives: importing hvd_compress imports neither torch nor TensorFlow.
 """
 
 from __future__ import annotations
@@ -21,14 +23,20 @@ def ops_for(tensor: Any, name: str = "") -> ModuleType:
         from hvd_compress.compressors import reference
 
         return reference
-    if type(tensor).__module__.split(".")[0] == "torch":
+    framework = type(tensor).__module__.split(".")[0]
+    if framework == "torch":
         from hvd_compress.kernels import torch_ops
 
         return torch_ops
+    if framework == "tensorflow":
+        from hvd_compress.kernels import tf_ops
+
+        return tf_ops
     what = f"gradient '{name}'" if name else "a tensor"
     raise TypeError(
         f"hvd_compress: cannot compress {what} of type "
-        f"{type(tensor).__module__}.{type(tensor).__name__}; pass a numpy array or a torch tensor"
+        f"{type(tensor).__module__}.{type(tensor).__name__}; "
+        "pass a numpy array, a torch tensor or a TensorFlow tensor"
     )
 
 
@@ -36,10 +44,11 @@ def module(name: str) -> ModuleType:
     """A kernel module by its ``__name__`` (checkpoints record generators by module)."""
     import importlib
 
-    if name not in (_REFERENCE, _TORCH):
+    if name not in (_REFERENCE, _TORCH, _TF):
         raise ValueError(f"hvd_compress: unknown kernel module {name!r}")
     return importlib.import_module(name)
 
 
 _REFERENCE = "hvd_compress.compressors.reference"
 _TORCH = "hvd_compress.kernels.torch_ops"
+_TF = "hvd_compress.kernels.tf_ops"

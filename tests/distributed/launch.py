@@ -24,7 +24,7 @@ def require(module: str) -> None:
     except ImportError as error:
         if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
             raise
-        pytest.skip(f"{module} is not installed: {error}")
+        pytest.skip(f"{module} is not installed: {error}", allow_module_level=True)
 
 
 def require_horovod_torch() -> None:

@@ -1,0 +1,396 @@
+"""TensorFlow kernels: the functions of :mod:`hvd_compress.compressors.reference` on TF tensors.
+
+Same names, same arguments, same results, for ``tf.Tensor`` and ``tf.Variable``
+inputs: bit-exact for Top-k (ties to the lower index, indices ascending),
+RegTop-k, the error-feedback split, TernGrad's codes given the same draws, the
+int32 lane and 2-bit packings, the wrapping int32 sum, ``dense_sum`` and
+``sparse_sum`` (one scatter-add per rank, in rank order, so float sums match
+numpy on every device), and float64 -> float16 casts (rounded once, as numpy
+does; ``tf.cast`` goes through float32 and can round twice). Reductions (mean,
+std: Gaussian-k's threshold, TernGrad's clipping bound) run in at least float32
+and agree with the float64 reference within float rounding; Gaussian-k applies
+the reference's count rule to its own threshold.
+
+Every function also traces inside ``tf.function`` for inputs of static shape,
+with the same results as eagerly: there is no Python branching on tensor values
+(Gaussian-k's three correction rounds are unrolled into scalar ``tf.where``s, its
+trim is a ``tf.cond``), and divisions by constants use ``DivNoNan``, which
+grappler does not turn into a multiplication by the reciprocal.
+``count_nonfinite``, ``gaussiank_threshold`` and ``terngrad_scale`` return Python
+numbers when executing eagerly and scalar tensors in graph mode;
+``generator_state`` returns a numpy copy eagerly. ``to_list`` is eager only.
+``generator`` owns a ``tf.Variable``: create it once, eagerly or on a function's
+first trace, and keep it (as ``Compressor.generator`` does). Tensors are
+immutable, so ``error_feedback_split(in_place=True)`` returns a new residual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
+    GAUSSIANK_GROW,
+    GAUSSIANK_HIGH,
+    GAUSSIANK_LOW,
+    GAUSSIANK_ROUNDS,
+    GAUSSIANK_SHRINK,
+    NO_DISTORTION,
+    gaussiank_correct,
+    normal_tail_quantile,
+    num_selected,
+    ternary_codes_per_lane,
+    ternary_field_bits,
+    ternary_lanes,
+    ternary_wire_format,
+    two_bit_bytes,
+)
+
+_WORD = 1 << 32
+
+
+float16 = tf.float16
+
+
+def index_dtype(numel: int) -> tf.DType:
+    return tf.int32 if numel < 2**31 else tf.int64
+
+
+def _on(like):
+    """Create tensors on ``like``'s device (nothing to pin while tracing without placement)."""
+    return tf.device(like.device) if like.device else contextlib.nullcontext()
+
+
+def _result_type(*dtypes) -> tf.DType:
+    return tf.as_dtype(np.result_type(*(tf.as_dtype(d).as_numpy_dtype for d in dtypes)))
+
+
+def _float64(value) -> tf.Tensor:
+    """A Python number (kept in double precision) or a tensor as a float64 tensor."""
+    return tf.cast(value, tf.float64) if tf.is_tensor(value) else tf.constant(float(value), tf.float64)
+
+
+def _divide(x, y) -> tf.Tensor:
+    """``x / y`` rounded once. In graphs, grappler's constant folding rewrites a division by
+    a constant into a multiplication by its reciprocal (off by an ulp in a third of the
+    quotients); it leaves ``DivNoNan`` alone. Callers divide by a non-zero ``y``."""
+    return tf.math.divide_no_nan(x, y)
+
+
+def _python_or_tensor(value: tf.Tensor, kind: type):
+    return kind(value) if tf.executing_eagerly() else value
+
+
+# ------------------------------------------------------------------ utilities
+def is_floating(a) -> bool:
+    return a.dtype.is_floating
+
+
+def itemsize(a) -> int:
+    return a.dtype.size
+
+
+def count_nonfinite(a):
+    if tf.executing_eagerly() and bool(tf.math.is_finite(tf.reduce_sum(a))):
+        return 0
+    bad = tf.size(a, out_type=tf.int64) - tf.math.count_nonzero(tf.math.is_finite(a), dtype=tf.int64)
+    return _python_or_tensor(bad, int)
+
+
+def zeros_like(a) -> tf.Tensor:
+    with _on(a):
+        return tf.zeros_like(a)
+
+
+def full(numel: int, value: float, like, dtype=None) -> tf.Tensor:
+    """``value`` converted by numpy (rounded once; TF rounds float16 constants via float32)."""
+    dtype = tf.as_dtype(like.dtype if dtype is None else dtype)
+    with np.errstate(over="ignore"):
+        scalar = np.asarray(value, dtype=dtype.as_numpy_dtype)
+    with _on(like):
+        return tf.fill([numel], tf.constant(scalar, dtype))
+
+
+def cast(a, dtype) -> tf.Tensor:
+    dtype = tf.as_dtype(dtype)
+    if a.dtype == tf.float64 and dtype == tf.float16:
+        return _float64_to_float16(a)
+    return tf.cast(a, dtype)
+
+
+def _float64_to_float16(a) -> tf.Tensor:
+    """Round once, as numpy does: the float32 step rounds to odd (toward zero, lowest bit
+    set when inexact), which keeps enough information for the float16 rounding to be exact."""
+    single = tf.cast(a, tf.float32)
+    back = tf.cast(single, tf.float64)
+    inexact = tf.not_equal(back, a)
+    bits = tf.bitcast(single, tf.int32)
+    bits = tf.where(inexact & (tf.abs(back) > tf.abs(a)), bits - 1, bits)
+    bits = tf.where(inexact, tf.bitwise.bitwise_or(bits, 1), bits)
+    return tf.cast(tf.bitcast(bits, tf.float32), tf.float16)
+
+
+def as_int64(values, like) -> tf.Tensor:
+    with _on(like):
+        return tf.constant(values, tf.int64)
+
+
+def as_float32(values, like) -> tf.Tensor:
+    with _on(like):
+        return tf.constant(values, tf.float32)
+
+
+def reshape(a, shape) -> tf.Tensor:
+    return tf.reshape(a, shape)
+
+
+def to_list(a) -> list:
+    return a.numpy().tolist()
+
+
+def split(a, sizes) -> list:
+    return tf.split(a, list(sizes))
+
+
+def generator(seed: int, rank: int, like) -> tf.random.Generator:
+    """The random stream of ``rank`` on ``like``'s device: Philox keyed by ``SeedSequence([seed, rank])``."""
+    key = np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64).view(np.int64)
+    with _on(like):
+        return tf.random.Generator.from_key_counter(int(key[0]), [0, 0], "philox")
+
+
+def uniform(rng: tf.random.Generator, like) -> tf.Tensor:
+    """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
+    with _on(like):
+        return tf.cast(rng.uniform([like.shape[0]], dtype=tf.float32), like.dtype)
+
+
+def generator_state(rng: tf.random.Generator):
+    state = rng.state.read_value()
+    return np.array(state.numpy(), copy=True) if tf.executing_eagerly() else state
+
+
+def set_generator_state(rng: tf.random.Generator, state) -> None:
+    rng.reset(state)
+
+
+def accumulation_dtype(dtype) -> tf.DType:
+    return _result_type(dtype, tf.float32)
+
+
+def dense_sum(values: Sequence) -> tf.Tensor:
+    dtype = accumulation_dtype(values[0].dtype)
+    total = tf.cast(values[0], dtype)
+    for v in values[1:]:
+        total = total + tf.cast(v, dtype)
+    return total
+
+
+# -------------------------------------------------------------- error feedback
+def error_feedback_split(a, indices, in_place: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    values = tf.gather(a, indices)
+    residual = tf.tensor_scatter_nd_update(a, tf.reshape(indices, [-1, 1]), tf.zeros_like(values))
+    return values, residual
+
+
+# ----------------------------------------------------------------------- Top-k
+def topk_indices(scores, k: int) -> tf.Tensor:
+    """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
+    numel = scores.shape[0]
+    k = min(k, numel)
+    return tf.reshape(tf.cast(_topk_positions(scores, k), index_dtype(numel)), [k])
+
+
+def _topk_positions(scores, k: int) -> tf.Tensor:
+    """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
+    while tracing): those above the k-th largest, then the lowest-indexed ties."""
+    kth = tf.reduce_min(tf.math.top_k(scores, k, sorted=False).values)
+    above = scores > kth
+    ties = tf.equal(scores, kth)
+    room = k - tf.math.count_nonzero(above, dtype=tf.int64)
+    take = above | (ties & (tf.cumsum(tf.cast(ties, tf.int64)) <= room))
+    return tf.where(take)[:, 0]
+
+
+def topk_select(a, k: int) -> tf.Tensor:
+    return topk_indices(tf.abs(a), k)
+
+
+# ------------------------------------------------------------------ Gaussian-k
+def _threshold(a, ratio: float) -> tf.Tensor:
+    """``|mu| + sigma * q`` as a float64 scalar; the moments in at least float32."""
+    x = tf.cast(a, accumulation_dtype(a.dtype))
+    mean, std = tf.cast(tf.reduce_mean(x), tf.float64), tf.cast(tf.math.reduce_std(x), tf.float64)
+    return tf.abs(mean) + std * normal_tail_quantile(ratio)
+
+
+def gaussiank_threshold(a, ratio: float):
+    return _python_or_tensor(_threshold(a, ratio), float)
+
+
+def gaussiank_select(a, ratio: float) -> tf.Tensor:
+    """:func:`reference.gaussiank_correct` unrolled: every round counts ``|a_j| > thr``
+    (``thr`` in float64, rounded once to ``a``'s dtype as numpy compares), scalar
+    ``tf.where``s keep the round that settles; one ``tf.where`` gathers the indices,
+    and a ``tf.cond`` trims an overshooting superset to its ``k`` largest."""
+    numel = a.shape[0]
+    k = num_selected(numel, ratio)
+    magnitude = tf.abs(a)
+
+    def above(threshold):
+        return magnitude > cast(threshold, magnitude.dtype)
+
+    threshold = chosen = last = superset = _threshold(a, ratio)
+    smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above 4k/3 seen so far
+    done = tf.constant(False)
+    for _ in range(GAUSSIANK_ROUNDS):
+        count = tf.cast(tf.math.count_nonzero(above(threshold)), tf.float64)
+        low, high = count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
+        settles = ~done & ~low & ~high
+        chosen = tf.where(settles, threshold, chosen)
+        lower = ~done & high & (count < smallest)
+        smallest, superset = tf.where(lower, count, smallest), tf.where(lower, threshold, superset)
+        moves = ~done & (low | high)
+        last = tf.where(moves, threshold, last)
+        step = tf.cast(tf.where(low, GAUSSIANK_SHRINK, GAUSSIANK_GROW), tf.float64)  # exact in float32
+        threshold = tf.where(moves, threshold * step, threshold)
+        done = done | settles
+    trim = ~done & (smallest <= numel)
+    selected = tf.where(above(tf.where(done, chosen, tf.where(trim, superset, last))))[:, 0]
+    selected = tf.cond(
+        trim,
+        lambda: tf.gather(selected, _topk_positions(tf.gather(magnitude, selected), k)),
+        lambda: selected,
+    )
+    return tf.cast(selected, index_dtype(numel))
+
+
+# -------------------------------------------------------------------- RegTop-k
+def regtopk_scores(a, distortion, mu: float) -> tf.Tensor:
+    d = tf.cast(distortion, accumulation_dtype(distortion.dtype))
+    damping = tf.cast(tf.tanh(tf.cast(_divide(1.0 + d, tf.constant(mu, d.dtype)), tf.float64)), d.dtype)
+    dtype = _result_type(d.dtype, a.dtype)
+    return tf.cast(tf.abs(damping), dtype) * tf.cast(tf.abs(a), dtype)
+
+
+def regtopk_select(a, distortion, mu: float, k: int) -> tf.Tensor:
+    return topk_indices(regtopk_scores(a, distortion, mu), k)
+
+
+def regtopk_posterior(total, indices, sent) -> Tuple[tf.Tensor, tf.Tensor]:
+    dtype = accumulation_dtype(total.dtype)
+    informative = tf.not_equal(sent, 0)
+    idx = tf.boolean_mask(indices, informative)
+    own = tf.cast(tf.boolean_mask(sent, informative), dtype)
+    return idx, _divide(tf.cast(tf.gather(total, idx), dtype) - own, own)
+
+
+def regtopk_distortion(total, indices, sent, numel: int) -> tf.Tensor:
+    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
+
+
+def regtopk_expand(idx, values, numel: int) -> tf.Tensor:
+    return tf.tensor_scatter_nd_update(full(numel, NO_DISTORTION, values), tf.reshape(idx, [-1, 1]), values)
+
+
+def regtopk_select_sparse(a, idx, values, mu: float, k: int) -> tf.Tensor:
+    dtype = accumulation_dtype(_result_type(a.dtype, values.dtype))
+    damped = tf.cast(regtopk_scores(tf.gather(a, idx), values, mu), dtype)
+    scores = tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
+    return topk_indices(scores, k)
+
+
+# -------------------------------------------------------------------- TernGrad
+def terngrad_clip(g, c: float) -> tf.Tensor:
+    """``clip(g, -c sigma, c sigma)``; a constant tensor (or ``sigma = 0``) is left as it is."""
+    bound = c * tf.cast(tf.math.reduce_std(tf.cast(g, accumulation_dtype(g.dtype))), tf.float64)
+    constant = tf.equal(bound, 0.0) | tf.equal(tf.reduce_max(g), tf.reduce_min(g))
+    limit = cast(bound, g.dtype)
+    return tf.where(constant, g, tf.clip_by_value(g, -limit, limit))
+
+
+def terngrad_scale(g):
+    return _python_or_tensor(tf.reduce_max(tf.abs(g)), float)
+
+
+def terngrad_codes(g, scale, uniform) -> tf.Tensor:
+    """``scale`` is rounded once to ``g``'s dtype, as numpy does; ``scale == 0`` gives zeros
+    (with ``scale >= max|g|``: then ``|g| / scale`` is never divided by zero)."""
+    scale = _float64(scale)
+    keep = (uniform < _divide(tf.abs(g), cast(scale, g.dtype))) & tf.not_equal(scale, 0.0)
+    sign = tf.cast(tf.sign(g), tf.int8)
+    return tf.where(keep, sign, tf.zeros_like(sign))
+
+
+def _wrap_int32(words) -> tf.Tensor:
+    """int64 words to int32 modulo 2**32, two's complement."""
+    low = tf.bitwise.bitwise_and(words, tf.constant(_WORD - 1, tf.int64))
+    return tf.cast(tf.where(low >= _WORD >> 1, low - _WORD, low), tf.int32)
+
+
+def _pack_fields(fields, bits: int, per_word: int) -> tf.Tensor:
+    """int64 words of ``per_word`` fields of ``bits`` bits each (``fields``: int64, static length)."""
+    numel = fields.shape[0]
+    words = -(-numel // per_word)
+    padded = tf.reshape(tf.pad(fields, [[0, words * per_word - numel]]), [words, per_word])
+    shifts = tf.constant([bits * i for i in range(per_word)], tf.int64)
+    return tf.reduce_sum(tf.bitwise.left_shift(padded, shifts), axis=1)
+
+
+def _unpack_fields(words, bits: int, per_word: int, numel: int) -> tf.Tensor:
+    shifts = tf.constant([bits * i for i in range(per_word)], tf.int64)
+    fields = tf.bitwise.right_shift(words[:, None], shifts)
+    fields = tf.bitwise.bitwise_and(fields, tf.constant((1 << bits) - 1, tf.int64))
+    return tf.reshape(fields, [-1])[:numel]
+
+
+def pack_ternary(codes, world_size: int) -> tf.Tensor:
+    bits = ternary_field_bits(world_size)
+    return _wrap_int32(_pack_fields(tf.cast(codes, tf.int64) + 1, bits, 32 // bits))
+
+
+def unpack_ternary_sum(lanes, numel: int, world_size: int) -> tf.Tensor:
+    bits = ternary_field_bits(world_size)
+    words = tf.bitwise.bitwise_and(tf.cast(lanes, tf.int64), tf.constant(_WORD - 1, tf.int64))
+    return tf.cast(_unpack_fields(words, bits, 32 // bits, numel) - world_size, tf.int32)
+
+
+def pack_two_bit(codes) -> tf.Tensor:
+    words = _pack_fields(tf.cast(codes, tf.int64) + 1, 2, 4)
+    return tf.bitcast(tf.cast(words, tf.uint8), tf.int8)
+
+
+def unpack_two_bit(packed, numel: int) -> tf.Tensor:
+    words = tf.cast(tf.bitcast(packed, tf.uint8), tf.int64)
+    return tf.cast(_unpack_fields(words, 2, 4, numel) - 1, tf.int8)
+
+
+def maximum(a, b) -> tf.Tensor:
+    return tf.maximum(a, b)
+
+
+def concat(arrays: Sequence) -> tf.Tensor:
+    return tf.concat(list(arrays), axis=0)
+
+
+def sum_codes(codes: Sequence) -> tf.Tensor:
+    return tf.add_n([tf.cast(c, tf.int32) for c in codes])
+
+
+def sum_int32_wrapping(arrays: Sequence) -> tf.Tensor:
+    return _wrap_int32(tf.add_n([tf.cast(a, tf.int64) for a in arrays]))
+
+
+# ----------------------------------------------------------------- aggregation
+def sparse_sum(indices: Sequence, values: Sequence, numel: int) -> tf.Tensor:
+    """One scatter-add per rank, in rank order: the same float sums as ``np.add.at``
+    (a single scatter of all ranks would add in no fixed order on GPUs)."""
+    dtype = accumulation_dtype(_result_type(*(v.dtype for v in values)))
+    with _on(values[0]):
+        total = tf.zeros([numel], dtype)
+    for idx, v in zip(indices, values):
+        total = tf.tensor_scatter_nd_add(total, tf.reshape(idx, [-1, 1]), tf.cast(v, dtype))
+    return total
