@@ -1,9 +1,15 @@
 """The ``hvd-compress`` command.
 
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
-hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4] [--mu-sweep 1,2,4,8] [--plot DIR]
+hvd-compress simulate linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4] [--mu-sweep 1,2,4,8] [--instances 1]
+                             [--plot DIR]
+hvd-compress simulate cnn [--ranks 4] [--epochs 5] [--ratios 0.01,0.001] [--lr 0.05] [--seed 0] [--plot DIR]
+hvd-compress simulate gaussian [--ranks 4] [--epochs 5] [--ratio 0.01] [--layer fc1.weight] [--plot DIR]
+hvd-compress simulate terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 hvd-compress bench compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 hvd-compress bench wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
+hvd-compress bench step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1] [--out results]
+hvd-compress bench scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01] [--out results]
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ def _simulate_linreg(args: argparse.Namespace) -> int:
         steps=args.steps,
         lr=args.lr,
         seed=args.seed,
+        instances=args.instances,
         out=args.plot,
     )
     final = {r["label"]: r["final_distance"] for r in results["final"]}
@@ -79,6 +86,58 @@ def _simulate_linreg(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"Wrote {args.plot}/linreg.json and {args.plot}/linreg.png")
     return 0
+
+
+def _cnn_options(args: argparse.Namespace) -> dict:
+    """The options every CNN study shares."""
+    return dict(
+        ranks=args.ranks,
+        epochs=args.epochs,
+        batch_per_rank=args.batch_size,
+        lr=args.lr,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        seed=args.seed,
+        out=args.plot,
+    )
+
+
+def _simulate_cnn(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import cnn
+
+    cnn.study(ratios=args.ratios, **_cnn_options(args))
+    if args.plot:
+        print(f"Wrote {args.plot}/cnn.json and {args.plot}/cnn.png")
+    return 0
+
+
+def _simulate_gaussian(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import gaussian
+
+    gaussian.study(ratio=args.ratio, layer=args.layer, snapshots=args.snapshots, **_cnn_options(args))
+    if args.plot:
+        print(f"Wrote {args.plot}/gaussian.json and {args.plot}/gaussian.png")
+    return 0
+
+
+def _simulate_terngrad(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import terngrad
+
+    terngrad.study(clip=args.clip, layer=args.layer, **_cnn_options(args))
+    if args.plot:
+        print(f"Wrote {args.plot}/terngrad.json and {args.plot}/terngrad.png")
+    return 0
+
+
+def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
+    parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
+    parser.add_argument("--epochs", type=int, default=5, help="64 steps each with the defaults (5)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD step size, momentum 0.9 (0.05)")
+    parser.add_argument("--train-size", type=int, default=8192, help="synthetic training images (8192)")
+    parser.add_argument("--test-size", type=int, default=2048, help="synthetic test images (2048)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="DIR", help=f"write {study}.json and {study}.png here")
 
 
 def _bench_compress(args: argparse.Namespace) -> int:
@@ -112,6 +171,86 @@ def _bench_wire(args: argparse.Namespace) -> int:
         out=args.out,
     )
     print(f"Wrote {args.out}/wire.json and {args.out}/wire.png")
+    return 0
+
+
+def _rates(text: str) -> List[str]:
+    from hvd_compress.bench.cluster import parse_rate
+
+    rates = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        for rate in rates:
+            parse_rate(rate)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return rates
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import step, wire
+
+    names = args.compression or list(wire.COMPRESSORS)
+    where = "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
+    print(
+        f"Step time: {args.ranks} ranks, ResNet-18-shaped gradients"
+        f"{'' if args.scale == 1 else f' (widths x {args.scale:g})'}, {', '.join(names)} at ratio {args.ratio}, "
+        f"{args.steps} steps, compute stand-in {args.compute_ms:g} ms; {where}"
+    )
+    try:
+        step.run(
+            ranks=args.ranks,
+            rates=[None] if args.link == "none" else args.rates,
+            ratio=args.ratio,
+            steps=args.steps,
+            warmup=args.warmup,
+            scale=args.scale,
+            compute_ms=args.compute_ms,
+            compressors=names,
+            delay=args.delay,
+            bucket_mb=args.bucket_mb,
+            seed=args.seed,
+            out=args.out,
+        )
+    except RuntimeError as error:  # a rank failed or timed out
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 1
+    print(f"Wrote {args.out}/step.json and {args.out}/step.png")
+    return 0
+
+
+def _bench_scaling(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import scaling
+
+    measure = args.measure != "none"
+    where = (
+        "model only"
+        if not measure
+        else (
+            "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
+        )
+    )
+    print(
+        f"Communication scaling: dense allreduce vs sparse allgather vs TernGrad, ratio {args.ratio}; "
+        f"{where}" + (f", measured at N = {', '.join(map(str, args.ranks))}" if measure else "")
+    )
+    try:
+        scaling.run(
+            ranks=args.ranks,
+            rates=args.rates,
+            link=args.link,
+            measure=measure,
+            ratio=args.ratio,
+            scale=args.scale,
+            repeats=args.repeats,
+            delay=args.delay,
+            max_ranks=args.max_ranks,
+            seed=args.seed,
+            out=args.out,
+        )
+    except RuntimeError as error:  # a rank failed or timed out
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 1
+    print(f"Wrote {args.out}/scaling.json and {args.out}/scaling.png")
     return 0
 
 
@@ -164,9 +303,27 @@ def build_parser() -> argparse.ArgumentParser:
     linreg.add_argument("--lr", type=float, default=0.01)
     linreg.add_argument("--steps", type=int, default=2500)
     linreg.add_argument("--seed", type=int, default=0)
+    linreg.add_argument(
+        "--instances", type=int, default=1, help="problems (seeds seed, seed+1, ...) for Top-k vs RegTop-k"
+    )
     linreg.add_argument("--mu-sweep", type=_floats, help="add a RegTop-k run per temperature, e.g. 1,2,4,8")
     linreg.add_argument("--plot", metavar="DIR", help="write linreg.json and linreg.png (log scale) here")
     linreg.set_defaults(run=_simulate_linreg)
+    cnn = studies.add_parser("cnn", help="small CNN: dense, Top-k, Gaussian-k, RegTop-k per ratio, TernGrad")
+    _add_cnn_options(cnn, "cnn")
+    cnn.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="densities (0.01,0.001)")
+    cnn.set_defaults(run=_simulate_cnn)
+    gauss = studies.add_parser("gaussian", help="Gaussian-k: histogram of g + r vs its Gaussian, |S| vs k")
+    _add_cnn_options(gauss, "gaussian")
+    gauss.add_argument("--ratio", type=float, default=0.01, help="Gaussian-k density (default 0.01)")
+    gauss.add_argument("--layer", default="fc1.weight", help="layer of the histograms (default fc1.weight)")
+    gauss.add_argument("--snapshots", type=int, default=4, help="iterations with a histogram (default 4)")
+    gauss.set_defaults(run=_simulate_gaussian)
+    tern = studies.add_parser("terngrad", help="TernGrad with/without clipping and scalar sharing")
+    _add_cnn_options(tern, "terngrad")
+    tern.add_argument("--clip", type=float, default=2.5, help="clipping factor c of the clipped runs (2.5)")
+    tern.add_argument("--layer", default="fc1.weight", help="layer whose scale is reported (fc1.weight)")
+    tern.set_defaults(run=_simulate_terngrad)
 
     bench = commands.add_parser("bench", help="benchmarks; ratios against baselines measured in the same run")
     benchmarks = bench.add_subparsers(dest="study", required=True)
@@ -203,6 +360,86 @@ def build_parser() -> argparse.ArgumentParser:
     wire.add_argument("--seed", type=int, default=0)
     wire.add_argument("--out", default="results", help="folder for wire.json and wire.png")
     wire.set_defaults(run=_bench_wire)
+    step = benchmarks.add_parser(
+        "step", help="training-step time, dense vs compressors, N ranks on emulated links"
+    )
+    step.add_argument("--ranks", type=int, default=4, help="processes, one per network namespace (default 4)")
+    step.add_argument(
+        "--rates",
+        type=_rates,
+        default=["1gbit", "10gbit"],
+        help="emulated link rates, tc syntax (default 1gbit,10gbit)",
+    )
+    step.add_argument(
+        "--link",
+        choices=("emulated", "none"),
+        default="emulated",
+        help="none: plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)",
+    )
+    step.add_argument(
+        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
+    )
+    step.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    step.add_argument("--steps", type=int, default=10, help="timed steps per compressor (median reported)")
+    step.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    step.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
+    )
+    step.add_argument(
+        "--compute-ms",
+        type=float,
+        default=50.0,
+        help="fixed-duration forward+backward stand-in per step (ms)",
+    )
+    step.add_argument(
+        "--compression",
+        action="append",
+        choices=Compression.names,
+        help="repeatable; default all (dense always)",
+    )
+    step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")
+    step.add_argument("--seed", type=int, default=0)
+    step.add_argument("--out", default="results", help="folder for step.json and step.png")
+    step.set_defaults(run=_bench_step)
+    scaling = benchmarks.add_parser(
+        "scaling", help="communication time vs N and bandwidth: model and measured points"
+    )
+    scaling.add_argument(
+        "--ranks", type=_ints, default=[2, 4, 8], help="measured world sizes (default 2,4,8)"
+    )
+    scaling.add_argument(
+        "--rates",
+        type=_rates,
+        default=["1gbit", "10gbit"],
+        help="link rates, tc syntax (default 1gbit,10gbit)",
+    )
+    scaling.add_argument(
+        "--link",
+        choices=("emulated", "none"),
+        default="emulated",
+        help="none: measure on localhost, no root needed",
+    )
+    scaling.add_argument(
+        "--measure",
+        choices=("collectives", "none"),
+        default="collectives",
+        help="none: the model alone, alpha = --delay (default: run the collectives)",
+    )
+    scaling.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    scaling.add_argument(
+        "--scale", type=float, default=1.0, help="gradient size as ResNet-18 with widths x SCALE (1 = 11.7M)"
+    )
+    scaling.add_argument("--repeats", type=int, default=5, help="timed runs per collective (median reported)")
+    scaling.add_argument(
+        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
+    )
+    scaling.add_argument("--max-ranks", type=int, default=512, help="model curves up to this N (default 512)")
+    scaling.add_argument("--seed", type=int, default=0)
+    scaling.add_argument("--out", default="results", help="folder for scaling.json and scaling.png")
+    scaling.set_defaults(run=_bench_scaling)
     return parser
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from hvd_compress import RegTopK
+from hvd_compress import NoneCompressor, RegTopK, TopK
 from hvd_compress.bench import linreg
 from hvd_compress.cli import main
 
@@ -39,6 +39,43 @@ def test_study_writes_json_and_plot(tmp_path, capsys):
     final = {r["label"]: r["final_distance"] for r in results["final"]}
     assert final["regtop-k mu=4 + revert"] == pytest.approx(np.mean(direct[-4:]))
     assert "regtop-k mu=2" in capsys.readouterr().out
+
+
+def test_instances_and_reverted_steps(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    small = dict(SMALL, steps=30)
+    results = linreg.study(**small, instances=3, out=str(tmp_path), progress=False)
+    rows = results["instances"]
+    assert [row["seed"] for row in rows] == [0, 1, 2]
+    final = {r["label"]: r for r in results["final"]}
+    assert rows[0]["top-k"] == final["top-k"]["final_distance"]
+    assert rows[0]["vs_topk"] == pytest.approx(final["regtop-k mu=4"]["vs_topk"])
+    other = linreg.LinearRegressionProblem.generate(n_ranks=4, dim=12, seed=2)
+    topk = linreg.final_distance(linreg.run(other, linreg._sparse(TopK, 0.4), steps=30, lr=0.01))
+    assert rows[2]["top-k"] == pytest.approx(topk)
+    assert final["regtop-k mu=4 + revert"]["reverted_steps"] >= 0 and final["top-k"]["reverted_steps"] is None
+    assert "3 problem instances" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="instances"):
+        linreg.study(**small, instances=0, progress=False)
+
+
+def test_revert_undoes_a_jump():
+    """A step 10x longer than the one before (100x squared) is undone and reported."""
+    problem = linreg.LinearRegressionProblem.generate(n_ranks=2, dim=4, samples=50)
+    reverted = []
+    distances = linreg.run(problem, NoneCompressor(), steps=3, lr=0.01, revert=True, reverted=reverted)
+    assert reverted == [] and distances[-1] < problem.distance(problem.start)
+    reverted = []
+    linreg.run(problem, _Jump(), steps=4, lr=0.01, revert=True, reverted=reverted)
+    assert reverted == [2, 3]
+
+
+class _Jump(NoneCompressor):
+    """Sends the gradient, times 1000 from the third step on."""
+
+    def _encode(self, flat, name, shape, ops, **options):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super()._encode(flat * (1000.0 if self.calls >= 3 else 1.0), name, shape, ops, **options)
 
 
 def test_final_distance_and_subsample():

@@ -66,6 +66,7 @@ def run(
     lr: float = 0.01,
     revert: bool = False,
     callback: Optional[Callable[[int, float], None]] = None,
+    reverted: Optional[List[int]] = None,
 ) -> List[float]:
     """Gradient descent on the simulator; returns ``||x_t - x*||^2`` after every step.
 
@@ -73,6 +74,7 @@ def run(
     ``DistLearnLinearReg.py``): a step that moves ``x`` by at least the allowed
     squared deviation is undone; after an accepted step the allowance becomes
     100x that step's squared length. It lives here, outside the compressor.
+    The undone steps (0-based) are appended to ``reverted`` when given.
     """
     sim = Simulator(len(problem.features), compression)
     x = problem.start.copy()
@@ -85,6 +87,8 @@ def run(
         if not revert or moved < allowance:
             x = x - update
             allowance = 100.0 * moved if revert else allowance
+        elif reverted is not None:
+            reverted.append(step)
         distances.append(problem.distance(x))
         if callback is not None:
             callback(step, distances[-1])
@@ -128,6 +132,7 @@ def study(
     steps: int = 2500,
     lr: float = 0.01,
     seed: int = 0,
+    instances: int = 1,
     out: Optional[str] = None,
     progress: bool = True,
     plot: bool = True,
@@ -138,9 +143,11 @@ def study(
     Curves of ``||x_t - x*||^2``: dense gradient descent, Top-k, RegTop-k (``mu``),
     RegTop-k with the reference script's step revert (``run(..., revert=True)``),
     and RegTop-k at every ``mu`` of ``mu_sweep``. The final distance is the mean
-    over the last 10% of the steps, compared with Top-k's. Writes
-    ``linreg.json`` (curves subsampled) and ``linreg.png`` (log scale) to ``out``
-    when given and prints the table; returns the results.
+    over the last 10% of the steps, compared with Top-k's. ``instances > 1``
+    repeats Top-k and RegTop-k (``mu``) on problems drawn with the seeds
+    ``seed + 1, ..., seed + instances - 1``: the ratio depends on the instance.
+    Writes ``linreg.json`` (curves subsampled) and ``linreg.png`` (log scale) to
+    ``out`` when given and prints the table; returns the results.
     """
     from hvd_compress.bench import single_threaded_blas
     from hvd_compress.bench.compress import _require
@@ -151,7 +158,9 @@ def study(
         _require("matplotlib", "bench")
     if int(steps) < 1:
         raise ValueError(f"hvd_compress: steps must be at least 1, got {steps}")
-    steps = int(steps)
+    if int(instances) < 1:
+        raise ValueError(f"hvd_compress: instances must be at least 1, got {instances}")
+    steps, instances = int(steps), int(instances)
     stdout = stdout or sys.stdout
     # (label, compressor, mu, revert); every compressor is built (and checked) before any run
     runs = [
@@ -164,14 +173,23 @@ def study(
         if m != float(mu):
             runs.append((f"regtop-k mu={m:g}", _sparse(RegTopK, ratio, mu=m), m, False))
     problem = LinearRegressionProblem.generate(n_ranks=n_ranks, dim=dim, seed=seed)
+    # (problem seed, label, compressor, revert) of every run: the study's, then the other instances'
+    jobs = [(seed, label, compressor, revert) for label, compressor, _, revert in runs]
+    for other in range(seed + 1, seed + instances):
+        jobs += [(other, label, compressor, False) for label, compressor, _, _ in runs[1:3]]
 
-    bar = progress_bar(len(runs) * steps, "simulate linreg", "step", progress)
+    bar = progress_bar(len(jobs) * steps, "simulate linreg", "step", progress)
     every = max(1, steps // 100)
     curves: Dict[str, List[float]] = {}
+    finals: Dict[tuple, float] = {}
+    reverted: Dict[str, List[int]] = {label: [] for label, _, _, revert in runs if revert}
     started = time.perf_counter()
     try:
-        for label, compressor, _, revert in runs:
-            bar.set_postfix_str(label)
+        for problem_seed, label, compressor, revert in jobs:
+            bar.set_postfix_str(label if problem_seed == seed else f"{label}, instance seed {problem_seed}")
+            instance = problem
+            if problem_seed != seed:
+                instance = LinearRegressionProblem.generate(n_ranks=n_ranks, dim=dim, seed=problem_seed)
 
             done = [0]
 
@@ -181,25 +199,47 @@ def study(
                     done[0] = step + 1
 
             with single_threaded_blas():
-                curves[label] = run(problem, compressor, steps=steps, lr=lr, revert=revert, callback=tick)
+                distances = run(
+                    instance,
+                    compressor,
+                    steps=steps,
+                    lr=lr,
+                    revert=revert,
+                    callback=tick,
+                    reverted=reverted.get(label),
+                )
+            finals[(problem_seed, label)] = final_distance(distances)
+            if problem_seed == seed:
+                curves[label] = distances
     finally:
         bar.close()
 
-    top = final_distance(curves["top-k"])
+    top = finals[(seed, "top-k")]
     rows = []
     for label, _, m, revert in runs:
-        final = final_distance(curves[label])
+        final = finals[(seed, label)]
         rows.append(
             {
                 "label": label,
                 "compressor": "none" if label == "dense" else label.split(" ")[0],
                 "mu": m,
                 "revert": revert,
+                "reverted_steps": len(reverted[label]) if revert else None,
                 "final_distance": final,
                 "last_distance": curves[label][-1],
                 "vs_topk": final / top if top > 0 else None,
             }
         )
+    regtopk = runs[2][0]
+    by_instance = [
+        {
+            "seed": s,
+            "top-k": finals[(s, "top-k")],
+            regtopk: finals[(s, regtopk)],
+            "vs_topk": finals[(s, regtopk)] / finals[(s, "top-k")] if finals[(s, "top-k")] > 0 else None,
+        }
+        for s in range(seed, seed + instances)
+    ]
     results = {
         "study": "linreg",
         "machine": describe_machine(),
@@ -212,6 +252,7 @@ def study(
             "steps": steps,
             "lr": lr,
             "seed": seed,
+            "instances": instances,
             "samples_per_rank": int(problem.features[0].shape[0]),
             "final": f"mean ||x - x*||^2 over the last {FINAL_FRACTION:.0%} of the steps",
             "revert": "reference script's heuristic (DistLearnLinearReg.py), outside the compressor",
@@ -219,6 +260,7 @@ def study(
         },
         "wall_seconds": time.perf_counter() - started,
         "final": rows,
+        "instances": by_instance,
         "curves": {label: subsample(d) for label, d in curves.items()},
     }
     save(results, out, "linreg", write_plot if plot else None)
@@ -237,20 +279,41 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     print(f"\n  {'run':<26} {'final':>10} {'last step':>10} {'/ top-k':>8}", file=stdout)
     for r in results["final"]:
         ratio = "" if r["vs_topk"] is None else f"{r['vs_topk']:>7.3f}x"
+        reverted = "" if r.get("reverted_steps") is None else f"  ({r['reverted_steps']} steps reverted)"
         print(
-            f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}",
+            f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}{reverted}",
+            file=stdout,
+        )
+    instances = results.get("instances", [])
+    if len(instances) > 1:
+        label = next(key for key in instances[0] if key.startswith("regtop-k"))
+        print(f"\n  {len(instances)} problem instances: {label} / top-k final distance", file=stdout)
+        for row in instances:
+            print(
+                f"  seed {row['seed']:<4} top-k {row['top-k']:.3e}  {label} {row[label]:.3e}  "
+                f"{row['vs_topk']:.3f}x",
+                file=stdout,
+            )
+        ratios = [row["vs_topk"] for row in instances if row["vs_topk"] is not None]
+        print(
+            f"  median {np.median(ratios):.3f}x, min {min(ratios):.3f}x, max {max(ratios):.3f}x",
             file=stdout,
         )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
-    """``||x_t - x*||^2`` against the step, log scale: all runs, and the sparsified runs zoomed in."""
+    """``||x_t - x*||^2`` against the step, log scale: all runs, and the sparsified runs zoomed in.
+
+    With several problem instances, a third panel shows RegTop-k's final distance over Top-k's per instance.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    instances = results.get("instances", [])
+    panels = 3 if len(instances) > 1 else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
     labels = list(results["curves"])
     regtopk = [label for label in labels if label.startswith("regtop-k")]
     colors = {"dense": "black", "top-k": "tab:red"}
@@ -258,6 +321,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
         {label: plt.cm.viridis(i / max(1, len(regtopk) - 1) * 0.85) for i, label in enumerate(regtopk)}
     )
     steps = results["settings"]["steps"]
+    reverted = {r["label"]: r.get("reverted_steps") for r in results["final"]}
     for ax, zoom in ((axes[0], False), (axes[1], True)):
         for label in labels:
             if zoom and label == "dense":
@@ -269,7 +333,8 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
                 keep = step > steps // 10
                 step, distance = step[keep], distance[keep]
             line = "--" if "revert" in label else "-"
-            ax.plot(step, distance, line, color=colors[label], label=label, linewidth=1.1)
+            text = label if reverted.get(label) is None else f"{label} ({reverted[label]} steps reverted)"
+            ax.plot(step, distance, line, color=colors[label], label=text, linewidth=1.1)
         ax.set_yscale("log")
         ax.set_xlabel("iteration")
         ax.grid(which="both", alpha=0.3)
@@ -277,6 +342,17 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel(r"$\|x_t - x^*\|^2$")
     axes[0].set_title("all runs")
     axes[1].set_title(f"sparsified runs after step {steps // 10}")
+    if panels == 3:
+        ratios = [row["vs_topk"] or 0.0 for row in instances]
+        axes[2].bar([str(row["seed"]) for row in instances], ratios, color="tab:green")
+        axes[2].axhline(1.0, color="tab:red", linewidth=1, label="top-k")
+        axes[2].axhline(float(np.median(ratios)), color="black", linestyle="--", linewidth=1, label="median")
+        axes[2].set_xlabel("problem seed")
+        axes[2].set_ylabel("final distance / top-k's")
+        label = next(key for key in instances[0] if key.startswith("regtop-k"))
+        axes[2].set_title(f"{label} vs top-k per problem instance")
+        axes[2].grid(axis="y", alpha=0.3)
+        axes[2].legend(fontsize="small")
     s = results["settings"]
     fig.suptitle(f"Linear regression, {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, lr {s['lr']}")
     fig.tight_layout()

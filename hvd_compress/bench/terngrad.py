@@ -1,0 +1,280 @@
+"""TernGrad ablation: ``hvd-compress simulate terngrad`` (Wen et al. 2017, paper 002).
+
+TernGrad sends ``S * t`` with ``t_j = sign(g_j) Bernoulli(|g_j| / S)`` in {-1, 0, 1}:
+unbiased, with per-entry variance ``S |g_j| - g_j^2``, so a smaller scale ``S``
+means less noise. Two of the paper's choices act on ``S``:
+
+* **clipping** ``g <- clip(g, -c sigma, c sigma)`` (c = 2.5) before ``S = max|g|``
+  lowers ``S`` (and biases the few clipped entries);
+* **scalar sharing**: every rank uses ``S = max over ranks of max|g|`` (one
+  allreduce-Max), which raises ``S`` on all but one rank, but lets the codes of
+  all ranks be summed by an integer allreduce (``floor(32 / ceil(log2(2N+1)))``
+  codes per int32 lane) whose traffic does not grow with N. Without it each rank
+  allgathers its 2-bit codes and its own scale: ``(N-1) d / 4`` bytes sent.
+
+The study trains the CNN of :mod:`hvd_compress.bench.cnn` with the four
+combinations (and dense SGD as the reference) and records, besides loss and
+accuracy, the relative error of the aggregate ``||avg - mean_r g_r||^2 /
+||mean_r g_r||^2`` over the TernGrad-coded tensors every step (quantization
+noise plus clipping bias) and ``S / max|g|`` of the largest layer (mean over
+ranks). Bytes per rank are measured at the run's N and, on one step of random
+gradients of the same shapes, at N = 2, 4, 8, 16.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hvd_compress.bench import cnn, save
+from hvd_compress.compressors import Compression, Compressor, TernGrad
+from hvd_compress.simulator import Simulator
+
+#: World sizes of the bytes table.
+WIRE_RANKS = (2, 4, 8, 16)
+
+
+def variants(clip: float = 2.5) -> List[Tuple[str, Dict[str, Any]]]:
+    """``(label, TernGrad options)`` of the four combinations of clipping and scalar sharing."""
+    return [
+        (f"clip {clip:g}, shared scale", dict(clip=clip, scalar_sharing=True)),
+        ("no clip, shared scale", dict(clip=None, scalar_sharing=True)),
+        (f"clip {clip:g}, per-rank scale", dict(clip=clip, scalar_sharing=False)),
+        ("no clip, per-rank scale", dict(clip=None, scalar_sharing=False)),
+    ]
+
+
+class ErrorProbe(cnn.Probe):
+    """Per step: relative error of the aggregate over the coded tensors, and ``S / max|g|`` of ``layer``."""
+
+    def __init__(self, layer: str) -> None:
+        self.layer = layer
+        self.relative_error: List[float] = []
+        self.scale_over_max: List[float] = []
+
+    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], entries) -> None:
+        import torch
+
+        coded = {e["name"] for e in entries if e["kind"] == "ternary"}
+        error = norm = 0.0
+        with torch.no_grad():
+            for name in coded:
+                mean = torch.stack(grads[name]).mean(0).double()
+                error += float((averaged[name].double() - mean).pow(2).sum())
+                norm += float(mean.pow(2).sum())
+        self.relative_error.append(error / norm if norm > 0 else 0.0)
+        scales = [e["scale"] for e in entries if e["kind"] == "ternary" and e["name"] == self.layer]
+        if scales:
+            local = [float(g.abs().max()) for g in grads[self.layer]]
+            self.scale_over_max.append(float(np.mean([s / m for s, m in zip(scales, local) if m > 0])))
+
+
+def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Sequence[int], seed: int = 0):
+    """Bytes per rank of one step with and without scalar sharing at every N, vs dense fp32."""
+    from hvd_compress.bench.wire import allreduce_traffic
+
+    rng = np.random.default_rng(seed)
+    dense = 4 * sum(int(np.prod(s)) for s in shapes.values())
+    rows = []
+    for n in world_sizes:
+        grads = {
+            name: [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+            for name, shape in shapes.items()
+        }
+        for sharing in (True, False):
+            sim = Simulator(n, TernGrad(clip=clip, scalar_sharing=sharing), seed=seed)
+            log = cnn.record_payloads(sim)
+            sim.step(grads)
+            payload = sum(e["bytes"] for e in log) / n
+            traffic = sum(e["traffic"] for e in log) / n  # with sharing, the scales' allreduce-Max included
+            rows.append(
+                {
+                    "ranks": n,
+                    "scalar_sharing": sharing,
+                    "bytes": payload,
+                    "bytes_vs_dense": payload / dense,
+                    "traffic": traffic,
+                    "traffic_vs_dense": traffic / allreduce_traffic(dense, n),
+                    "payload_kinds": sorted({e["kind"] for e in log}),
+                }
+            )
+    return rows
+
+
+def study(
+    ranks: int = 4,
+    clip: float = 2.5,
+    epochs: int = cnn.EPOCHS,
+    batch_per_rank: int = 32,
+    lr: float = 0.05,
+    layer: str = "fc1.weight",
+    train_size: int = 8192,
+    test_size: int = 2048,
+    seed: int = 0,
+    out: Optional[str] = None,
+    progress: bool = True,
+    plot: bool = True,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """Dense and TernGrad with/without clipping and scalar sharing; writes ``terngrad.json`` / ``terngrad.png``."""
+    from hvd_compress.bench.compress import _require
+    from hvd_compress.bench.wire import describe_machine
+
+    if plot and out is not None:
+        _require("matplotlib", "bench")
+    _require("torch", "torch")
+    runs: List[Tuple[str, Compressor]] = [(cnn.label("none"), Compression.none)]
+    runs += [(name, TernGrad(**options)) for name, options in variants(clip)]
+    shapes = {name: tuple(p.shape) for name, p in cnn.make_net(seed).named_parameters()}
+    coded = [
+        row["name"] for row in cnn.layer_table(TernGrad().bind(0, ranks), shapes) if row["sent"] == "ternary"
+    ]
+    if layer not in coded:
+        raise ValueError(
+            f"hvd_compress: layer {layer!r} is not TernGrad-coded; choose one of {', '.join(coded)}"
+        )
+    probes = {name: ErrorProbe(layer) for name, _ in runs[1:]}
+    data = cnn.ImageData.synthetic(train_size, test_size, seed)
+    options = dict(ranks=ranks, epochs=epochs, batch_per_rank=batch_per_rank, lr=lr, seed=seed)
+    started = time.perf_counter()
+    trained = cnn.run_all(runs, data, "simulate terngrad", progress=progress, probes=probes, **options)
+    rows = []
+    for (name, compressor), result in zip(runs, trained.values()):
+        probe = probes.get(name)
+        rows.append(
+            {
+                "label": name,
+                "clip": getattr(compressor, "clip", None),
+                "scalar_sharing": getattr(compressor, "scalar_sharing", None),
+                "relative_error": probe.relative_error if probe else None,
+                "relative_error_mean": float(np.mean(probe.relative_error)) if probe else None,
+                "scale_over_max_abs": float(np.mean(probe.scale_over_max)) if probe else None,
+                **result,
+            }
+        )
+    results = {
+        "study": "terngrad",
+        "machine": describe_machine(),
+        "settings": cnn.settings(
+            data,
+            clip=clip,
+            layer=layer,
+            relative_error="||avg - mean_r g_r||^2 / ||mean_r g_r||^2 over the TernGrad-coded tensors, per step",
+            scale_over_max_abs=f"S / max|g| of {layer}, mean over ranks and steps",
+            **options,
+        ),
+        "wall_seconds": time.perf_counter() - started,
+        "runs": rows,
+        "wire": wire_table(shapes, clip, sorted(set(WIRE_RANKS) | {ranks}), seed),
+    }
+    save(results, out, "terngrad", write_plot if plot else None)
+    print_table(results, stdout)
+    return results
+
+
+def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
+    stdout = stdout or sys.stdout
+    s = results["settings"]
+    print(
+        f"TernGrad ablation on the small CNN: {s['ranks']} simulated ranks, {s['epochs']} epochs, "
+        f"batch {s['batch_per_rank']} per rank, lr {s['lr']}",
+        file=stdout,
+    )
+    print(
+        f"\n  {'run':<24} {'test acc':>8} {'test loss':>9} {'train loss':>10} {'agg. error':>10} "
+        f"{'S/max|g|':>8} {'bytes/step':>11} {'traffic':>8}",
+        file=stdout,
+    )
+    for r in results["runs"]:
+        error = "" if r["relative_error_mean"] is None else f"{r['relative_error_mean']:.3f}"
+        scale = "" if r["scale_over_max_abs"] is None else f"{r['scale_over_max_abs']:.3f}"
+        print(
+            f"  {r['label']:<24} {r['final_test_accuracy']:>8.3f} {r['final_test_loss']:>9.4f} "
+            f"{r['final_train_loss']:>10.4f} {error:>10} {scale:>8} {r['bytes_per_step']:>11,.0f} "
+            f"{r['traffic_vs_dense']:>7.4f}x",
+            file=stdout,
+        )
+    print(
+        f"\n  agg. error: {s['relative_error']} (mean over steps); S/max|g|: {s['scale_over_max_abs']}",
+        file=stdout,
+    )
+    print("\n  ring traffic per rank vs dense fp32 allreduce, one step (random gradients):", file=stdout)
+    by_key = {(w["ranks"], w["scalar_sharing"]): w for w in results["wire"]}
+    world_sizes = sorted({w["ranks"] for w in results["wire"]})
+    print(f"  {'':<18}" + "".join(f" {'N=' + str(n):>8}" for n in world_sizes), file=stdout)
+    for sharing, name in ((True, "shared scale"), (False, "per-rank scale")):
+        cells = "".join(f" {by_key[(n, sharing)]['traffic_vs_dense']:>8.4f}" for n in world_sizes)
+        print(f"  {name:<18}{cells}", file=stdout)
+
+
+def _style(run_label: str) -> Dict[str, Any]:
+    """Colour by clipping, solid with a shared scale, dashed with per-rank scales; dense in black."""
+    if run_label == "dense":
+        return {"color": "black", "linestyle": "-"}
+    return {
+        "color": "tab:orange" if run_label.startswith("no clip") else "tab:purple",
+        "linestyle": "-" if "shared" in run_label else "--",
+    }
+
+
+def write_plot(results: Dict[str, Any], path: Path) -> None:
+    """Loss and accuracy curves, the aggregate's relative error, and traffic vs N."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    cnn.plot_curves(axes[0], results["runs"], style=_style)
+    ax = axes[1, 0]
+    for r in results["runs"]:
+        if r["relative_error"] is not None:
+            steps = np.arange(1, len(r["relative_error"]) + 1)
+            window = max(1, r["steps_per_epoch"] // 4)
+            ax.plot(steps, cnn.smooth(r["relative_error"], window), label=r["label"], **_style(r["label"]))
+    ax.set_yscale("log")
+    ax.set_title("relative error of the aggregate (moving average)")
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize="x-small")
+    ax = axes[1, 1]
+    coded = [r for r in results["runs"] if r["scale_over_max_abs"] is not None]
+    ax.bar(
+        range(len(coded)),
+        [r["scale_over_max_abs"] for r in coded],
+        color=[_style(r["label"])["color"] for r in coded],
+    )
+    ax.set_xticks(range(len(coded)), [r["label"].replace(", ", "\n") for r in coded], fontsize="x-small")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_title(f"scale S / local max|g|, {results['settings']['layer']}")
+    ax.grid(axis="y", alpha=0.3)
+    ax = axes[1, 2]
+    for sharing, name in (
+        (True, "shared scale (packed int32 allreduce)"),
+        (False, "per-rank scale (2-bit allgather)"),
+    ):
+        rows = sorted(
+            (w for w in results["wire"] if w["scalar_sharing"] == sharing), key=lambda w: w["ranks"]
+        )
+        style = {"color": "black", "linestyle": "-"} if sharing else {"color": "grey", "linestyle": "--"}
+        ax.plot(
+            [w["ranks"] for w in rows], [w["traffic_vs_dense"] for w in rows], marker="o", label=name, **style
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(
+        sorted({w["ranks"] for w in results["wire"]}),
+        [str(n) for n in sorted({w["ranks"] for w in results["wire"]})],
+    )
+    ax.set_xlabel("ranks N")
+    ax.set_title("ring traffic per rank / dense fp32")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small")
+    s = results["settings"]
+    fig.suptitle(f"TernGrad: clipping and scalar sharing, small CNN, {s['ranks']} simulated ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
