@@ -5,35 +5,42 @@
 #
 # No GPU (nvidia-smi missing or failing): prints "skipped: no GPU" and exits 0.
 # GPU present: requires a CUDA build of torch in .venv (make setup installs the CPU build; install
-# e.g. `pip install torch==<same version> --index-url https://download.pytorch.org/whl/cu124`), and
-# Horovod built with NCCL for the Horovod tests (HOROVOD_GPU_OPERATIONS=NCCL make setup, see
-# ci/multinode.md); then runs, with HVD_COMPRESS_DEVICE=cuda exported:
-#   tests/test_torch_kernels.py   its "cuda" cases run whenever torch.cuda.is_available()
-#   tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py
-#                                 multi-process runs; they move tensors to CUDA only where they
-#                                 honour HVD_COMPRESS_DEVICE (otherwise they run on CPU again)
+# e.g. `pip install torch==<same version> --index-url https://download.pytorch.org/whl/cu124`), or
+# PYTHON=/path/to/python with one (the repo then goes on PYTHONPATH), and Horovod built with NCCL for
+# the Horovod tests (HOROVOD_GPU_OPERATIONS=NCCL make setup, see ci/multinode.md); then runs, with
+# HVD_COMPRESS_DEVICE=cuda exported:
+#   tests/test_torch_kernels.py   every kernel and Simulator comparison on CPU and on CUDA
+#                                 (HVD_COMPRESS_DEVICE=cuda makes the CUDA cases fail, not skip,
+#                                 without a usable GPU)
+#   tests/test_cuda_training.py   the drop-in optimizer on CUDA: 3 thread ranks, NCCL (world size 1),
+#                                 and MPI (mpirun -np 2, both ranks on GPU 0) against the Simulator
+#   tests/test_thread_ranks.py tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py
+#                                 thread-rank and multi-process runs: they ignore HVD_COMPRESS_DEVICE
+#                                 and run on CPU
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="$ROOT/.venv/bin/python"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu_tests: skipped: no GPU (nvidia-smi missing or not working)"
   exit 0
 fi
 nvidia-smi -L
-[[ -x "$PY" ]] || { echo "gpu_tests: $PY missing: run make setup first" >&2; exit 1; }
+command -v "$PY" >/dev/null || { echo "gpu_tests: $PY missing: run make setup first (or set PYTHON)" >&2; exit 1; }
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_tests: a GPU is present but .venv's torch ($("$PY" -c 'import torch; print(torch.__version__)')) cannot use it:" \
+  echo "gpu_tests: a GPU is present but $PY's torch ($("$PY" -c 'import torch; print(torch.__version__)')) cannot use it:" \
        "install a CUDA build of torch into .venv" >&2
   exit 1
 fi
 "$PY" -c 'import horovod.torch as h; print("horovod NCCL built:", h.nccl_built())' || true
 
 export HVD_COMPRESS_DEVICE=cuda
+if [[ -n "${PYTHON:-}" ]]; then export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"; fi
 export PATH="$ROOT/.venv/bin:$PATH" TF_USE_LEGACY_KERAS="${TF_USE_LEGACY_KERAS:-1}"
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 if [[ "$(id -u)" == 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 cd "$ROOT"
 exec "$PY" -m pytest -q -ra \
-  tests/test_torch_kernels.py tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py "$@"
+  tests/test_torch_kernels.py tests/test_cuda_training.py tests/test_thread_ranks.py \
+  tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py "$@"

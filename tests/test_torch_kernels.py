@@ -6,11 +6,10 @@ the reference gets the same inputs and must give the same result:
 * bit-exact (``np.array_equal``, same dtype): Top-k and RegTop-k selection, the
   RegTop-k scores and distortion, the error-feedback split, TernGrad's codes given
   the same uniforms, the ternary and 2-bit packings, the int32 sums, ``concat``,
-  ``dense_sum`` and ``sparse_sum``. ``sparse_sum`` is bit-exact on CPU because
-  ``index_add_`` adds serially in index order, i.e. rank order, like ``np.add.at``
-  (:func:`test_sparse_sum_adds_in_rank_order` would catch another order). On CUDA
-  ``index_add_`` adds with atomics in no fixed order, so there only two ranks per
-  index are exact; the comparisons here run on CPU;
+  ``dense_sum`` and ``sparse_sum``. ``sparse_sum`` adds one rank at a time (a
+  rank's indices are distinct), so its sums are in rank order like ``np.add.at``
+  on CUDA too, where one ``index_add_`` of all ranks would add with atomics in no
+  fixed order (:func:`test_sparse_sum_adds_in_rank_order` would catch another order);
 * within a stated tolerance: the reductions (Gaussian-k's mean/std threshold,
   TernGrad's clipping bound), computed in the input dtype by torch and in float64
   by the reference;
@@ -19,14 +18,17 @@ the reference gets the same inputs and must give the same result:
   |a_j| lies between the two thresholds (at some correction round), where rounding
   decides.
 
-Then dtype/device preservation (CPU, and CUDA when present), the
-:class:`~hvd_compress.simulator.Simulator` fed torch tensors vs numpy arrays, and
-checkpoints of compressors run on torch.
+Then dtype/device preservation, the :class:`~hvd_compress.simulator.Simulator`
+fed torch tensors vs numpy arrays, and checkpoints of compressors run on torch.
+
+The comparisons and the Simulator checks run on CPU and on CUDA (see ``DEVICES``:
+when a GPU is present, or required with ``HVD_COMPRESS_DEVICE=cuda``).
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import pickle
 from typing import Any, List
 from unittest import mock
@@ -50,15 +52,28 @@ from tests.helpers import ALL_COMPRESSORS, SPARSIFIERS, exact_k, permille, train
 FLOATS = [np.float16, np.float32, np.float64]
 FLOATS_32_64 = [np.float32, np.float64]
 
-DEVICES = [
-    "cpu",
-    pytest.param(
+#: ``HVD_COMPRESS_DEVICE`` (``ci/gpu_tests.sh`` exports ``cuda``): ``cuda`` makes the CUDA cases
+#: required (they fail, not skip, without a usable GPU), ``cpu`` leaves them out; unset, they run
+#: whenever ``torch.cuda.is_available()``.
+REQUESTED_DEVICE = os.environ.get("HVD_COMPRESS_DEVICE", "").strip().lower()
+if REQUESTED_DEVICE not in ("", "cpu", "cuda"):
+    raise ValueError(f"HVD_COMPRESS_DEVICE must be cpu or cuda, got {REQUESTED_DEVICE!r}")
+
+
+def _cuda_case():
+    if REQUESTED_DEVICE == "cuda":
+        return "cuda"
+    if REQUESTED_DEVICE == "cpu":
+        return pytest.param("cuda", marks=pytest.mark.skip(reason="HVD_COMPRESS_DEVICE=cpu"))
+    return pytest.param(
         "cuda",
         marks=pytest.mark.skipif(
             not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False"
         ),
-    ),
-]
+    )
+
+
+DEVICES = ["cpu", _cuda_case()]
 
 #: Magnitudes that repeat (ties), signed zeros included.
 TIE_POOL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, 1e-3, -1e-3])
@@ -156,14 +171,15 @@ def test_every_reference_function_has_a_torch_twin():
     assert sorted(n for n in functions if not callable(getattr(T, n, None))) == []
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data())
-def test_array_utilities_match_reference(dtype, data):
+def test_array_utilities_match_reference(device, dtype, data):
     a = data.draw(float_arrays(dtype, max_size=300), label="a")
     a[: data.draw(st.integers(0, 3))] = data.draw(st.sampled_from([np.inf, -np.inf, np.nan]))
-    t = to_torch(a)
+    t = to_torch(a, device)
     assert T.is_floating(t) is R.is_floating(a) is True
-    assert T.is_floating(to_torch(a.astype(np.int32))) is R.is_floating(a.astype(np.int32)) is False
+    assert T.is_floating(to_torch(a.astype(np.int32), device)) is R.is_floating(a.astype(np.int32)) is False
     assert T.count_nonfinite(t) == R.count_nonfinite(a)
     assert T.itemsize(t) == R.itemsize(a)
     assert_same(T.zeros_like(t), R.zeros_like(a), "zeros_like")
@@ -188,23 +204,25 @@ def test_torch_random_stream_is_per_rank_and_uniform(dtype):
     assert abs(float(draws[0].double().mean()) - 0.5) < 5 * (1 / 12 / 5000) ** 0.5
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data())
-def test_topk_matches_reference_with_ties(dtype, data):
+def test_topk_matches_reference_with_ties(device, dtype, data):
     a = data.draw(float_arrays(dtype), label="a")
     k = data.draw(st.integers(1, a.shape[0] + 2), label="k")  # k > numel clamps
-    assert_same(T.topk_select(to_torch(a), k), R.topk_select(a, k), "topk_select")
+    assert_same(T.topk_select(to_torch(a, device), k), R.topk_select(a, k), "topk_select")
     # signed scores: topk_indices ranks values, not magnitudes
-    assert_same(T.topk_indices(to_torch(a), k), R.topk_indices(a, k), "topk_indices")
+    assert_same(T.topk_indices(to_torch(a, device), k), R.topk_indices(a, k), "topk_indices")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
 @given(data=st.data(), p=permille)
-def test_topk_all_equal_magnitudes_take_the_lowest_indices(dtype, data, p):
+def test_topk_all_equal_magnitudes_take_the_lowest_indices(device, dtype, data, p):
     numel = data.draw(st.integers(1, 3000))
     signs = np.random.default_rng(numel).choice([-1.0, 1.0], numel).astype(dtype)
     k = exact_k(p, numel)
-    got = T.topk_select(to_torch(signs), k)
+    got = T.topk_select(to_torch(signs, device), k)
     assert_same(got, R.topk_select(signs, k))
     assert_same(got, np.arange(k, dtype=np.int32))
 
@@ -221,32 +239,37 @@ def distortions(draw, numel: int, dtype) -> np.ndarray:
         return d.astype(dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), mu=mus)
-def test_regtopk_scores_match_reference(dtype, data, mu):
+def test_regtopk_scores_match_reference(device, dtype, data, mu):
     """Bit-exact up to float32 (tanh runs in float64 and is rounded back); float64 scores
     keep the two libraries' float64 tanh, which may differ in the last bit."""
     a = data.draw(float_arrays(dtype), label="a")
     d = data.draw(distortions(a.shape[0], dtype), label="D")
-    got, want = T.regtopk_scores(to_torch(a), to_torch(d), mu), R.regtopk_scores(a, d, mu)
+    got, want = T.regtopk_scores(to_torch(a, device), to_torch(d, device), mu), R.regtopk_scores(a, d, mu)
     if want.dtype == np.float64:
         np.testing.assert_allclose(to_numpy(got), want, rtol=4 * np.finfo(np.float64).eps, atol=0)
     else:
         assert_same(got, want, "scores")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), mu=mus)
-def test_regtopk_select_matches_reference(dtype, data, mu):
+def test_regtopk_select_matches_reference(device, dtype, data, mu):
     a = data.draw(float_arrays(dtype), label="a")
     d = data.draw(distortions(a.shape[0], dtype), label="D")
     k = data.draw(st.integers(1, a.shape[0]), label="k")
-    assert_same(T.regtopk_select(to_torch(a), to_torch(d), mu, k), R.regtopk_select(a, d, mu, k))
+    assert_same(
+        T.regtopk_select(to_torch(a, device), to_torch(d, device), mu, k), R.regtopk_select(a, d, mu, k)
+    )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data())
-def test_regtopk_distortion_matches_reference(dtype, data):
+def test_regtopk_distortion_matches_reference(device, dtype, data):
     total = data.draw(float_arrays(dtype), label="total")
     numel = total.shape[0]
     indices = data.draw(index_sets(numel), label="indices")
@@ -254,35 +277,43 @@ def test_regtopk_distortion_matches_reference(dtype, data):
     sent[: sent.shape[0] // 3] = 0  # s_j = 0 carries no information
     with np.errstate(over="ignore"):
         want = R.regtopk_distortion(total, indices, sent, numel)
-    got = T.regtopk_distortion(to_torch(total), to_torch(indices), to_torch(sent), numel)
+    got = T.regtopk_distortion(
+        to_torch(total, device), to_torch(indices, device), to_torch(sent, device), numel
+    )
     assert_same(got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data())
-def test_error_feedback_split_matches_reference(dtype, data):
+def test_error_feedback_split_matches_reference(device, dtype, data):
     a = data.draw(float_arrays(dtype), label="a")
     indices = data.draw(index_sets(a.shape[0]), label="indices")
-    values, residual = T.error_feedback_split(to_torch(a), to_torch(indices))
+    values, residual = T.error_feedback_split(to_torch(a, device), to_torch(indices, device))
     want_values, want_residual = R.error_feedback_split(a, indices)
     assert_same(values, want_values, "values")
     assert_same(residual, want_residual, "residual")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), factor=st.sampled_from([1.0, 1.0, 1.37, 3.1e1, 1 + 2**-30]))
-def test_terngrad_codes_match_reference_given_the_same_uniforms(dtype, data, factor):
+def test_terngrad_codes_match_reference_given_the_same_uniforms(device, dtype, data, factor):
     g = data.draw(float_arrays(dtype), label="g")
     scale = float(np.max(np.abs(g))) * factor  # S >= max|g|; S = 0 for a zero gradient
     uniform = np.random.default_rng(g.shape[0]).random(g.shape[0], dtype=np.float32).astype(dtype)
-    assert_same(T.terngrad_codes(to_torch(g), scale, to_torch(uniform)), R.terngrad_codes(g, scale, uniform))
+    assert_same(
+        T.terngrad_codes(to_torch(g, device), scale, to_torch(uniform, device)),
+        R.terngrad_codes(g, scale, uniform),
+    )
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(numel=st.integers(1, 3000), world_size=world_sizes, data=st.data())
-def test_pack_ternary_and_wrapping_sum_match_reference(numel, world_size, data):
+def test_pack_ternary_and_wrapping_sum_match_reference(device, numel, world_size, data):
     codes = [data.draw(ternary_codes(numel), label=f"codes[{r}]") for r in range(world_size)]
     lanes_ref = [R.pack_ternary(c, world_size) for c in codes]
-    lanes = [T.pack_ternary(to_torch(c), world_size) for c in codes]
+    lanes = [T.pack_ternary(to_torch(c, device), world_size) for c in codes]
     for got, want in zip(lanes, lanes_ref):
         assert_same(got, want, "pack_ternary")
     total_ref = R.sum_int32_wrapping(lanes_ref)
@@ -293,13 +324,14 @@ def test_pack_ternary_and_wrapping_sum_match_reference(numel, world_size, data):
     assert_same(unpacked, R.sum_codes(codes), "unpack == sum of codes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("world_size", range(1, 17))
-def test_packed_lanes_that_overflow_int32_when_summed(world_size):
+def test_packed_lanes_that_overflow_int32_when_summed(device, world_size):
     """All codes +1 puts 2N in every field: for N = 1 and 4..7 the lane (N = 1) or
     the lane sum (4..7) passes 2**31 and wraps to a negative int32."""
     numel = 3 * R.ternary_codes_per_lane(world_size) + 1
     codes = np.ones(numel, dtype=np.int8)
-    lanes = [T.pack_ternary(to_torch(codes), world_size) for _ in range(world_size)]
+    lanes = [T.pack_ternary(to_torch(codes, device), world_size) for _ in range(world_size)]
     total = T.sum_int32_wrapping(lanes)
     unsigned = sum(to_numpy(l).astype(np.int64) & 0xFFFFFFFF for l in lanes)
     wraps = bool(np.any(unsigned >= 2**31))
@@ -308,9 +340,10 @@ def test_packed_lanes_that_overflow_int32_when_summed(world_size):
     assert_same(T.unpack_ternary_sum(total, numel, world_size), np.full(numel, world_size, np.int32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(world_size=world_sizes, numel=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1))
 @example(world_size=16, numel=3, seed=0)
-def test_sum_int32_wrapping_of_arbitrary_lanes(world_size, numel, seed):
+def test_sum_int32_wrapping_of_arbitrary_lanes(device, world_size, numel, seed):
     """Full-range int32 lanes: sums of up to 16 wrap around many times."""
     rng = np.random.default_rng(seed)
     arrays = [
@@ -319,40 +352,44 @@ def test_sum_int32_wrapping_of_arbitrary_lanes(world_size, numel, seed):
     arrays[0][0] = np.iinfo(np.int32).min
     arrays[-1][-1] = np.iinfo(np.int32).max
     want = R.sum_int32_wrapping(arrays)
-    assert_same(T.sum_int32_wrapping([to_torch(a) for a in arrays]), want)
+    assert_same(T.sum_int32_wrapping([to_torch(a, device) for a in arrays]), want)
     exact = np.sum([a.astype(np.int64) for a in arrays], axis=0)
     assert np.array_equal((exact - want.astype(np.int64)) % 2**32, np.zeros(numel))  # the oracle wraps
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(numel=st.integers(1, 3000), data=st.data())
-def test_two_bit_packing_matches_reference(numel, data):
+def test_two_bit_packing_matches_reference(device, numel, data):
     codes = data.draw(ternary_codes(numel))
-    packed = T.pack_two_bit(to_torch(codes))
+    packed = T.pack_two_bit(to_torch(codes, device))
     assert_same(packed, R.pack_two_bit(codes), "pack_two_bit")
     assert_same(T.unpack_two_bit(packed, numel), codes, "unpack_two_bit")
     assert_same(T.unpack_two_bit(packed, numel), R.unpack_two_bit(R.pack_two_bit(codes), numel))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @given(numel=st.integers(1, 3000), world_size=world_sizes, data=st.data())
-def test_sum_codes_and_concat_match_reference(numel, world_size, data):
+def test_sum_codes_and_concat_match_reference(device, numel, world_size, data):
     codes = [data.draw(ternary_codes(numel)) for _ in range(world_size)]
-    assert_same(T.sum_codes([to_torch(c) for c in codes]), R.sum_codes(codes), "sum_codes")
-    assert_same(T.concat([to_torch(c) for c in codes]), R.concat(codes), "concat int8")
+    assert_same(T.sum_codes([to_torch(c, device) for c in codes]), R.sum_codes(codes), "sum_codes")
+    assert_same(T.concat([to_torch(c, device) for c in codes]), R.concat(codes), "concat int8")
     floats = [c.astype(np.float32) * 0.5 for c in codes]
-    assert_same(T.concat([to_torch(f) for f in floats]), R.concat(floats), "concat float32")
+    assert_same(T.concat([to_torch(f, device) for f in floats]), R.concat(floats), "concat float32")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), world_size=st.integers(1, 8))
-def test_dense_sum_matches_reference(dtype, data, world_size):
+def test_dense_sum_matches_reference(device, dtype, data, world_size):
     numel = data.draw(st.integers(1, 3000))
     values = [data.draw(float_arrays(dtype, numel, numel)) for _ in range(world_size)]
-    assert_same(T.dense_sum([to_torch(v) for v in values]), R.dense_sum(values))
+    assert_same(T.dense_sum([to_torch(v, device) for v in values]), R.dense_sum(values))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), world_size=st.integers(1, 8))
-def test_sparse_sum_matches_reference_bit_exactly(dtype, data, world_size):
+def test_sparse_sum_matches_reference_bit_exactly(device, dtype, data, world_size):
     """Overlapping index sets of up to 8 ranks: float sums in rank order, bit-exact on CPU."""
     numel = data.draw(st.integers(1, 3000))
     indices = [data.draw(index_sets(numel)) for _ in range(world_size)]
@@ -360,18 +397,21 @@ def test_sparse_sum_matches_reference_bit_exactly(dtype, data, world_size):
         data.draw(float_arrays(dtype, i.shape[0], i.shape[0])) if i.shape[0] else np.zeros(0, dtype)
         for i in indices
     ]
-    got = T.sparse_sum([to_torch(i) for i in indices], [to_torch(v) for v in values], numel)
+    got = T.sparse_sum([to_torch(i, device) for i in indices], [to_torch(v, device) for v in values], numel)
     assert_same(got, R.sparse_sum(indices, values, numel))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
-def test_sparse_sum_adds_in_rank_order(dtype):
+def test_sparse_sum_adds_in_rank_order(device, dtype):
     """1e20 + 1 - 1e20 is 0 in rank order, 1 in any order that adds the 1 last."""
     indices = [np.array([0, 1], np.int32)] * 3
     values = [np.array(v, dtype) for v in ([1e20, 1.0], [1.0, 1e20], [-1e20, -1e20])]
     want = R.sparse_sum(indices, values, 2)
     assert want.tolist() == [0.0, 0.0]
-    assert_same(T.sparse_sum([to_torch(i) for i in indices], [to_torch(v) for v in values], 2), want)
+    assert_same(
+        T.sparse_sum([to_torch(i, device) for i in indices], [to_torch(v, device) for v in values], 2), want
+    )
 
 
 #: Relative tolerance of the reductions (mean, std): torch reduces in the input dtype
@@ -379,12 +419,13 @@ def test_sparse_sum_adds_in_rank_order(dtype):
 REDUCTION_RTOL = {np.float16: 4 * 2.0**-10, np.float32: 8 * 2.0**-23, np.float64: 1e-12}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), p=permille)
-def test_gaussiank_threshold_within_float_tolerance(dtype, data, p):
+def test_gaussiank_threshold_within_float_tolerance(device, dtype, data, p):
     a = data.draw(float_arrays(dtype), label="a")
     ratio = p / 1000
-    got, want = T.gaussiank_threshold(to_torch(a), ratio), R.gaussiank_threshold(a, ratio)
+    got, want = T.gaussiank_threshold(to_torch(a, device), ratio), R.gaussiank_threshold(a, ratio)
     assert isinstance(got, float)
     mag = float(np.max(np.abs(a.astype(np.float64))))
     scale = mag * (1 + R.normal_tail_quantile(ratio))  # bounds |mu| + sigma * q
@@ -402,14 +443,15 @@ def _ambiguous(a: np.ndarray, thr_a: float, thr_b: float) -> np.ndarray:
     return np.flatnonzero(hits)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), p=permille)
-def test_gaussiank_select_follows_the_reference_count_rule(dtype, data, p):
+def test_gaussiank_select_follows_the_reference_count_rule(device, dtype, data, p):
     a = data.draw(float_arrays(dtype), label="a")
     ratio = p / 1000
-    got = T.gaussiank_select(to_torch(a), ratio)
+    got = T.gaussiank_select(to_torch(a, device), ratio)
     assert got.dtype == torch.int32
-    thr_t, thr_r = T.gaussiank_threshold(to_torch(a), ratio), R.gaussiank_threshold(a, ratio)
+    thr_t, thr_r = T.gaussiank_threshold(to_torch(a, device), ratio), R.gaussiank_threshold(a, ratio)
     # the same rule: the reference started from the torch threshold selects the same set
     with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: thr_t):
         same_rule = R.gaussiank_select(a, ratio)
@@ -423,12 +465,13 @@ def test_gaussiank_select_follows_the_reference_count_rule(dtype, data, p):
         assert got.shape[0] == want.shape[0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), c=st.sampled_from([2.5, 1.0, 0.1]))
-def test_terngrad_clip_within_float_tolerance(dtype, data, c):
+def test_terngrad_clip_within_float_tolerance(device, dtype, data, c):
     g = data.draw(float_arrays(dtype), label="g")
     assume(np.unique(g).shape[0] > 1)  # constant tensors: see the next test
-    got, want = T.terngrad_clip(to_torch(g), c), R.terngrad_clip(g, c)
+    got, want = T.terngrad_clip(to_torch(g, device), c), R.terngrad_clip(g, c)
     assert got.dtype == torch_dtype(dtype)
     got = to_numpy(got).astype(np.float64)
     bound = c * float(np.std(g, dtype=np.float64))
@@ -439,16 +482,17 @@ def test_terngrad_clip_within_float_tolerance(dtype, data, c):
     assert np.array_equal(got[inside], g[inside].astype(np.float64))  # unclipped entries are untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["torch", "reference"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("value", [0.1, -3.0, 7.0])
-def test_terngrad_clip_leaves_a_constant_tensor_unchanged(impl, dtype, value):
+def test_terngrad_clip_leaves_a_constant_tensor_unchanged(device, impl, dtype, value):
     """Documented by both: ``sigma = 0`` means no clipping (it would erase the tensor).
 
     A rounded mean (std of a constant computed as a tiny non-zero) breaks it."""
     g = np.full(1000, value, dtype=dtype)
     if impl == "torch":
-        got = to_numpy(T.terngrad_clip(to_torch(g), 2.5))
+        got = to_numpy(T.terngrad_clip(to_torch(g, device), 2.5))
     else:
         got = R.terngrad_clip(g, 2.5)
     assert np.array_equal(got, g), (got[:3], g[:3])
@@ -542,17 +586,28 @@ def test_compressors_keep_torch_tensors_on_their_device(device, kind, dtype):
 # --------------------------------------------------------------------------- #
 # 3. Simulator: torch tensors vs numpy arrays
 # --------------------------------------------------------------------------- #
-def run_both(compressor, grads: np.ndarray, shape=None):
-    """``grads[step][rank]`` through two simulators, one fed numpy, one torch."""
+def run_both(compressor, grads: np.ndarray, shape=None, device: str = "cpu"):
+    """``grads[step][rank]`` through two simulators, one fed numpy, one torch tensors on ``device``."""
     steps, n_ranks = grads.shape[:2]
     shape = shape or grads.shape[2:]
     sim_np, sim_t = Simulator(n_ranks, compressor, seed=3), Simulator(n_ranks, compressor, seed=3)
     outputs = []
     for step in grads:
         out_np = sim_np.step({"w": [g.reshape(shape) for g in step]})["w"]
-        out_t = sim_t.step({"w": [to_torch(g.reshape(shape)) for g in step]})["w"]
+        out_t = sim_t.step({"w": [to_torch(g.reshape(shape), device) for g in step]})["w"]
         outputs.append((out_t, out_np))
     return sim_t, sim_np, outputs
+
+
+def exact_average(device: str, n_ranks: int) -> bool:
+    """Whether the average over ``n_ranks`` is bit-exact against numpy on ``device``.
+
+    ``Compressor.decode`` (and the exchange) divide the sum by N, a Python number; CUDA
+    divides a tensor by a host scalar as a multiplication by its reciprocal, which is
+    the quotient only when N is a power of two
+    (:func:`test_average_over_3_ranks_is_bit_exact` tracks the others).
+    """
+    return device == "cpu" or n_ranks & (n_ranks - 1) == 0
 
 
 def assert_simulators_agree(sim_t, sim_np, outputs):
@@ -572,15 +627,18 @@ def assert_simulators_agree(sim_t, sim_np, outputs):
 E2E_DENSE = {"none": lambda p: NoneCompressor(), "fp16": lambda p: FP16()}
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
 @pytest.mark.parametrize("kind", sorted({**SPARSIFIERS, **E2E_DENSE}))
 @given(grads=training_runs(max_steps=6), p=permille)
-def test_simulator_on_torch_equals_simulator_on_numpy(kind, dtype, grads, p):
+def test_simulator_on_torch_equals_simulator_on_numpy(device, kind, dtype, grads, p):
     """Small vectors with many ties and zeros, several steps of error feedback."""
+    assume(exact_average(device, grads.shape[1]))
     compressor = {**SPARSIFIERS, **E2E_DENSE}[kind](p / 1000)
-    assert_simulators_agree(*run_both(compressor, grads.astype(dtype)))
+    assert_simulators_agree(*run_both(compressor, grads.astype(dtype), device=device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
 @pytest.mark.parametrize("kind", sorted({**SPARSIFIERS, **E2E_DENSE}))
 @given(
@@ -590,13 +648,14 @@ def test_simulator_on_torch_equals_simulator_on_numpy(kind, dtype, grads, p):
     numel=st.sampled_from([(40, 50), (3000,), (1500,)]),
 )
 @settings(phases=[Phase.explicit, Phase.reuse, Phase.generate])  # seeded data: shrinking is moot
-def test_simulator_on_torch_equals_numpy_on_large_tensors(kind, dtype, seed, n_ranks, p, numel):
+def test_simulator_on_torch_equals_numpy_on_large_tensors(device, kind, dtype, seed, n_ranks, p, numel):
     """Gradients of a few thousand entries whose scale drifts, 4 steps (RegTop-k's D in use)."""
+    assume(exact_average(device, n_ranks))
     rng = np.random.default_rng(seed)
     size = int(np.prod(numel))
     grads = np.stack([rng.standard_normal((n_ranks, size)) * (1 + step) for step in range(4)])
     compressor = {**SPARSIFIERS, **E2E_DENSE}[kind](p / 1000)
-    sim_t, sim_np, outputs = run_both(compressor, grads.astype(dtype), numel)
+    sim_t, sim_np, outputs = run_both(compressor, grads.astype(dtype), numel, device)
     assert_simulators_agree(sim_t, sim_np, outputs)
     if kind == "regtopk":
         assert any(np.any(d < R.NO_DISTORTION) for d in (c.distortion("w") for c in sim_np.compressors))
@@ -613,12 +672,26 @@ def test_simulator_on_torch_equals_numpy_on_large_tensors(kind, dtype, seed, n_r
     ],
     ids=repr,
 )
-def test_simulator_on_torch_equals_numpy_for_float16(compressor):
+@pytest.mark.parametrize("device", DEVICES)
+def test_simulator_on_torch_equals_numpy_for_float16(device, compressor):
     grads = np.random.default_rng(0).standard_normal((3, 4, 700)).astype(np.float16)
-    assert_simulators_agree(*run_both(compressor, grads))
+    assert_simulators_agree(*run_both(compressor, grads, device=device))
 
 
-def test_fp16_cast_of_float64_rounds_once():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["none", "topk"])
+def test_average_over_3_ranks_is_bit_exact(device, kind, request):
+    """Expected to fail on CUDA until ``Compressor.decode`` and ``BucketExchange`` divide by N
+    as a tensor on the device (a true division) instead of a Python number."""
+    if not exact_average(device, 3):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="decode divides by N on CUDA as x * (1/N)"))
+    grads = np.random.default_rng(5).standard_normal((2, 3, 1000)).astype(np.float32)
+    compressor = {**SPARSIFIERS, **E2E_DENSE}[kind](0.1)
+    assert_simulators_agree(*run_both(compressor, grads, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_cast_of_float64_rounds_once(device):
     """float64 -> float16 must round to nearest directly, as numpy does; a detour through
     float32 rounds twice: 1.1967773426534207 lies just below 1.19677734375, the midpoint
     of the float16 neighbours 1.1962890625 and 1.197265625, so it rounds down; float32
@@ -626,7 +699,7 @@ def test_fp16_cast_of_float64_rounds_once():
     x = np.array([1.1967773426534207])
     want = R.cast(x, np.float16)
     assert float(want[0]) == 1.1962890625
-    assert_same(T.cast(to_torch(x), T.float16), want)
+    assert_same(T.cast(to_torch(x, device), T.float16), want)
 
 
 # ----------------------------------------------------------------- TernGrad
@@ -664,12 +737,19 @@ def test_terngrad_torch_is_unbiased(dtype):
     assert not torch.equal(compressor.encode(g, "w").codes, compressor.encode(g, "w").codes)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scalar_sharing", [True, False])
 @pytest.mark.parametrize("n_ranks,numel", [(1, 1000), (2, 999), (3, 1001), (4, 2000), (8, 1000), (16, 333)])
-def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(n_ranks, numel, scalar_sharing):
+def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(
+    device, n_ranks, numel, scalar_sharing, request
+):
     """Both wire formats (packed int32 allreduce, 2-bit allgather) and per-rank scales."""
+    if not exact_average(device, n_ranks):  # may pass: shared-scale sums take few distinct values
+        request.applymarker(
+            pytest.mark.xfail(strict=False, reason="decode divides by N on CUDA as x * (1/N)")
+        )
     gen = torch.Generator().manual_seed(n_ranks * numel)
-    grads = [torch.randn(numel, generator=gen) * (r + 1) for r in range(n_ranks)]
+    grads = [(torch.randn(numel, generator=gen) * (r + 1)).to(device) for r in range(n_ranks)]
     compressors = [
         TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2).bind(r, n_ranks)
         for r in range(n_ranks)
@@ -692,7 +772,8 @@ def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(n_ranks, numel, sc
     assert_same(sim.step({"w": grads})["w"], want, "Simulator")
 
 
-def test_terngrad_torch_equals_numpy_given_the_same_uniforms(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_terngrad_torch_equals_numpy_given_the_same_uniforms(device, monkeypatch):
     """With torch_ops drawing numpy's stream, the whole TernGrad path (scalar sharing,
     error feedback, packing, decode) is bit-exact against numpy."""
 
@@ -704,13 +785,14 @@ def test_terngrad_torch_equals_numpy_given_the_same_uniforms(monkeypatch):
 
     monkeypatch.setattr(T, "generator", numpy_stream)
     monkeypatch.setattr(T, "uniform", numpy_uniform)
-    grads = np.random.default_rng(4).standard_normal((4, 5, 1200)).astype(np.float32)
+    ranks = 5 if exact_average(device, 5) else 4
+    grads = np.random.default_rng(4).standard_normal((4, ranks, 1200)).astype(np.float32)
     for compressor in (
         TernGrad(clip=None, dense_below=0),
         TernGrad(clip=None, dense_below=0, error_feedback=True),
         TernGrad(clip=None, dense_below=0, scalar_sharing=False, error_feedback=True),
     ):
-        assert_simulators_agree(*run_both(compressor, grads))
+        assert_simulators_agree(*run_both(compressor, grads, device=device))
 
 
 # --------------------------------------------------------------------------- #
@@ -759,15 +841,16 @@ def test_terngrad_torch_generator_is_in_the_checkpoint():
     assert not torch.equal(fresh[0]["conv.weight"], expected[0]["conv.weight"])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @given(data=st.data(), mu=mus)
-def test_regtopk_select_sparse_matches_reference(dtype, data, mu):
+def test_regtopk_select_sparse_matches_reference(device, dtype, data, mu):
     a = data.draw(float_arrays(dtype), label="a")
     numel = a.shape[0]
     idx = data.draw(index_sets(numel), label="idx")
     values = data.draw(float_arrays(np.float32, idx.shape[0], idx.shape[0]), label="D at idx")
     k = data.draw(st.integers(1, numel), label="k")
     assert_same(
-        T.regtopk_select_sparse(to_torch(a), to_torch(idx), to_torch(values), mu, k),
+        T.regtopk_select_sparse(to_torch(a, device), to_torch(idx, device), to_torch(values, device), mu, k),
         R.regtopk_select_sparse(a, idx, values, mu, k),
     )

@@ -41,6 +41,12 @@ COMPRESSORS = ("topk", "gaussiank", "regtopk", "terngrad", "fp16")
 SPARSE = ("topk", "gaussiank", "regtopk")
 #: Fraction of entries replaced by a heavy tail (10 * Student-t, 2 degrees of freedom).
 HEAVY_TAIL_FRACTION = 1e-3
+#: Untimed calls before each measurement, per device: on CUDA the first calls also load kernels
+#: and grow the caching allocator.
+WARMUP_CALLS = {"cpu": 1, "cuda": 3}
+#: Seconds of matrix products before the first CUDA measurement: an idle GPU runs slower
+#: until its clocks come up, which inflated the first (smallest) size's times.
+GPU_WARMUP_SECONDS = 1.0
 
 #: Targets printed next to the measurements (never asserted).
 TARGETS = (
@@ -166,6 +172,14 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, sync: Callable[[], None
     return statistics.median(times)
 
 
+def _warm_up_gpu(torch: Any) -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    end = time.perf_counter() + GPU_WARMUP_SECONDS
+    while time.perf_counter() < end:
+        x @ x
+        torch.cuda.synchronize()
+
+
 def _density_and_bytes(payload: Any, numel: int) -> tuple:
     """Achieved density (sent entries / numel; 1 for dense payloads) and payload bytes."""
     if isinstance(payload, SparsePayload):
@@ -194,10 +208,12 @@ def _measure_section(
 ) -> tuple:
     """Baseline times and one row per compressor for one (device, size)."""
     label = f"{NUMPY if backend == NUMPY else device} {format_size(size)}"
+    warmups = WARMUP_CALLS.get(device, 1)
     baseline_s = {}
     for key, fn in baselines.items():
         bar.set_postfix_str(f"{label} baseline {key}")
-        fn()  # warm-up
+        for _ in range(warmups):
+            fn()
         baseline_s[key] = _median_seconds(fn, repeats, sync)
         bar.update()
     rows = []
@@ -209,6 +225,8 @@ def _measure_section(
         payload = compressor.encode(tensor, tensor_name)  # warm-up: residuals now exist
         if name == "regtopk":  # one decode with the name: the distortion path is active
             compressor.decode([payload], tensor.shape, name=tensor_name)
+        for _ in range(warmups - 1):
+            compressor.encode(tensor, tensor_name)
         seconds = _median_seconds(lambda: compressor.encode(tensor, tensor_name), repeats, sync)
         payload = compressor.encode(tensor, tensor_name)
         density, nbytes = _density_and_bytes(payload, size)
@@ -231,7 +249,7 @@ def _measure_section(
         if name == "topk":
             topk_compressor_s = seconds
         rows.append(row)
-        del compressor, payload
+        compressor = payload = None  # free before the next compressor
         bar.update()
     for row in rows:
         row["vs_topk_compressor"] = row["seconds"] / topk_compressor_s if topk_compressor_s else None
@@ -291,6 +309,8 @@ def run(
         with torch.no_grad():
             for dev in devices:
                 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+                if dev == "cuda":
+                    _warm_up_gpu(torch)
                 for size in sizes:
                     t = torch.from_numpy(gradient(size)).to(dev)
                     k = num_selected(size, ratio)
@@ -300,7 +320,7 @@ def run(
                     )
                     baselines.append(baseline)
                     rows.extend(section)
-                    del t, fns
+                    t = fns = None  # free before the next size
                     if dev == "cuda":
                         torch.cuda.empty_cache()
         if numpy_section:
@@ -328,6 +348,10 @@ def run(
             "repeats": repeats,
             "devices": devices,
             "statistic": "median seconds of one encode (time.perf_counter; cuda synchronized)",
+            "warmup": {
+                "calls": {dev: WARMUP_CALLS.get(dev, 1) for dev in devices},
+                "gpu_seconds": GPU_WARMUP_SECONDS if "cuda" in devices else 0.0,
+            },
             "gradient": f"float32 standard normal, {HEAVY_TAIL_FRACTION:g} of entries 10 * Student-t(2)",
             "baselines": {
                 "torch": {"topk": "torch.topk(t.abs(), k)", "pass": "t.abs().max()"},

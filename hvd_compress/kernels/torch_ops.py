@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
+    GAUSSIANK_HIGH,
     NO_DISTORTION,
     gaussiank_correct,
     normal_tail_quantile,
@@ -27,6 +28,8 @@ from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: fr
 )
 
 _WORD = 1 << 32
+
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 float16 = torch.float16
@@ -77,6 +80,20 @@ def _float64_to_float16(a: torch.Tensor) -> torch.Tensor:
     bits = single.view(torch.int32)
     bits = torch.where(inexact & (back.abs() > a.abs()), bits - 1, bits)
     return torch.where(inexact, bits | 1, bits).view(torch.float32).to(torch.float16)
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded once to ``dtype`` (numpy's cast), so any later conversion of it is exact."""
+    kind = _NUMPY_FLOATS.get(dtype)
+    if kind is None:
+        return value
+    with np.errstate(over="ignore"):  # beyond the dtype's range: infinity, as numpy compares
+        return float(kind(value))
+
+
+def _scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-d tensor of ``like``'s dtype on its device: divisions by it are true divisions."""
+    return torch.full((), _rounded(value, like.dtype), dtype=like.dtype, device=like.device)
 
 
 def as_int64(values, like: torch.Tensor) -> torch.Tensor:
@@ -151,10 +168,11 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, numel)
     values, indices = torch.topk(scores, k, sorted=False)
     kth = values.min()
-    if int(torch.count_nonzero(scores >= kth)) > k:  # ties at the boundary: lowest indices win
+    inside = torch.count_nonzero(values == kth)
+    ties = torch.nonzero(scores == kth).flatten()
+    if ties.shape[0] > int(inside):  # ties at the boundary: lowest indices win
         above = torch.nonzero(scores > kth).flatten()
-        ties = torch.nonzero(scores == kth).flatten()[: k - above.shape[0]]
-        indices = torch.cat([above, ties])
+        indices = torch.cat([above, ties[: k - above.shape[0]]])
     return torch.sort(indices).values.to(index_dtype(numel))
 
 
@@ -165,16 +183,46 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
 # ------------------------------------------------------------------ Gaussian-k
 def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
     std, mean = torch.std_mean(a, correction=0)
-    return abs(float(mean)) + float(std) * normal_tail_quantile(ratio)
+    mean, std = torch.stack([mean, std]).tolist()
+    return abs(mean) + std * normal_tail_quantile(ratio)
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
-    """One moments pass, at most three counting passes, one ``nonzero``; no sort of ``a``."""
+    """One moments pass, then per correction round one comparison and one count; no sort of ``a``.
+
+    On CUDA a round counts with ``nonzero`` (a count, one host synchronisation, then
+    the indices), cheaper there than ``count_nonzero``, which converts the mask to
+    int64 first; the indices of the threshold finally chosen are then already there.
+    On CPU a round counts the mask and ``nonzero`` runs once, at the end. Only what
+    the correction can still choose is kept (the last round's and the smallest set
+    above ``4k/3``).
+    """
     k = num_selected(a.shape[0], ratio)
     magnitude = a.abs()
+    found = {}  # threshold -> (indices of |a_j| > threshold, or their mask; count)
+
+    def count(threshold: float) -> int:
+        mask = magnitude > _rounded(threshold, a.dtype)
+        if mask.is_cuda:
+            hits = torch.nonzero(mask).flatten()
+            found[threshold] = (hits, hits.shape[0])
+        else:
+            found[threshold] = (mask, int(torch.count_nonzero(mask)))
+        above = [t for t, (_, n) in found.items() if n > GAUSSIANK_HIGH * k]
+        smallest = min(above, key=lambda t: found[t][1], default=None)
+        for t in [t for t in found if t != threshold and t != smallest]:
+            del found[t]
+        return found[threshold][1]
+
+    def select(threshold: float) -> torch.Tensor:
+        if threshold not in found:
+            count(threshold)
+        hits = found[threshold][0]
+        return torch.nonzero(hits).flatten() if hits.dtype == torch.bool else hits
+
     selected = gaussiank_correct(
-        lambda threshold: int(torch.count_nonzero(magnitude > threshold)),
-        lambda threshold: torch.nonzero(magnitude > threshold).flatten(),
+        count,
+        select,
         lambda superset: superset[topk_indices(magnitude[superset], k).long()],
         gaussiank_threshold(a, ratio),
         k,
@@ -185,7 +233,7 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
 # -------------------------------------------------------------------- RegTop-k
 def regtopk_scores(a: torch.Tensor, distortion: torch.Tensor, mu: float) -> torch.Tensor:
     d = distortion.to(accumulation_dtype(distortion.dtype))
-    damping = torch.tanh(((1.0 + d) / mu).double()).to(d.dtype)
+    damping = torch.tanh(((1.0 + d) / _scalar(mu, d)).double()).to(d.dtype)
     return damping.abs() * a.abs()
 
 
@@ -228,6 +276,7 @@ def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
     low, high = torch.aminmax(g)
     if bound == 0 or low == high:  # a constant tensor: clipping would erase it
         return g
+    bound = _rounded(bound, g.dtype)
     return g.clamp(-bound, bound)
 
 
@@ -238,7 +287,7 @@ def terngrad_scale(g: torch.Tensor) -> float:
 def terngrad_codes(g: torch.Tensor, scale: float, uniform: torch.Tensor) -> torch.Tensor:
     if scale == 0:
         return torch.zeros(g.shape[0], dtype=torch.int8, device=g.device)
-    keep = uniform < g.abs() / scale
+    keep = uniform < g.abs() / _scalar(scale, g)
     return (torch.sign(g).to(torch.int8) * keep).to(torch.int8)
 
 
@@ -299,7 +348,14 @@ def sum_int32_wrapping(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
 
 # ----------------------------------------------------------------- aggregation
 def sparse_sum(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-    """Scatter-add of every rank's values (``index_add_``, one kernel, no python loop)."""
+    """Scatter-add of every rank's values, one ``index_add_`` per rank, in rank order.
+
+    A rank's indices are distinct, so each of its ``index_add_`` touches an entry at
+    most once: the sums are in rank order on every device (one ``index_add_`` of all
+    ranks would add with atomics in no fixed order on CUDA, and replicas could differ).
+    """
     dtype = accumulation_dtype(values[0].dtype)
     total = torch.zeros(numel, dtype=dtype, device=values[0].device)
-    return total.index_add_(0, torch.cat(list(indices)).long(), torch.cat(list(values)).to(dtype))
+    for idx, v in zip(indices, values):
+        total.index_add_(0, idx.long(), v.to(dtype))
+    return total

@@ -1,0 +1,225 @@
+"""End-to-end training on one CUDA device: the drop-in optimizer on thread ranks, over NCCL and MPI.
+
+- ``hvd_compress.torch.DistributedOptimizer`` on 3 thread ranks
+  (:func:`~hvd_compress.comm.simulator.run_ranks`), each training a CUDA copy of
+  the small model of ``tests/distributed/torch_horovod.py`` with every compressor:
+  all ranks end with the same parameters, bit for bit (the sparse sum adds in rank
+  order, so replicas cannot drift apart), residuals stay on the GPU, and the
+  parameters equal the Simulator fed the same CUDA gradients (1e-6, FP16 1e-4, as
+  the CPU runs) and the CPU Simulator within what CUDA's float32 matrix products
+  change (:data:`CPU_TOLERANCE`). The thread ranks compute gradients with
+  ``torch.autograd.grad`` and exchange them in ``step()``: autograd runs the
+  backward of CUDA tensors on one engine thread per device, so gradient hooks of
+  several thread ranks that wait for each other in a collective would deadlock;
+- the same optimizer over ``torch.distributed`` with the NCCL backend, world size 1
+  (NCCL wants one GPU per rank), exchanging from the gradient hooks: equal to the
+  Simulator of one rank on CUDA;
+- ``hvd_compress.mpi.DistributedOptimizer`` under ``mpirun -np 2``, both ranks on
+  the one GPU, CUDA tensors through MPI (staged through host memory unless the MPI
+  library is CUDA-aware): equal to the Simulator of two ranks on CUDA (every
+  compressor but FP16, see :data:`MPI_NAMES`). This module
+  is the MPI worker too (``python -m tests.test_cuda_training --mpi-worker OUT``).
+
+Skipped without CUDA; with ``HVD_COMPRESS_DEVICE=cuda`` (``ci/gpu_tests.sh``) a
+missing GPU fails instead, and ``HVD_COMPRESS_DEVICE=cpu`` skips them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hvd_compress.torch as hvd_torch  # noqa: E402
+from hvd_compress.comm.simulator import run_ranks  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+from tests.distributed import torch_horovod as workload  # noqa: E402
+
+REQUESTED_DEVICE = os.environ.get("HVD_COMPRESS_DEVICE", "").strip().lower()
+pytestmark = [
+    pytest.mark.skipif(REQUESTED_DEVICE == "cpu", reason="HVD_COMPRESS_DEVICE=cpu"),
+    pytest.mark.skipif(
+        REQUESTED_DEVICE != "cuda" and not torch.cuda.is_available(),
+        reason="no CUDA device: torch.cuda.is_available() is False",
+    ),
+]
+
+NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "fp16", "none"]
+#: FP16's float16 allreduce needs an MPI float16 datatype, which Open MPI 4 lacks (``_mpi_type``
+#: raises MPI_ERR_TYPE): left out of the MPI run, which is about CUDA tensors.
+MPI_NAMES = [name for name in NAMES if name != "fp16"]
+RANKS, STEPS = 3, 4
+#: Parameters of the CUDA runs vs the CPU Simulator: float32 matrix products round differently.
+CPU_TOLERANCE = 1e-5
+
+
+def tolerance(name: str) -> float:
+    return 1e-4 if name == "fp16" else 1e-6
+
+
+def simulate(name: str, ranks: int, device: str) -> Dict[str, np.ndarray]:
+    """``workload.simulate`` with the model and data on ``device``."""
+    model = workload.make_model().to(device)
+    sim = Simulator(ranks, workload.compressor(name))
+    data = [[(x.to(device), y.to(device)) for x, y in workload.batches(r, STEPS)] for r in range(ranks)]
+    params = list(model.named_parameters())[::-1]
+    for step in range(STEPS):
+        grads = {n: [] for n, _ in params}
+        for rank in range(ranks):
+            model.zero_grad()
+            workload.loss_fn(model, *data[rank][step]).backward()
+            for n, p in params:
+                grads[n].append(p.grad.clone())
+        averaged = sim.step(grads)
+        with torch.no_grad():
+            for n, p in params:
+                assert averaged[n].device == p.device, n
+                p -= workload.LR * averaged[n]
+    return {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
+
+
+def train(name: str, comm, model: torch.nn.Module, hooks: bool = True) -> Dict[str, np.ndarray]:
+    """The drop-in optimizer on one rank; returns the parameters and where the residuals live.
+
+    ``hooks``: gradients from ``backward()`` (exchanged from the gradient hooks), else from
+    ``torch.autograd.grad`` (no hook fires; ``step()`` exchanges them all).
+    """
+    device = next(model.parameters()).device
+    compression = workload.compressor(name)
+    optimizer = hvd_torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=workload.LR),
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        communicator=comm,
+    )
+    for x, y in workload.batches(comm.rank, STEPS):
+        optimizer.zero_grad()
+        loss = workload.loss_fn(model, x.to(device), y.to(device))
+        if hooks:
+            loss.backward()
+        else:
+            params = list(model.parameters())
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        optimizer.step()
+    return summary(model, compression)
+
+
+def summary(model: torch.nn.Module, compression) -> Dict[str, np.ndarray]:
+    result = {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()}
+    residuals = [compression.residual(n) for n, _ in model.named_parameters()]
+    result["residual devices"] = sorted({r.device.type for r in residuals if r is not None})
+    return result
+
+
+def residual_devices_of(name: str) -> list:
+    return ["cuda"] if name in ("topk", "gaussiank", "regtopk") else []
+
+
+def assert_close(got: Dict[str, np.ndarray], want: Dict[str, np.ndarray], atol: float, what: str) -> None:
+    for param, value in want.items():
+        np.testing.assert_allclose(got[param], value, rtol=0, atol=atol, err_msg=f"{what}: {param}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_drop_in_optimizer_on_cuda_thread_ranks(name):
+    models = [workload.make_model().to("cuda") for _ in range(RANKS)]  # one after the other: seeded
+    results = run_ranks(RANKS, lambda comm: train(name, comm, models[comm.rank], hooks=False))
+    residual_devices = [r.pop("residual devices") for r in results]
+    for rank, result in enumerate(results[1:], start=1):
+        for param, value in results[0].items():
+            assert np.array_equal(result[param], value), f"rank {rank} differs from rank 0: {param}"
+    assert residual_devices == [residual_devices_of(name)] * RANKS, residual_devices
+    assert_close(results[0], simulate(name, RANKS, "cuda"), tolerance(name), f"{name} vs CUDA Simulator")
+    if name != "terngrad":  # TernGrad draws from the device's generator: CUDA's stream is not CPU's
+        assert_close(results[0], simulate(name, RANKS, "cpu"), CPU_TOLERANCE, f"{name} vs CPU Simulator")
+
+
+@pytest.fixture
+def nccl_world_of_one(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not (dist.is_available() and dist.is_nccl_available()):
+        pytest.skip("torch.distributed with NCCL is not available")
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp_path / 'rendezvous'}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_drop_in_optimizer_over_nccl_world_size_1(nccl_world_of_one):
+    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+
+    comm = TorchDistCommunicator()
+    assert (comm.rank, comm.size) == (0, 1)
+    for name in NAMES:
+        result = train(name, comm, workload.make_model().to("cuda"))
+        assert result.pop("residual devices") == residual_devices_of(name), name
+        assert_close(result, simulate(name, 1, "cuda"), tolerance(name), f"{name} over NCCL vs Simulator")
+
+
+def test_mpi_optimizer_with_cuda_tensors_on_2_ranks(tmp_path):
+    from tests.distributed import launch
+
+    launch.require_mpi()
+    out = tmp_path / "mpi.npz"
+    done = launch.run("mpirun", 2, "tests.test_cuda_training", "--mpi-worker", str(out), timeout=180)
+    assert done.returncode == 0, launch.output(done)
+    result = np.load(out)
+    assert int(result["size"]) == 2
+    for name in MPI_NAMES:
+        for rank in range(2):
+            devices = [str(d) for d in result[f"{name}/residual devices/{rank}"]]
+            assert devices == residual_devices_of(name), (name, rank, devices)
+        got = {p: result[f"{name}/{p}"] for p in workload.make_model().state_dict()}
+        assert_close(got, simulate(name, 2, "cuda"), tolerance(name), f"{name} over MPI vs Simulator")
+
+
+def mpi_worker(out: str) -> None:
+    """Both ranks train on ``cuda``; rank 0 checks that the ranks agree and writes ``out``."""
+    import hvd_compress.mpi as hvd
+
+    comm = hvd.communicator()
+    arrays = {"size": np.array(comm.size), "cuda_aware": np.array(hvd.cuda_aware())}
+    for name in MPI_NAMES:
+        model = workload.make_model().to("cuda")
+        compression = workload.compressor(name)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=workload.LR),
+            named_parameters=model.named_parameters(),
+            compression=compression,
+        )
+        for x, y in workload.batches(comm.rank, STEPS):
+            optimizer.zero_grad()
+            workload.loss_fn(model, x.to("cuda"), y.to("cuda")).backward()
+            optimizer.step()
+        result = summary(model, compression)
+        everyone = comm.comm.gather(result, root=0)
+        if comm.rank == 0:
+            params = {p: v for p, v in result.items() if p != "residual devices"}
+            for rank, theirs in enumerate(everyone):
+                arrays[f"{name}/residual devices/{rank}"] = np.array(theirs["residual devices"], dtype=str)
+                for param, value in params.items():
+                    if not np.array_equal(theirs[param], value):
+                        raise AssertionError(f"{name}: rank {rank} differs from rank 0 in {param}")
+            arrays.update({f"{name}/{param}": value for param, value in params.items()})
+    if comm.rank == 0:
+        np.savez(out, **arrays)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] != ["--mpi-worker"] or len(sys.argv) != 3:
+        raise SystemExit("usage: python -m tests.test_cuda_training --mpi-worker OUT.npz")
+    mpi_worker(sys.argv[2])
