@@ -599,17 +599,6 @@ def run_both(compressor, grads: np.ndarray, shape=None, device: str = "cpu"):
     return sim_t, sim_np, outputs
 
 
-def exact_average(device: str, n_ranks: int) -> bool:
-    """Whether the average over ``n_ranks`` is bit-exact against numpy on ``device``.
-
-    ``Compressor.decode`` (and the exchange) divide the sum by N, a Python number; CUDA
-    divides a tensor by a host scalar as a multiplication by its reciprocal, which is
-    the quotient only when N is a power of two
-    (:func:`test_average_over_3_ranks_is_bit_exact` tracks the others).
-    """
-    return device == "cpu" or n_ranks & (n_ranks - 1) == 0
-
-
 def assert_simulators_agree(sim_t, sim_np, outputs):
     for step, (out_t, out_np) in enumerate(outputs):
         assert_same(out_t, out_np, f"output of step {step}")
@@ -633,7 +622,6 @@ E2E_DENSE = {"none": lambda p: NoneCompressor(), "fp16": lambda p: FP16()}
 @given(grads=training_runs(max_steps=6), p=permille)
 def test_simulator_on_torch_equals_simulator_on_numpy(device, kind, dtype, grads, p):
     """Small vectors with many ties and zeros, several steps of error feedback."""
-    assume(exact_average(device, grads.shape[1]))
     compressor = {**SPARSIFIERS, **E2E_DENSE}[kind](p / 1000)
     assert_simulators_agree(*run_both(compressor, grads.astype(dtype), device=device))
 
@@ -650,7 +638,6 @@ def test_simulator_on_torch_equals_simulator_on_numpy(device, kind, dtype, grads
 @settings(phases=[Phase.explicit, Phase.reuse, Phase.generate])  # seeded data: shrinking is moot
 def test_simulator_on_torch_equals_numpy_on_large_tensors(device, kind, dtype, seed, n_ranks, p, numel):
     """Gradients of a few thousand entries whose scale drifts, 4 steps (RegTop-k's D in use)."""
-    assume(exact_average(device, n_ranks))
     rng = np.random.default_rng(seed)
     size = int(np.prod(numel))
     grads = np.stack([rng.standard_normal((n_ranks, size)) * (1 + step) for step in range(4)])
@@ -680,11 +667,9 @@ def test_simulator_on_torch_equals_numpy_for_float16(device, compressor):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["none", "topk"])
-def test_average_over_3_ranks_is_bit_exact(device, kind, request):
-    """Expected to fail on CUDA until ``Compressor.decode`` and ``BucketExchange`` divide by N
-    as a tensor on the device (a true division) instead of a Python number."""
-    if not exact_average(device, 3):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="decode divides by N on CUDA as x * (1/N)"))
+def test_average_over_3_ranks_is_bit_exact(device, kind):
+    """``Compressor.decode`` and ``BucketExchange`` divide by N as a true division on every device
+    (CUDA would multiply by 1/N, off by an ulp for a third of float32 values)."""
     grads = np.random.default_rng(5).standard_normal((2, 3, 1000)).astype(np.float32)
     compressor = {**SPARSIFIERS, **E2E_DENSE}[kind](0.1)
     assert_simulators_agree(*run_both(compressor, grads, device=device))
@@ -740,14 +725,8 @@ def test_terngrad_torch_is_unbiased(dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scalar_sharing", [True, False])
 @pytest.mark.parametrize("n_ranks,numel", [(1, 1000), (2, 999), (3, 1001), (4, 2000), (8, 1000), (16, 333)])
-def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(
-    device, n_ranks, numel, scalar_sharing, request
-):
+def test_terngrad_torch_decode_is_scale_times_code_sum_over_n(device, n_ranks, numel, scalar_sharing):
     """Both wire formats (packed int32 allreduce, 2-bit allgather) and per-rank scales."""
-    if not exact_average(device, n_ranks):  # may pass: shared-scale sums take few distinct values
-        request.applymarker(
-            pytest.mark.xfail(strict=False, reason="decode divides by N on CUDA as x * (1/N)")
-        )
     gen = torch.Generator().manual_seed(n_ranks * numel)
     grads = [(torch.randn(numel, generator=gen) * (r + 1)).to(device) for r in range(n_ranks)]
     compressors = [
@@ -785,7 +764,7 @@ def test_terngrad_torch_equals_numpy_given_the_same_uniforms(device, monkeypatch
 
     monkeypatch.setattr(T, "generator", numpy_stream)
     monkeypatch.setattr(T, "uniform", numpy_uniform)
-    ranks = 5 if exact_average(device, 5) else 4
+    ranks = 5
     grads = np.random.default_rng(4).standard_normal((4, ranks, 1200)).astype(np.float32)
     for compressor in (
         TernGrad(clip=None, dense_below=0),

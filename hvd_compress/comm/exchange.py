@@ -126,7 +126,7 @@ class BucketExchange:
 
     def _result(self, name: str, total: Any, dtype: Any) -> Any:
         if self.average:
-            total = total / self.comm.size
+            total = self.ops.divide(total, self.comm.size)
         return self.ops.reshape(self.ops.cast(total, dtype), self.shapes[name])
 
     def _finish_dense(self) -> Dict[str, Any]:

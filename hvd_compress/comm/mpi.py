@@ -9,9 +9,10 @@ Buffer-based mpi4py calls only (no pickling on the hot path):
   wrap-around, so int32 sums wrap exactly (TernGrad's packed lanes rely on it).
   ``MPI_SUM`` on ``MPI_INT32_T`` wraps the same way in practice (Open MPI and
   MPICH add with a plain C ``+``), but the standard leaves signed overflow
-  undefined, so we do not depend on it. float16 uses ``MPI_SHORT_FLOAT`` (Open
-  MPI) or whatever mpi4py maps numpy's ``float16`` to; bfloat16 (no MPI type)
-  is reduced in float32 and cast back.
+  undefined, so we do not depend on it. 16-bit floats (float16, bfloat16)
+  are reduced in float32 and cast back, as the compressors sum them, and move
+  as raw 16-bit words otherwise: MPI has no bfloat16, and float16's
+  ``MPI_SHORT_FLOAT`` is an Open MPI 5 extension.
 - ``allgather_async``: a blocking ``Allgather`` of every rank's
   ``[rows, elements per row, dtype]`` (which also checks that trailing shapes
   and dtypes agree, raising the same error on every rank), then
@@ -154,7 +155,13 @@ def _mpi_type(dtype: np.dtype, op: str = "") -> Any:
             datatype = MPI.Datatype.fromcode(np.dtype(code).char)
         except (ValueError, KeyError, TypeError) as error:
             raise TypeError(f"hvd_compress: no MPI datatype for {dtype} ({error})") from error
-        if datatype == MPI.DATATYPE_NULL or datatype.Get_size() != np.dtype(code).itemsize:
+        try:
+            usable = datatype != MPI.DATATYPE_NULL and datatype.Get_size() == np.dtype(code).itemsize
+        except MPI.Exception as error:  # a name mpi4py knows but this MPI library lacks
+            raise TypeError(
+                f"hvd_compress: this MPI library has no datatype for {dtype} ({error})"
+            ) from error
+        if not usable:
             raise TypeError(f"hvd_compress: no MPI datatype of the size of {dtype}")
         _MPI_TYPES[code] = datatype
     return _MPI_TYPES[code]
@@ -171,13 +178,18 @@ class _Wire:
         self.upcast = False
         if isinstance(tensor, np.ndarray) or np.isscalar(tensor):
             array = np.asarray(tensor)
+            self.dtype = array.dtype
+            if array.dtype == np.float16:
+                array, self.upcast = (
+                    (array.astype(np.float32), True) if for_sum else (array.view(np.int16), False)
+                )
             self.buffer = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         elif type(tensor).__module__.split(".")[0] == "torch":
             import torch
 
             self.torch = torch
             t = tensor.detach()
-            if t.dtype == torch.bfloat16:  # no MPI type: reduce in float32, gather the raw bits
+            if t.dtype in (torch.bfloat16, torch.float16):  # reduce in float32, gather the raw bits
                 if for_sum:
                     t, self.upcast = t.float(), True
                 else:
@@ -215,10 +227,12 @@ class _Wire:
     def result(self, received: Any) -> Any:
         """``received`` as the caller's kind: same framework, dtype and device as the input."""
         if self.torch is None:
-            return received
+            if self.dtype != np.float16:
+                return received
+            return received.astype(np.float16) if self.upcast else received.view(np.float16)
         out = received if isinstance(received, self.torch.Tensor) else self.torch.from_numpy(received)
-        if self.dtype == self.torch.bfloat16:
-            out = out.to(self.torch.bfloat16) if self.upcast else out.view(self.torch.bfloat16)
+        if self.dtype in (self.torch.bfloat16, self.torch.float16):
+            out = out.to(self.dtype) if self.upcast else out.view(self.dtype)
         if self.staged:
             out = out.to(self.device)
         return out
@@ -334,10 +348,10 @@ class MPICommunicator(Communicator):
         """In-place ``Bcast`` of a numpy array or torch tensor from ``root``; returns it."""
         wire = _Wire(tensor)
         target = wire.buffer
-        direct = isinstance(tensor, np.ndarray) and target is tensor
+        direct = isinstance(tensor, np.ndarray) and target is tensor and tensor.dtype != np.float16
         if wire.torch is not None and not wire.staged and not wire.upcast:
             # numpy view / device tensor shares storage with ``tensor`` unless a copy was needed
-            direct = tensor.is_contiguous() and tensor.dtype != wire.torch.bfloat16
+            direct = tensor.is_contiguous() and tensor.dtype not in (wire.torch.bfloat16, wire.torch.float16)
         self.comm.Bcast([target, _mpi_type(wire.np_dtype)], root=root)
         if not direct:
             result = wire.result(target)

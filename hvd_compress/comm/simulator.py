@@ -79,7 +79,11 @@ def run_ranks(size: int, work: Callable[[ThreadCommunicator], Any], timeout: flo
     """Run ``work(comm)`` on ``size`` thread ranks; their results in rank order.
 
     The first exception of any rank is raised here (the others are released
-    by the broken barrier).
+    by the broken barrier). CUDA models: exchange gradients after backward
+    (``torch.autograd.grad``, then the optimizer's ``step``), not from
+    gradient hooks: autograd runs every thread's CUDA backward on one thread
+    per device, so a rank whose hook waits at the barrier blocks the others
+    (the barrier then times out).
     """
     group = ThreadGroup(size, timeout)
     results: List[Any] = [None] * size

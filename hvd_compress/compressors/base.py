@@ -168,7 +168,7 @@ class Compressor:
         if name is not None:
             self._observe(name, total, ops)
         if average:
-            total = total / len(payloads)
+            total = ops.divide(total, len(payloads))
         return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface

@@ -86,6 +86,11 @@ def reshape(a: np.ndarray, shape) -> np.ndarray:
     return a.reshape(shape)
 
 
+def divide(a: np.ndarray, n: int) -> np.ndarray:
+    """``a / n`` (averages over ranks), each quotient rounded once in ``a``'s dtype."""
+    return a / a.dtype.type(n)
+
+
 def to_list(a: np.ndarray) -> list:
     """A small array (headers, scales) as Python numbers."""
     return a.tolist()

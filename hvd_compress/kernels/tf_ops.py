@@ -80,6 +80,11 @@ def _divide(x, y) -> tf.Tensor:
     return tf.math.divide_no_nan(x, y)
 
 
+def divide(a: tf.Tensor, n: int) -> tf.Tensor:
+    """``a / n`` (averages over ranks), rounded once, also inside graphs."""
+    return _divide(a, tf.constant(n, a.dtype))
+
+
 def _python_or_tensor(value: tf.Tensor, kind: type):
     return kind(value) if tf.executing_eagerly() else value
 

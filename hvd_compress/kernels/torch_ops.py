@@ -108,6 +108,11 @@ def reshape(a: torch.Tensor, shape) -> torch.Tensor:
     return a.reshape(shape)
 
 
+def divide(a: torch.Tensor, n: int) -> torch.Tensor:
+    """``a / n`` as a true division (CUDA turns a division by a Python number into ``a * (1/n)``)."""
+    return a / _scalar(n, a)
+
+
 def to_list(a: torch.Tensor) -> list:
     return a.tolist()
 
