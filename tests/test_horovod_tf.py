@@ -55,17 +55,7 @@ def run_workload(path, names, tmp_path, *extra, expect_success=True):
 def assert_equals_simulator(result, names):
     from tests.distributed import tf_horovod as workload
 
-    for name in names:
-        expected = workload.simulate(name, 2, STEPS)
-        tolerance = 1e-4 if name == "fp16" else 1e-6
-        for key, value in expected.items():
-            np.testing.assert_allclose(
-                result[f"{name}/{key}"],
-                value,
-                rtol=0,
-                atol=tolerance,
-                err_msg=f"{name} {key}: 2-process run differs from the Simulator",
-            )
+    launch.assert_equals_simulator(result, names, lambda name: workload.simulate(name, 2, STEPS))
 
 
 def topk_bytes(dropin):

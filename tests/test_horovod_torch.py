@@ -51,17 +51,7 @@ def run_workload(kind, ranks, names, tmp_path, *extra):
 
 
 def assert_equals_simulator(result, names, ranks):
-    for name in names:
-        expected = workload.simulate(name, ranks, STEPS)
-        tolerance = 1e-4 if name == "fp16" else 1e-6
-        for param, value in expected.items():
-            np.testing.assert_allclose(
-                result[f"{name}/{param}"],
-                value,
-                rtol=0,
-                atol=tolerance,
-                err_msg=f"{name} {param}: {ranks}-process run differs from the Simulator",
-            )
+    launch.assert_equals_simulator(result, names, lambda name: workload.simulate(name, ranks, STEPS))
 
 
 def expected_topk_bytes(path):

@@ -60,12 +60,10 @@ class SingleProcessCommunicator(Communicator):
         return handle
 
 
-class HorovodTorchCommunicator(Communicator):
-    """``horovod.torch`` collectives (Gloo, MPI or NCCL, as Horovod was started)."""
+class HorovodCommunicator(Communicator):
+    """Rank, size and reduction ops of a Horovod framework module (``horovod.torch``, ``horovod.tensorflow``)."""
 
-    def __init__(self) -> None:
-        import horovod.torch as hvd
-
+    def __init__(self, hvd: Any) -> None:
         self.hvd = hvd
         self._ops = {self.SUM: hvd.Sum, self.MAX: hvd.Max}
 
@@ -76,6 +74,15 @@ class HorovodTorchCommunicator(Communicator):
     @property
     def size(self) -> int:
         return self.hvd.size()
+
+
+class HorovodTorchCommunicator(HorovodCommunicator):
+    """``horovod.torch`` collectives (Gloo, MPI or NCCL, as Horovod was started)."""
+
+    def __init__(self) -> None:
+        import horovod.torch as hvd
+
+        super().__init__(hvd)
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         return self.hvd.allreduce_async(tensor, op=self._ops[op], name=name)

@@ -32,26 +32,17 @@ from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-from hvd_compress.comm.communicator import Communicator
+from hvd_compress.comm.communicator import HorovodCommunicator
 from hvd_compress.comm.exchange import BucketExchange
 
 
-class HorovodTensorFlowCommunicator(Communicator):
+class HorovodTensorFlowCommunicator(HorovodCommunicator):
     """``horovod.tensorflow`` collectives, called eagerly (each call returns its result)."""
 
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
-        self.hvd = hvd
-        self._ops = {self.SUM: hvd.Sum, self.MAX: hvd.Max}
-
-    @property
-    def rank(self) -> int:
-        return self.hvd.rank()
-
-    @property
-    def size(self) -> int:
-        return self.hvd.size()
+        super().__init__(hvd)
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         return self.hvd.allreduce(tensor, op=self._ops[op], name=name)

@@ -8,8 +8,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Callable, Dict, List, Sequence
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,3 +69,19 @@ def run(
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = launcher(kind, ranks) + [sys.executable, "-m", module, *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_equals_simulator(
+    result: Dict[str, np.ndarray], names: Sequence[str], simulate: Callable[[str], Dict[str, np.ndarray]]
+) -> None:
+    """Every ``result[f"{name}/{param}"]`` of a multi-process run equals ``simulate(name)[param]``:
+    1e-6 absolute, FP16 1e-4 (Horovod sums float16 in float16, the Simulator in float32)."""
+    for name in names:
+        for param, value in simulate(name).items():
+            np.testing.assert_allclose(
+                result[f"{name}/{param}"],
+                value,
+                rtol=0,
+                atol=1e-4 if name == "fp16" else 1e-6,
+                err_msg=f"{name} {param}: the multi-process run differs from the Simulator",
+            )
