@@ -483,6 +483,20 @@ def test_terngrad_clip_within_float_tolerance(device, dtype, data, c):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@given(data=st.data())
+def test_terngrad_scale_matches_reference(device, dtype, data):
+    """``max(-min, max)`` is ``max|g|`` exactly; all-zero gradients (signed zeros too) give +0.0."""
+    g = data.draw(float_arrays(dtype), label="g")
+    got, want = T.terngrad_scale(to_torch(g, device)), R.terngrad_scale(g)
+    assert got == want and np.signbit(got) == np.signbit(want), (got, want)
+    zeros = np.where(np.arange(g.shape[0]) % 2 == 0, -0.0, 0.0).astype(dtype)
+    assert not np.signbit(T.terngrad_scale(to_torch(zeros, device)))
+    g[-1] = np.nan
+    assert np.isnan(T.terngrad_scale(to_torch(g, device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["torch", "reference"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("value", [0.1, -3.0, 7.0])

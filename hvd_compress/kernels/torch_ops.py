@@ -30,6 +30,14 @@ from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: fr
 _WORD = 1 << 32
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+_NUMPY_DTYPES = {
+    **_NUMPY_FLOATS,
+    torch.bool: np.bool_,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+}
 
 
 float16 = torch.float16
@@ -52,6 +60,25 @@ def count_nonfinite(a: torch.Tensor) -> int:
     if bool(torch.isfinite(a.sum())):
         return 0
     return int(a.numel() - torch.isfinite(a).sum().item())
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer; on CPU allocated by numpy.
+
+    numpy asks the kernel for transparent huge pages on large buffers (``madvise``);
+    torch's CPU allocator does not (unless ``THP_MEM_ALLOC_ENABLE=1``), and faulting a
+    fresh buffer in 4 KiB at a time can cost more than the kernel writing it.
+    """
+    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
+        return torch.from_numpy(np.empty(numel, dtype=_NUMPY_DTYPES[dtype]))
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices (int64, ascending) of the true entries of a 1-D ``mask``; numpy's on CPU, faster there."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return torch.nonzero(mask).flatten()
 
 
 def zeros_like(a: torch.Tensor) -> torch.Tensor:
@@ -159,30 +186,41 @@ def dense_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
 def error_feedback_split(
     a: torch.Tensor, indices: torch.Tensor, in_place: bool = False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``index_select`` and ``index_fill_``: the gather and scatter of ``a[S]``, ``a[S] = 0`` without
+    the generality (and the cost) of advanced indexing."""
     idx = indices.long()
-    values = a[idx]
-    residual = a if in_place else a.clone()
-    residual[idx] = 0
-    return values, residual
+    values = a.index_select(0, idx)
+    residual = a if in_place else _empty(a.shape[0], a.dtype, a.device).copy_(a)
+    return values, residual.index_fill_(0, idx, 0)
 
 
 # ----------------------------------------------------------------------- Top-k
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
+    """``k`` largest scores, ascending indices, ties to the lower index (as the reference).
+
+    With ``v`` the k-th largest score, the selection is every score above ``v`` and
+    the lowest-indexed ones equal to ``v``; when exactly ``k`` scores are ``>= v`` (no
+    tie is left out) that is their mask's indices, already ascending. On CPU, for
+    float32 and float64, ``v`` comes from numpy's ``partition`` (a selection, several
+    times faster there than ``torch.topk``); CUDA and other dtypes use ``torch.topk``.
+    A NaN ``v`` selects nothing, as in the reference (compressors reject NaN first).
+    """
     numel = scores.shape[0]
     k = min(k, numel)
-    values, indices = torch.topk(scores, k, sorted=False)
-    kth = values.min()
-    inside = torch.count_nonzero(values == kth)
-    ties = torch.nonzero(scores == kth).flatten()
-    if ties.shape[0] > int(inside):  # ties at the boundary: lowest indices win
-        above = torch.nonzero(scores > kth).flatten()
-        indices = torch.cat([above, ties[: k - above.shape[0]]])
-    return torch.sort(indices).values.to(index_dtype(numel))
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        kth = float(np.partition(scores.detach().numpy(), numel - k)[numel - k])
+    else:
+        kth = torch.topk(scores, k, sorted=False).values.min()
+    chosen = _flatnonzero(torch.ge(scores, kth, out=_empty(numel, torch.bool, scores.device)))
+    if chosen.shape[0] > k:  # ties at the boundary: lowest indices win
+        above = _flatnonzero(scores > kth)
+        ties = _flatnonzero(scores == kth)[: k - above.shape[0]]
+        chosen = torch.sort(torch.cat([above, ties])).values
+    return chosen.to(index_dtype(numel))
 
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    return topk_indices(a.abs(), k)
+    return topk_indices(torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)), k)
 
 
 # ------------------------------------------------------------------ Gaussian-k
@@ -203,11 +241,11 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
     above ``4k/3``).
     """
     k = num_selected(a.shape[0], ratio)
-    magnitude = a.abs()
+    magnitude = torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device))
     found = {}  # threshold -> (indices of |a_j| > threshold, or their mask; count)
 
     def count(threshold: float) -> int:
-        mask = magnitude > _rounded(threshold, a.dtype)
+        mask = torch.gt(magnitude, _rounded(threshold, a.dtype), out=_empty(a.shape[0], torch.bool, a.device))
         if mask.is_cuda:
             hits = torch.nonzero(mask).flatten()
             found[threshold] = (hits, hits.shape[0])
@@ -223,7 +261,7 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
         if threshold not in found:
             count(threshold)
         hits = found[threshold][0]
-        return torch.nonzero(hits).flatten() if hits.dtype == torch.bool else hits
+        return _flatnonzero(hits) if hits.dtype == torch.bool else hits
 
     selected = gaussiank_correct(
         count,
@@ -282,57 +320,85 @@ def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
     if bound == 0 or low == high:  # a constant tensor: clipping would erase it
         return g
     bound = _rounded(bound, g.dtype)
-    return g.clamp(-bound, bound)
+    return torch.clamp(g, -bound, bound, out=_empty(g.shape[0], g.dtype, g.device))
 
 
 def terngrad_scale(g: torch.Tensor) -> float:
-    return float(g.abs().max())
+    """``max|g| = max(-min g, max g)``: one pass, no ``|g|`` temporary; ``abs`` of the result
+    keeps it ``+0.0`` for an all-zero ``g`` and ``maximum`` propagates NaN, as ``g.abs().max()``."""
+    low, high = torch.aminmax(g)
+    return float(torch.maximum(-low, high).abs())
 
 
 def terngrad_codes(g: torch.Tensor, scale: float, uniform: torch.Tensor) -> torch.Tensor:
+    """``sign(g) * [u < |g| / S]`` in int8: ``sign(g) = [g > 0] - [g < 0]`` (booleans are 0/1
+    bytes, viewed as int8) times the keep mask, and ``|g| / S`` in one buffer, in place."""
+    numel, device = g.shape[0], g.device
     if scale == 0:
-        return torch.zeros(g.shape[0], dtype=torch.int8, device=g.device)
-    keep = uniform < g.abs() / _scalar(scale, g)
-    return (torch.sign(g).to(torch.int8) * keep).to(torch.int8)
+        return torch.zeros(numel, dtype=torch.int8, device=device)
+    ratio = torch.abs(g, out=_empty(numel, g.dtype, device)).div_(_scalar(scale, g))
+    keep = torch.lt(uniform, ratio, out=_empty(numel, torch.bool, device))
+    codes = torch.gt(g, 0, out=_empty(numel, torch.bool, device)).view(torch.int8)
+    codes -= torch.lt(g, 0, out=_empty(numel, torch.bool, device)).view(torch.int8)
+    return codes.mul_(keep)
 
 
 def _wrap_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2**32) (or any int64) to int32 modulo 2**32, two's complement."""
+    """int64 words to int32 modulo 2**32, two's complement."""
     return (torch.remainder(words + (_WORD >> 1), _WORD) - (_WORD >> 1)).to(torch.int32)
 
 
-def _pack_fields(fields: torch.Tensor, bits: int, per_word: int) -> torch.Tensor:
-    words = -(-fields.shape[0] // per_word)
-    padded = torch.zeros(words * per_word, dtype=torch.int64, device=fields.device)
-    padded[: fields.shape[0]] = fields
-    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=fields.device)
-    return (padded.view(words, per_word) << shifts).sum(dim=1)
+def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
+    """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``.
+
+    The fields are laid out transposed, field ``i`` of every word in row ``i``, in
+    the word's dtype, then combined by Horner's scheme from the last row,
+    ``w = (w << bits) | row``: the shift leaves the low ``bits`` bits zero and a
+    field is below ``2**bits``, so ``|`` is the reference's ``+`` (no carry). torch
+    shifts signed integers as unsigned, so a field reaching bit 31 of an int32 word
+    sets the sign bit, as the reference's cast to uint32 then view as int32.
+    """
+    numel = codes.shape[0]
+    words = -(-numel // per_word)
+    if words * per_word > numel:  # padding codes -1: fields 0
+        codes = torch.cat([codes, codes.new_full((words * per_word - numel,), -1)])
+    fields = _empty(words * per_word, word, codes.device).view(per_word, words)
+    torch.add(codes.reshape(words, per_word).t(), 1, out=fields)
+    packed = _empty(words, word, codes.device).copy_(fields[per_word - 1])
+    for i in range(per_word - 2, -1, -1):
+        packed.bitwise_left_shift_(bits).bitwise_or_(fields[i])
+    return packed
 
 
 def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) -> torch.Tensor:
-    shifts = bits * torch.arange(per_word, dtype=torch.int64, device=words.device)
-    fields = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return fields.flatten()[:numel]
+    """Field ``i`` of every word, ``(w >> bits * i) & (2**bits - 1)``, in order, in the words' dtype.
+
+    An arithmetic shift of a negative int32 word brings sign bits in above bit
+    ``31 - bits * i``, which the mask (``bits * (i + 1) <= 32``) drops.
+    """
+    shifts = bits * torch.arange(per_word, dtype=words.dtype, device=words.device)
+    fields = _empty(words.shape[0] * per_word, words.dtype, words.device).view(-1, per_word)
+    torch.bitwise_right_shift(words.unsqueeze(1), shifts, out=fields)
+    return fields.bitwise_and_((1 << bits) - 1).view(-1)[:numel]
 
 
 def pack_ternary(codes: torch.Tensor, world_size: int) -> torch.Tensor:
     bits = ternary_field_bits(world_size)
-    return _wrap_int32(_pack_fields(codes.to(torch.int64) + 1, bits, 32 // bits))
+    return _pack_fields(codes, bits, 32 // bits, torch.int32)
 
 
 def unpack_ternary_sum(lanes: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
     bits = ternary_field_bits(world_size)
-    words = lanes.to(torch.int64) & (_WORD - 1)
-    return (_unpack_fields(words, bits, 32 // bits, numel) - world_size).to(torch.int32)
+    return _unpack_fields(lanes.to(torch.int32), bits, 32 // bits, numel).sub_(world_size)
 
 
 def pack_two_bit(codes: torch.Tensor) -> torch.Tensor:
-    return _pack_fields(codes.to(torch.int64) + 1, 2, 4).to(torch.uint8).view(torch.int8)
+    return _pack_fields(codes, 2, 4, torch.uint8).view(torch.int8)
 
 
 def unpack_two_bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    words = packed.view(torch.uint8).to(torch.int64)
-    return (_unpack_fields(words, 2, 4, numel) - 1).to(torch.int8)
+    """Fields 0..2 as uint8 are the same bytes as int8: minus 1 in int8."""
+    return _unpack_fields(packed.view(torch.uint8), 2, 4, numel).view(torch.int8).sub_(1)
 
 
 def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
