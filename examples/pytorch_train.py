@@ -5,7 +5,8 @@
     mpirun -np 4 python examples/pytorch_train.py --compression regtopk --path mpi
 
 The data are synthetic 8x8 "digits": ten random smooth templates plus noise,
-generated from a fixed seed (no downloads); each rank trains on its own shard.
+generated from a fixed seed (no downloads; ``hvd_compress.bench.cnn.synthetic_digits``,
+the data of ``hvd-compress simulate cnn``); each rank trains on its own shard.
 ``--path stock`` hands our compressor to ``horovod.torch.DistributedOptimizer``;
 ``--path dropin`` uses ``hvd_compress.torch.DistributedOptimizer`` (fused buckets),
 ``--path mpi`` the same optimizer over mpi4py (``hvd_compress.mpi``, no Horovod).
@@ -22,15 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hvd_compress import Compression
-
-
-def synthetic_digits(n: int, seed: int = 0):
-    """``n`` noisy 1x8x8 images of ten smooth class templates, and their labels."""
-    generator = torch.Generator().manual_seed(seed)
-    templates = F.avg_pool2d(torch.randn(10, 1, 10, 10, generator=torch.Generator().manual_seed(1234)), 3, 1)
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    images = templates[labels] + 0.8 * torch.randn(n, 1, 8, 8, generator=generator)
-    return images, labels
+from hvd_compress.bench.cnn import synthetic_digits
 
 
 class Net(torch.nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from hvd_compress import Compression, __version__
 
@@ -66,6 +66,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wrote(folder: Optional[str], stem: str) -> int:
+    if folder:
+        print(f"Wrote {folder}/{stem}.json and {folder}/{stem}.png")
+    return 0
+
+
 def _simulate_linreg(args: argparse.Namespace) -> int:
     from hvd_compress.bench import linreg
 
@@ -83,14 +89,14 @@ def _simulate_linreg(args: argparse.Namespace) -> int:
     )
     final = {r["label"]: r["final_distance"] for r in results["final"]}
     print(f"  regtop-k / top-k = {final[f'regtop-k mu={args.mu:g}'] / final['top-k']:.3f}")
-    if args.plot:
-        print(f"Wrote {args.plot}/linreg.json and {args.plot}/linreg.png")
-    return 0
+    return _wrote(args.plot, "linreg")
 
 
-def _cnn_options(args: argparse.Namespace) -> dict:
-    """The options every CNN study shares."""
-    return dict(
+def _training(args: argparse.Namespace) -> Any:
+    """The training options every CNN study shares."""
+    from hvd_compress.bench.cnn import Training
+
+    return Training(
         ranks=args.ranks,
         epochs=args.epochs,
         batch_per_rank=args.batch_size,
@@ -98,35 +104,30 @@ def _cnn_options(args: argparse.Namespace) -> dict:
         train_size=args.train_size,
         test_size=args.test_size,
         seed=args.seed,
-        out=args.plot,
     )
 
 
 def _simulate_cnn(args: argparse.Namespace) -> int:
     from hvd_compress.bench import cnn
 
-    cnn.study(ratios=args.ratios, **_cnn_options(args))
-    if args.plot:
-        print(f"Wrote {args.plot}/cnn.json and {args.plot}/cnn.png")
-    return 0
+    cnn.study(ratios=args.ratios, training=_training(args), out=args.plot)
+    return _wrote(args.plot, "cnn")
 
 
 def _simulate_gaussian(args: argparse.Namespace) -> int:
     from hvd_compress.bench import gaussian
 
-    gaussian.study(ratio=args.ratio, layer=args.layer, snapshots=args.snapshots, **_cnn_options(args))
-    if args.plot:
-        print(f"Wrote {args.plot}/gaussian.json and {args.plot}/gaussian.png")
-    return 0
+    gaussian.study(
+        ratio=args.ratio, layer=args.layer, snapshots=args.snapshots, training=_training(args), out=args.plot
+    )
+    return _wrote(args.plot, "gaussian")
 
 
 def _simulate_terngrad(args: argparse.Namespace) -> int:
     from hvd_compress.bench import terngrad
 
-    terngrad.study(clip=args.clip, layer=args.layer, **_cnn_options(args))
-    if args.plot:
-        print(f"Wrote {args.plot}/terngrad.json and {args.plot}/terngrad.png")
-    return 0
+    terngrad.study(clip=args.clip, layer=args.layer, training=_training(args), out=args.plot)
+    return _wrote(args.plot, "terngrad")
 
 
 def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
@@ -140,6 +141,14 @@ def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
     parser.add_argument("--plot", metavar="DIR", help=f"write {study}.json and {study}.png here")
 
 
+def _widths(scale: float) -> str:
+    return "" if scale == 1 else f" (widths x {scale:g})"
+
+
+def _where(args: argparse.Namespace) -> str:
+    return "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
+
+
 def _bench_compress(args: argparse.Namespace) -> int:
     from hvd_compress.bench import compress
 
@@ -150,17 +159,15 @@ def _bench_compress(args: argparse.Namespace) -> int:
         f"median of {args.repeats}, device {args.device}"
     )
     compress.run(sizes=args.sizes, ratio=args.ratio, repeats=args.repeats, device=args.device, out=args.out)
-    print(f"Wrote {args.out}/compress.json and {args.out}/compress.png")
-    return 0
+    return _wrote(args.out, "compress")
 
 
 def _bench_wire(args: argparse.Namespace) -> int:
     from hvd_compress.bench import wire
 
     print(
-        f"Wire bytes: one simulated step of every compressor on ResNet-18-shaped gradients"
-        f"{'' if args.scale == 1 else f' (widths x {args.scale:g})'}, N = "
-        f"{', '.join(map(str, args.ranks))}, ratio {args.ratio}"
+        f"Wire bytes: one simulated step of every compressor on ResNet-18-shaped gradients{_widths(args.scale)}, "
+        f"N = {', '.join(map(str, args.ranks))}, ratio {args.ratio}"
     )
     wire.run(
         ranks=args.ranks,
@@ -170,8 +177,7 @@ def _bench_wire(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out,
     )
-    print(f"Wrote {args.out}/wire.json and {args.out}/wire.png")
-    return 0
+    return _wrote(args.out, "wire")
 
 
 def _rates(text: str) -> List[str]:
@@ -186,72 +192,66 @@ def _rates(text: str) -> List[str]:
     return rates
 
 
+def _on_ranks(run: Callable[..., Any], out: str, stem: str, **options: Any) -> int:
+    """Run a benchmark whose ranks are processes: one that failed or timed out is exit status 1."""
+    try:
+        run(out=out, **options)
+    except RuntimeError as error:
+        print(f"hvd-compress: {error}", file=sys.stderr)
+        return 1
+    return _wrote(out, stem)
+
+
 def _bench_step(args: argparse.Namespace) -> int:
     from hvd_compress.bench import step, wire
 
     names = args.compression or list(wire.COMPRESSORS)
-    where = "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
     print(
-        f"Step time: {args.ranks} ranks, ResNet-18-shaped gradients"
-        f"{'' if args.scale == 1 else f' (widths x {args.scale:g})'}, {', '.join(names)} at ratio {args.ratio}, "
-        f"{args.steps} steps, compute stand-in {args.compute_ms:g} ms; {where}"
+        f"Step time: {args.ranks} ranks, ResNet-18-shaped gradients{_widths(args.scale)}, "
+        f"{', '.join(names)} at ratio {args.ratio}, {args.steps} steps, "
+        f"compute stand-in {args.compute_ms:g} ms; {_where(args)}"
     )
-    try:
-        step.run(
-            ranks=args.ranks,
-            rates=[None] if args.link == "none" else args.rates,
-            ratio=args.ratio,
-            steps=args.steps,
-            warmup=args.warmup,
-            scale=args.scale,
-            compute_ms=args.compute_ms,
-            compressors=names,
-            delay=args.delay,
-            bucket_mb=args.bucket_mb,
-            seed=args.seed,
-            out=args.out,
-        )
-    except RuntimeError as error:  # a rank failed or timed out
-        print(f"hvd-compress: {error}", file=sys.stderr)
-        return 1
-    print(f"Wrote {args.out}/step.json and {args.out}/step.png")
-    return 0
+    return _on_ranks(
+        step.run,
+        args.out,
+        "step",
+        ranks=args.ranks,
+        rates=[None] if args.link == "none" else args.rates,
+        ratio=args.ratio,
+        steps=args.steps,
+        warmup=args.warmup,
+        scale=args.scale,
+        compute_ms=args.compute_ms,
+        compressors=names,
+        delay=args.delay,
+        bucket_mb=args.bucket_mb,
+        seed=args.seed,
+    )
 
 
 def _bench_scaling(args: argparse.Namespace) -> int:
     from hvd_compress.bench import scaling
 
     measure = args.measure != "none"
-    where = (
-        "model only"
-        if not measure
-        else (
-            "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
-        )
-    )
     print(
         f"Communication scaling: dense allreduce vs sparse allgather vs TernGrad, ratio {args.ratio}; "
-        f"{where}" + (f", measured at N = {', '.join(map(str, args.ranks))}" if measure else "")
+        + (f"{_where(args)}, measured at N = {', '.join(map(str, args.ranks))}" if measure else "model only")
     )
-    try:
-        scaling.run(
-            ranks=args.ranks,
-            rates=args.rates,
-            link=args.link,
-            measure=measure,
-            ratio=args.ratio,
-            scale=args.scale,
-            repeats=args.repeats,
-            delay=args.delay,
-            max_ranks=args.max_ranks,
-            seed=args.seed,
-            out=args.out,
-        )
-    except RuntimeError as error:  # a rank failed or timed out
-        print(f"hvd-compress: {error}", file=sys.stderr)
-        return 1
-    print(f"Wrote {args.out}/scaling.json and {args.out}/scaling.png")
-    return 0
+    return _on_ranks(
+        scaling.run,
+        args.out,
+        "scaling",
+        ranks=args.ranks,
+        rates=args.rates,
+        link=args.link,
+        measure=measure,
+        ratio=args.ratio,
+        scale=args.scale,
+        repeats=args.repeats,
+        delay=args.delay,
+        max_ranks=args.max_ranks,
+        seed=args.seed,
+    )
 
 
 def _ints(text: str) -> List[int]:
@@ -277,6 +277,47 @@ def _size(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
+def _add_ratio(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+
+
+def _add_width_scale(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
+    )
+
+
+def _add_link(parser: argparse.ArgumentParser, rates: str, none: str) -> None:
+    """``--rates`` (described as ``rates``) and ``--link`` (``none``: what ``--link none`` does)."""
+    parser.add_argument(
+        "--rates",
+        type=_rates,
+        default=["1gbit", "10gbit"],
+        help=f"{rates}, tc syntax (default 1gbit,10gbit)",
+    )
+    parser.add_argument(
+        "--link",
+        choices=("emulated", "none"),
+        default="emulated",
+        help=f"none: {none}",
+    )
+
+
+def _add_delay(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
+    )
+
+
+def _add_out(parser: argparse.ArgumentParser, stem: str, run: Callable[[argparse.Namespace], int]) -> None:
+    """``--out`` for ``<stem>.json`` and ``<stem>.png``, and the handler ``run``."""
+    parser.add_argument("--out", default="results", help=f"folder for {stem}.json and {stem}.png")
+    parser.set_defaults(run=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hvd-compress", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hvd_compress {__version__}")
@@ -285,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small model with every compressor on simulated ranks")
     demo.add_argument("--ranks", type=int, default=4)
     demo.add_argument("--epochs", type=int, default=5)
-    demo.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    _add_ratio(demo)
     demo.add_argument(
         "--compression", action="append", choices=Compression.names, help="repeatable; default all"
     )
@@ -335,22 +376,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=[[1_000_000, 11_700_000, 25_000_000]],
         help="gradient sizes in elements: 1M 11.7M 25M, 10000 or 1M,25M (default 1M 11.7M 25M)",
     )
-    compress.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    _add_ratio(compress)
     compress.add_argument("--repeats", type=int, default=5, help="timed encodes per measurement (median)")
     compress.add_argument(
         "--device", choices=("cpu", "cuda", "all"), default="all", help="all: cpu, and cuda when available"
     )
-    compress.add_argument("--out", default="results", help="folder for compress.json and compress.png")
-    compress.set_defaults(run=_bench_compress)
+    _add_out(compress, "compress", _bench_compress)
+
     wire = benchmarks.add_parser("wire", help="bytes per rank per step vs dense fp32, ResNet-18 shapes")
     wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")
-    wire.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
-    wire.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
-    )
+    _add_ratio(wire)
+    _add_width_scale(wire)
     wire.add_argument(
         "--dense-below",
         type=int,
@@ -358,36 +394,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="tensors below this many elements go dense (default 1024)",
     )
     wire.add_argument("--seed", type=int, default=0)
-    wire.add_argument("--out", default="results", help="folder for wire.json and wire.png")
-    wire.set_defaults(run=_bench_wire)
+    _add_out(wire, "wire", _bench_wire)
+
     step = benchmarks.add_parser(
         "step", help="training-step time, dense vs compressors, N ranks on emulated links"
     )
     step.add_argument("--ranks", type=int, default=4, help="processes, one per network namespace (default 4)")
-    step.add_argument(
-        "--rates",
-        type=_rates,
-        default=["1gbit", "10gbit"],
-        help="emulated link rates, tc syntax (default 1gbit,10gbit)",
+    _add_link(
+        step,
+        rates="emulated link rates",
+        none="plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)",
     )
-    step.add_argument(
-        "--link",
-        choices=("emulated", "none"),
-        default="emulated",
-        help="none: plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)",
-    )
-    step.add_argument(
-        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
-    )
-    step.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    _add_delay(step)
+    _add_ratio(step)
     step.add_argument("--steps", type=int, default=10, help="timed steps per compressor (median reported)")
     step.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    step.add_argument(
-        "--scale",
-        type=float,
-        default=1.0,
-        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
-    )
+    _add_width_scale(step)
     step.add_argument(
         "--compute-ms",
         type=float,
@@ -402,44 +424,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")
     step.add_argument("--seed", type=int, default=0)
-    step.add_argument("--out", default="results", help="folder for step.json and step.png")
-    step.set_defaults(run=_bench_step)
+    _add_out(step, "step", _bench_step)
+
     scaling = benchmarks.add_parser(
         "scaling", help="communication time vs N and bandwidth: model and measured points"
     )
     scaling.add_argument(
         "--ranks", type=_ints, default=[2, 4, 8], help="measured world sizes (default 2,4,8)"
     )
-    scaling.add_argument(
-        "--rates",
-        type=_rates,
-        default=["1gbit", "10gbit"],
-        help="link rates, tc syntax (default 1gbit,10gbit)",
-    )
-    scaling.add_argument(
-        "--link",
-        choices=("emulated", "none"),
-        default="emulated",
-        help="none: measure on localhost, no root needed",
-    )
+    _add_link(scaling, rates="link rates", none="measure on localhost, no root needed")
     scaling.add_argument(
         "--measure",
         choices=("collectives", "none"),
         default="collectives",
         help="none: the model alone, alpha = --delay (default: run the collectives)",
     )
-    scaling.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    _add_ratio(scaling)
     scaling.add_argument(
         "--scale", type=float, default=1.0, help="gradient size as ResNet-18 with widths x SCALE (1 = 11.7M)"
     )
     scaling.add_argument("--repeats", type=int, default=5, help="timed runs per collective (median reported)")
-    scaling.add_argument(
-        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
-    )
+    _add_delay(scaling)
     scaling.add_argument("--max-ranks", type=int, default=512, help="model curves up to this N (default 512)")
     scaling.add_argument("--seed", type=int, default=0)
-    scaling.add_argument("--out", default="results", help="folder for scaling.json and scaling.png")
-    scaling.set_defaults(run=_bench_scaling)
+    _add_out(scaling, "scaling", _bench_scaling)
     return parser
 
 

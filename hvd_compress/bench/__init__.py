@@ -25,3 +25,17 @@ def save(results: Dict[str, Any], out: Optional[str], stem: str, plot: Optional[
         json.dump(results, f, indent=2)
     if plot is not None:
         plot(results, path / f"{stem}.png")
+
+
+def publish(
+    results: Dict[str, Any],
+    out: Optional[str],
+    stem: str,
+    plot: Optional[Callable],
+    print_table: Callable,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """:func:`save` the results, then ``print_table(results, stdout)``; returns ``results``."""
+    save(results, out, stem, plot)
+    print_table(results, stdout)
+    return results

@@ -284,6 +284,20 @@ def run_workers(
         return results
 
 
+def run_workers_with_bar(
+    link: Link, world: int, module: str, config: Dict[str, Any], timeout: float, bar: Any
+) -> List[Dict[str, Any]]:
+    """:func:`run_workers` with rank 0's progress lines on ``bar`` (a tqdm-like bar), after the link's rate."""
+    label = format_rate(link.bits_per_second)
+    bar.set_postfix_str(f"{label}: starting {world} ranks")
+
+    def advance(text: str) -> None:
+        bar.set_postfix_str(f"{label} {text}")
+        bar.update()
+
+    return run_workers(link, world, module, config, timeout, on_progress=advance)
+
+
 def _wait(
     procs: List[subprocess.Popen],
     lines: "queue.Queue[str]",
@@ -363,6 +377,15 @@ def write_result(config: Dict[str, Any], result: Dict[str, Any]) -> None:
         json.dump(result, f)
 
 
+def finish_worker(config: Dict[str, Any], result: Dict[str, Any]) -> None:
+    """Leave the process group once every rank is done, and write ``result`` with this rank's number."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    write_result(config, {"rank": config["rank"], **result})
+
+
 def tx_bytes(ifname: str) -> Optional[int]:
     """Bytes ``ifname`` has sent, from this process's network namespace (/proc/net/dev)."""
     try:
@@ -381,6 +404,7 @@ __all__ = [
     "Link",
     "link",
     "run_workers",
+    "run_workers_with_bar",
     "emulation_problem",
     "parse_rate",
     "parse_delay",
@@ -389,5 +413,6 @@ __all__ = [
     "init_gloo",
     "progress",
     "write_result",
+    "finish_worker",
     "tx_bytes",
 ]

@@ -5,7 +5,8 @@
 (:mod:`hvd_compress.bench.terngrad`) all train :func:`make_net` with :func:`train`.
 
 Data: synthetic 1x8x8 "digits" (ten smooth random templates plus Gaussian
-noise, as in ``examples/pytorch_train.py``), generated from a seed, no download.
+noise, :func:`synthetic_digits`, also the data of ``examples/pytorch_train.py``),
+generated from a seed, no download.
 Each step, every one of N simulated ranks computes the gradient of its own
 shard of the global batch; the gradients go through
 :class:`~hvd_compress.simulator.Simulator` (every rank encodes, payloads are
@@ -23,8 +24,8 @@ requested ratio, markedly so at 0.1%.
 
 from __future__ import annotations
 
+import functools
 import contextlib
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import save
+from hvd_compress.bench import publish, single_threaded_blas
+from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
@@ -323,8 +325,6 @@ def one_thread():
     """Torch and BLAS on one thread: the simulated ranks run many small operations, where threads contend."""
     import torch
 
-    from hvd_compress.bench import single_threaded_blas
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -349,8 +349,6 @@ def run_all(
 
     ``probes`` maps labels to the :class:`Probe` of that run; ``options`` go to :func:`train`.
     """
-    from hvd_compress.bench.wire import progress_bar
-
     per_epoch = len(data.train_y) // (ranks * batch_per_rank)
     bar = progress_bar(len(runs) * epochs * per_epoch, desc, "step", progress)
     shape = dict(ranks=ranks, epochs=epochs, batch_per_rank=batch_per_rank)
@@ -382,6 +380,62 @@ def settings(data: ImageData, **options: Any) -> Dict[str, Any]:
 
 
 # --------------------------------------------------------------------- study
+@dataclass(frozen=True)
+class Training:
+    """What the CNN studies share: SGD of :func:`make_net` on ``ranks`` simulated ranks for ``epochs``
+    epochs of ``train_size`` synthetic images (``ranks * batch_per_rank`` per step), ``test_size`` test
+    images, step size ``lr``, everything seeded by ``seed``."""
+
+    ranks: int = 4
+    epochs: int = EPOCHS
+    batch_per_rank: int = 32
+    lr: float = 0.05
+    train_size: int = 8192
+    test_size: int = 2048
+    seed: int = 0
+
+    def options(self) -> Dict[str, Any]:
+        """The keywords of :func:`train`, also written to the JSON settings."""
+        return dict(
+            ranks=self.ranks,
+            epochs=self.epochs,
+            batch_per_rank=self.batch_per_rank,
+            lr=self.lr,
+            seed=self.seed,
+        )
+
+    @property
+    def steps(self) -> int:
+        """Steps of one run: ``epochs * floor(train_size / (ranks * batch_per_rank))``."""
+        return self.epochs * (self.train_size // (self.ranks * self.batch_per_rank))
+
+
+def run_study(
+    study: str,
+    runs: Sequence[Tuple[str, Compressor]],
+    training: Training,
+    progress: bool = True,
+    probes: Optional[Dict[str, Probe]] = None,
+    **settings_: Any,
+) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """:func:`run_all` for ``simulate <study>`` on the synthetic data of ``training``.
+
+    Returns the results' head (``study``, ``machine``, ``settings``: :func:`settings` with
+    ``settings_`` first, ``wall_seconds``) and ``{label: result}``.
+    """
+    data = ImageData.synthetic(training.train_size, training.test_size, training.seed)
+    options = training.options()
+    started = time.perf_counter()
+    trained = run_all(runs, data, f"simulate {study}", progress=progress, probes=probes, **options)
+    head = {
+        "study": study,
+        "machine": describe_machine(),
+        "settings": settings(data, **settings_, **options),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    return head, trained
+
+
 def label(name: str, ratio: Optional[float] = None) -> str:
     """``top-k 1%``, ``dense``, ``terngrad``."""
     base = LABELS.get(name, name)
@@ -389,14 +443,8 @@ def label(name: str, ratio: Optional[float] = None) -> str:
 
 
 def study(
-    ranks: int = 4,
     ratios: Sequence[float] = DEFAULT_RATIOS,
-    epochs: int = EPOCHS,
-    batch_per_rank: int = 32,
-    lr: float = 0.05,
-    train_size: int = 8192,
-    test_size: int = 2048,
-    seed: int = 0,
+    training: Training = Training(),
     out: Optional[str] = None,
     progress: bool = True,
     plot: bool = True,
@@ -407,61 +455,43 @@ def study(
     Writes ``cnn.json`` and ``cnn.png`` (loss and accuracy curves) to ``out``
     when given, prints the table; returns the results.
     """
-    from hvd_compress.bench.compress import _require
-    from hvd_compress.bench.wire import describe_machine
-
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    _require("torch", "torch")
+    require_packages(torch=True, plots=plot and out is not None)
     ratios = [float(r) for r in dict.fromkeys(ratios)]
     runs: List[Tuple[str, Compressor]] = [(label("none"), Compression.none)]
     for ratio in ratios:
         runs += [(label(name, ratio), Compression.by_name(name, ratio)) for name in SPARSE]
     runs.append((label("terngrad"), Compression.terngrad()))
-    data = ImageData.synthetic(train_size, test_size, seed)
-    options = dict(ranks=ranks, epochs=epochs, batch_per_rank=batch_per_rank, lr=lr, seed=seed)
-    started = time.perf_counter()
-    trained = run_all(runs, data, "simulate cnn", progress=progress, **options)
-    rows = []
-    for (name, compressor), (run_label, result) in zip(runs, trained.items()):
-        rows.append({"label": run_label, "ratio": getattr(compressor, "ratio", None), **result})
-    results = {
-        "study": "cnn",
-        "machine": describe_machine(),
-        "settings": settings(data, ratios=ratios, **options),
-        "wall_seconds": time.perf_counter() - started,
-        "runs": rows,
-    }
-    save(results, out, "cnn", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    head, trained = run_study("cnn", runs, training, progress, ratios=ratios)
+    rows = [
+        {"label": run_label, "ratio": getattr(compressor, "ratio", None), **trained[run_label]}
+        for run_label, compressor in runs
+    ]
+    return publish({**head, "runs": rows}, out, "cnn", write_plot if plot else None, print_table, stdout)
+
+
+def describe_training(s: Dict[str, Any]) -> str:
+    """``4 simulated ranks, 5 epochs, batch 32 per rank, lr 0.05`` from a study's settings."""
+    return f"{s['ranks']} simulated ranks, {s['epochs']} epochs, batch {s['batch_per_rank']} per rank, lr {s['lr']}"
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
-    print(
-        f"Small CNN on synthetic 8x8 digits: {s['ranks']} simulated ranks, {s['epochs']} epochs, "
-        f"batch {s['batch_per_rank']} per rank, lr {s['lr']}",
-        file=stdout,
-    )
-    print(
+    say(f"Small CNN on synthetic 8x8 digits: {describe_training(s)}")
+    say(
         f"\n  {'run':<16} {'test acc':>8} {'test loss':>9} {'train loss':>10} {'bytes/step':>11} "
-        f"{'vs dense':>9} {'traffic':>8} {'density':>8}",
-        file=stdout,
+        f"{'vs dense':>9} {'traffic':>8} {'density':>8}"
     )
     for r in results["runs"]:
         density = "" if r["density"] is None else f"{r['density']:.4f}"
-        print(
+        say(
             f"  {r['label']:<16} {r['final_test_accuracy']:>8.3f} {r['final_test_loss']:>9.4f} "
             f"{r['final_train_loss']:>10.4f} {r['bytes_per_step']:>11,.0f} {r['bytes_vs_dense']:>8.4f}x "
-            f"{r['traffic_vs_dense']:>7.4f}x {density:>8}",
-            file=stdout,
+            f"{r['traffic_vs_dense']:>7.4f}x {density:>8}"
         )
-    print(
+    say(
         "\n  train loss: mean over the last epoch; vs dense / traffic: payload bytes and ring traffic "
-        "per rank against dense fp32; density: entries sent / entries",
-        file=stdout,
+        "per rank against dense fp32; density: entries sent / entries"
     )
 
 
@@ -506,18 +536,11 @@ def plot_curves(axes: Sequence[Any], runs: Sequence[Dict[str, Any]], style: Call
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.6))
     plot_curves(axes, results["runs"])
     s = results["settings"]
     fig.suptitle(
         f"Small CNN, synthetic 8x8 digits, {s['ranks']} simulated ranks, {s['epochs']} epochs "
         "(solid: density 1% or dense, dashed: 0.1%)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

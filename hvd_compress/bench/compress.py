@@ -17,21 +17,19 @@ are printed next to the measured numbers.
 
 from __future__ import annotations
 
-import os
-import platform
+import functools
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hvd_compress import __version__
+from hvd_compress.bench import publish
+from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
-from hvd_compress.bench import save
 from hvd_compress.compressors.reference import num_selected
 
 #: Default gradient sizes (elements): a ResNet-50-scale layer bucket up to a whole model.
@@ -79,76 +77,6 @@ def format_size(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.4g}{unit}"
     return str(size)
-
-
-# ---------------------------------------------------------------- dependencies
-def _require(module: str, extra: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"hvd-compress bench compress needs {module} ({error}); "
-            f"install it with: pip install 'hvd_compress[{extra}]'"
-        ) from error
-
-
-def _progress(total: int, enabled: bool):
-    """A tqdm bar on stderr, or plain lines on stderr when tqdm is not installed."""
-    if not enabled:
-        return _Lines(total, echo=False)
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _Lines(total, echo=True)
-    return tqdm(total=total, desc="bench compress", unit="meas", file=sys.stderr, leave=False)
-
-
-class _Lines:
-    """The bits of tqdm's interface used here, as one line per measurement."""
-
-    def __init__(self, total: int, echo: bool) -> None:
-        self.total, self.n, self.echo = total, 0, echo
-
-    def set_postfix_str(self, text: str) -> None:
-        self.text = text
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.echo:
-            print(f"bench compress [{self.n}/{self.total}] {getattr(self, 'text', '')}", file=sys.stderr)
-
-    def close(self) -> None:
-        pass
-
-
-# ------------------------------------------------------------------- machine
-def machine(torch: Any, devices: Sequence[str]) -> Dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu_name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = {
-        "cpu_count": os.cpu_count(),
-        "cpu": cpu_name,
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "numpy_version": np.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "hvd_compress_version": __version__,
-        "devices": {"cpu": cpu_name},
-        # other processes skew timings on small machines; ratios to same-run baselines only partly cancel it
-        "load_average_1_5_15min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-    if "cuda" in devices:
-        info["devices"]["cuda"] = torch.cuda.get_device_name()
-        info["cuda_version"] = torch.version.cuda
-    return info
 
 
 # ------------------------------------------------------------------- workload
@@ -279,10 +207,9 @@ def run(
     """Measure, write ``compress.json`` and ``compress.png`` to ``out``, print the table; returns the results."""
     from hvd_compress.compressors.base import check_ratio
 
-    torch = _require("torch", "torch")
+    torch = require("torch", "torch")
     if plot and out is not None:
-        _require("matplotlib", "bench")
-    stdout = stdout or sys.stdout
+        require("matplotlib", "bench")
     ratio = check_ratio(ratio)
     sizes = sorted({int(s) for s in sizes})
     if not sizes or sizes[0] < 1:
@@ -301,7 +228,7 @@ def run(
     names = list(COMPRESSORS)
     per_section = 2 + len(names)
     total = per_section * (len(devices) * len(sizes) + (1 if numpy_section else 0))
-    bar = _progress(total, progress)
+    bar = progress_bar(total, "bench compress", "meas", progress)
     baselines: List[Dict[str, Any]] = []
     rows: List[Dict[str, Any]] = []
     started = time.perf_counter()
@@ -364,9 +291,7 @@ def run(
         "rows": rows,
         "targets": targets(rows),
     }
-    save(results, out, "compress", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    return publish(results, out, "compress", write_plot if plot else None, print_table, stdout)
 
 
 def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -399,71 +324,56 @@ def _section_title(backend: str, device: str) -> str:
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     m = results["machine"]
-    print(
+    say(
         f"Compression cost, ratio {results['settings']['ratio']:g}, median of "
         f"{results['settings']['repeats']}; {m['cpu_count']} CPUs ({m['torch_threads']} torch threads), "
-        f"torch {m['torch_version']}" + (f", {m['devices']['cuda']}" if "cuda" in m["devices"] else ""),
-        file=stdout,
+        f"torch {m['torch_version']}" + (f", {m['devices']['cuda']}" if "cuda" in m["devices"] else "")
     )
     sections: Dict[tuple, List[Dict[str, Any]]] = {}
     for row in results["rows"]:
         sections.setdefault((row["backend"], row["device"]), []).append(row)
     base = {(b["backend"], b["device"], b["size"]): b for b in results["baselines"]}
     for (backend, device), rows in sections.items():
-        print(f"\n{_section_title(backend, device)}", file=stdout)
-        print(
+        say(f"\n{_section_title(backend, device)}")
+        say(
             f"  {'size':>6} {'compressor':<10} {'ms':>9} {'/topk':>7} {'/pass':>7} {'/Top-k':>7} "
-            f"{'density':>8} {'bytes/dense':>11}",
-            file=stdout,
+            f"{'density':>8} {'bytes/dense':>11}"
         )
         for size in sorted({r["size"] for r in rows}):
             b = base[(backend, device, size)]
-            print(
+            say(
                 f"  {format_size(size):>6} {'baselines':<10} topk {1e3 * b['topk_s']:.2f} ms, "
-                f"one pass {1e3 * b['pass_s']:.2f} ms (k={b['k']})",
-                file=stdout,
+                f"one pass {1e3 * b['pass_s']:.2f} ms (k={b['k']})"
             )
             for r in (r for r in rows if r["size"] == size):
-                print(
+                say(
                     f"  {format_size(size):>6} {r['compressor']:<10} {1e3 * r['seconds']:>9.2f} "
                     f"{r['vs_topk']:>6.2f}x {r['vs_pass']:>6.1f}x {r['vs_topk_compressor']:>6.2f}x "
-                    f"{r['density']:>8.4f} {r['bytes_vs_dense']:>11.4f}",
-                    file=stdout,
+                    f"{r['density']:>8.4f} {r['bytes_vs_dense']:>11.4f}"
                 )
     if results["targets"]:
-        print("\nTargets (DESIGN.md section 6; measured, not asserted):", file=stdout)
+        say("\nTargets (DESIGN.md section 6; measured, not asserted):")
         for t in results["targets"]:
-            print(
+            say(
                 f"  {t['device']:<4} {format_size(t['size']):>6} {t['compressor']:<9} vs {t['against']:<10} "
-                f"{t['measured']:>6.2f}x  target <= {t['target']:g}x  {'ok' if t['met'] else 'MISSED'}",
-                file=stdout,
+                f"{t['measured']:>6.2f}x  target <= {t['target']:g}x  {'ok' if t['met'] else 'MISSED'}"
             )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """Bar chart of time / baseline top-k per compressor and size, one panel per device."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sections: Dict[tuple, List[Dict[str, Any]]] = {}
     for row in results["rows"]:
         sections.setdefault((row["backend"], row["device"]), []).append(row)
     fig, axes = plt.subplots(1, len(sections), figsize=(5.5 * len(sections), 4.2), squeeze=False, sharey=True)
     for ax, ((backend, device), rows) in zip(axes[0], sections.items()):
         names = list(dict.fromkeys(r["compressor"] for r in rows))
-        sizes = sorted({r["size"] for r in rows})
-        width = 0.8 / len(sizes)
         by_key = {(r["compressor"], r["size"]): r["vs_topk"] for r in rows}
-        for i, size in enumerate(sizes):
-            xs = [j + (i - (len(sizes) - 1) / 2) * width for j in range(len(names))]
-            ax.bar(xs, [by_key[(n, size)] for n in names], width, label=format_size(size))
-        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-        ax.set_xticks(range(len(names)), names)
-        ax.set_yscale("log")
+        sizes = sorted({r["size"] for r in rows})
+        ratio_bars(ax, names, [(format_size(size), [by_key[(n, size)] for n in names]) for size in sizes])
         ax.set_title("numpy reference (spec)" if backend == NUMPY else f"torch {device}")
         ax.legend(title="elements", fontsize="small")
         ax.grid(axis="y", which="both", alpha=0.3)
@@ -471,9 +381,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"Compression cost vs top-k baseline (ratio {results['settings']['ratio']:g}; 1.0 = baseline)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 __all__ = ["run", "parse_size", "format_size", "gradient", "DEFAULT_SIZES", "COMPRESSORS", "TARGETS"]

@@ -26,15 +26,15 @@ on N simulated ranks and records, from outside the compressor:
 
 from __future__ import annotations
 
-import sys
-import time
+import functools
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.bench import cnn, save
+from hvd_compress.bench import cnn, publish
+from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import GaussianK
 from hvd_compress.compressors.reference import GAUSSIANK_HIGH, GAUSSIANK_LOW
 
@@ -142,125 +142,82 @@ def summarize(counts: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def study(
-    ranks: int = 4,
     ratio: float = 0.01,
-    epochs: int = cnn.EPOCHS,
-    batch_per_rank: int = 32,
-    lr: float = 0.05,
     layer: str = "fc1.weight",
     snapshots: int = 4,
-    train_size: int = 8192,
-    test_size: int = 2048,
-    seed: int = 0,
+    training: cnn.Training = cnn.Training(),
     out: Optional[str] = None,
     progress: bool = True,
     plot: bool = True,
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Train with Gaussian-k, record histograms and counts; writes ``gaussian.json`` / ``gaussian.png``."""
-    from hvd_compress.bench.compress import _require
-    from hvd_compress.bench.wire import describe_machine
-
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    _require("torch", "torch")
+    require_packages(torch=True, plots=plot and out is not None)
     compressor = GaussianK(ratio)
-    data = cnn.ImageData.synthetic(train_size, test_size, seed)
-    total = epochs * (len(data.train_y) // (ranks * batch_per_rank))
-    steps = sorted(set(np.linspace(0, max(0, total - 1), max(1, snapshots)).round().astype(int).tolist()))
+    steps = np.linspace(0, max(0, training.steps - 1), max(1, snapshots)).round().astype(int).tolist()
+    steps = sorted(set(steps))
     probe = GaussianProbe(compressor.ratio, layer, steps)
     run_label = cnn.label("gaussiank", compressor.ratio)
-    options = dict(ranks=ranks, epochs=epochs, batch_per_rank=batch_per_rank, lr=lr, seed=seed)
-    started = time.perf_counter()
-    trained = cnn.run_all(
+    head, trained = cnn.run_study(
+        "gaussian",
         [(run_label, compressor)],
-        data,
-        "simulate gaussian",
-        progress=progress,
+        training,
+        progress,
         probes={run_label: probe},
-        **options,
-    )[run_label]
+        ratio=compressor.ratio,
+        layer=layer,
+        snapshot_steps=[s + 1 for s in steps],
+        correction=f"|S| in [{GAUSSIANK_LOW:.3g} k, {GAUSSIANK_HIGH:.3g} k] accepted, at most 3 thresholds",
+        a="error-compensated gradient g + r of rank 0, before this step's selection",
+    )
+    kept = ("final_test_accuracy", "final_test_loss", "final_train_loss", "density", "bytes_vs_dense")
     results = {
-        "study": "gaussian",
-        "machine": describe_machine(),
-        "settings": cnn.settings(
-            data,
-            ratio=compressor.ratio,
-            layer=layer,
-            snapshot_steps=[s + 1 for s in steps],
-            correction=f"|S| in [{GAUSSIANK_LOW:.3g} k, {GAUSSIANK_HIGH:.3g} k] accepted, at most 3 thresholds",
-            a="error-compensated gradient g + r of rank 0, before this step's selection",
-            **options,
-        ),
-        "wall_seconds": time.perf_counter() - started,
-        "training": {
-            key: trained[key]
-            for key in (
-                "final_test_accuracy",
-                "final_test_loss",
-                "final_train_loss",
-                "density",
-                "bytes_vs_dense",
-            )
-        },
+        **head,
+        "training": {key: trained[run_label][key] for key in kept},
         "snapshots": probe.snapshots,
         "layers": summarize(probe.counts),
         "counts": probe.counts,
     }
-    save(results, out, "gaussian", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    return publish(results, out, "gaussian", write_plot if plot else None, print_table, stdout)
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
     t = results["training"]
-    print(
+    say(
         f"Gaussian-k {s['ratio'] * 100:g}% on the small CNN, {s['ranks']} simulated ranks, {s['epochs']} "
-        f"epochs: test accuracy {t['final_test_accuracy']:.3f}, achieved density {t['density']:.4f}",
-        file=stdout,
+        f"epochs: test accuracy {t['final_test_accuracy']:.3f}, achieved density {t['density']:.4f}"
     )
-    print(f"\n  a = g + r of {s['layer']} (rank 0) against its fitted Gaussian:", file=stdout)
-    print(
+    say(f"\n  a = g + r of {s['layer']} (rank 0) against its fitted Gaussian:")
+    say(
         f"  {'step':>5} {'mean':>10} {'std':>10} {'kurtosis':>9} {'max|a|/std':>10} "
-        f"{'beyond thr':>10} {'Gaussian':>9}",
-        file=stdout,
+        f"{'beyond thr':>10} {'Gaussian':>9}"
     )
     for snap in results["snapshots"]:
-        print(
+        say(
             f"  {snap['step']:>5} {snap['mean']:>10.2e} {snap['std']:>10.2e} {snap['excess_kurtosis']:>9.2f} "
             f"{snap['max_abs_over_std']:>10.1f} {snap['beyond_threshold']:>10.4f} "
-            f"{snap['gaussian_beyond_threshold']:>9.4f}",
-            file=stdout,
+            f"{snap['gaussian_beyond_threshold']:>9.4f}"
         )
-    print(
-        "\n  selected count |S| / k over all steps and ranks (first guess: the Gaussian threshold alone):",
-        file=stdout,
-    )
-    print(
+    say("\n  selected count |S| / k over all steps and ranks (first guess: the Gaussian threshold alone):")
+    say(
         f"  {'layer':<12} {'numel':>6} {'k':>4} {'|S|/k median':>12} {'min':>5} {'max':>5} "
-        f"{'in [2k/3,4k/3]':>14} {'= k':>6} {'first guess':>11} {'min':>5} {'max':>5} {'in range':>8}",
-        file=stdout,
+        f"{'in [2k/3,4k/3]':>14} {'= k':>6} {'first guess':>11} {'min':>5} {'max':>5} {'in range':>8}"
     )
     for r in results["layers"]:
-        print(
+        say(
             f"  {r['name']:<12} {r['numel']:>6} {r['k']:>4} {r['selected_over_k_median']:>12.3f} "
             f"{r['selected_over_k_min']:>5.2f} {r['selected_over_k_max']:>5.2f} "
             f"{r['selected_within_2k3_4k3']:>14.1%} {r['selected_exactly_k']:>6.1%} "
             f"{r['first_guess_over_k_median']:>11.3f} {r['first_guess_over_k_min']:>5.2f} "
-            f"{r['first_guess_over_k_max']:>5.2f} {r['first_guess_within_2k3_4k3']:>8.1%}",
-            file=stdout,
+            f"{r['first_guess_over_k_max']:>5.2f} {r['first_guess_within_2k3_4k3']:>8.1%}"
         )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """Top: histograms of ``a`` with the fitted Gaussian (log scale); bottom: ``|S| / k`` per layer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     snaps = results["snapshots"]
     columns = max(1, len(snaps))
     fig = plt.figure(figsize=(3.6 * max(columns, 3), 8))
@@ -312,6 +269,4 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     ax.legend(fontsize="x-small", ncol=2)
     s = results["settings"]
     fig.suptitle(f"Gaussian-k {s['ratio'] * 100:g}%, small CNN, {s['ranks']} simulated ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

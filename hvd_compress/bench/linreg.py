@@ -11,7 +11,7 @@ distance from ``x*``; RegTop-k keeps approaching it.
 
 from __future__ import annotations
 
-import sys
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from hvd_compress.bench import publish, single_threaded_blas
+from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compressor
-from hvd_compress.bench import save
 from hvd_compress.simulator import Simulator
 
 
@@ -149,19 +150,14 @@ def study(
     Writes ``linreg.json`` (curves subsampled) and ``linreg.png`` (log scale) to
     ``out`` when given and prints the table; returns the results.
     """
-    from hvd_compress.bench import single_threaded_blas
-    from hvd_compress.bench.compress import _require
-    from hvd_compress.bench.wire import describe_machine, progress_bar
     from hvd_compress.compressors import NoneCompressor, RegTopK, TopK
 
-    if plot and out is not None:
-        _require("matplotlib", "bench")
+    require_packages(torch=False, plots=plot and out is not None)
     if int(steps) < 1:
         raise ValueError(f"hvd_compress: steps must be at least 1, got {steps}")
     if int(instances) < 1:
         raise ValueError(f"hvd_compress: instances must be at least 1, got {instances}")
     steps, instances = int(steps), int(instances)
-    stdout = stdout or sys.stdout
     # (label, compressor, mu, revert); every compressor is built (and checked) before any run
     runs = [
         ("dense", NoneCompressor(), None, False),
@@ -263,42 +259,34 @@ def study(
         "instances": by_instance,
         "curves": {label: subsample(d) for label, d in curves.items()},
     }
-    save(results, out, "linreg", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    return publish(results, out, "linreg", write_plot if plot else None, print_table, stdout)
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
-    print(
+    say(
         f"Distributed linear regression: {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, "
-        f"lr {s['lr']}, {s['steps']} steps; final = {s['final']}",
-        file=stdout,
+        f"lr {s['lr']}, {s['steps']} steps; final = {s['final']}"
     )
-    print(f"\n  {'run':<26} {'final':>10} {'last step':>10} {'/ top-k':>8}", file=stdout)
+    say(f"\n  {'run':<26} {'final':>10} {'last step':>10} {'/ top-k':>8}")
     for r in results["final"]:
         ratio = "" if r["vs_topk"] is None else f"{r['vs_topk']:>7.3f}x"
         reverted = "" if r.get("reverted_steps") is None else f"  ({r['reverted_steps']} steps reverted)"
-        print(
-            f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}{reverted}",
-            file=stdout,
+        say(
+            f"  {r['label']:<26} {r['final_distance']:>10.3e} {r['last_distance']:>10.3e} {ratio:>8}{reverted}"
         )
     instances = results.get("instances", [])
     if len(instances) > 1:
         label = next(key for key in instances[0] if key.startswith("regtop-k"))
-        print(f"\n  {len(instances)} problem instances: {label} / top-k final distance", file=stdout)
+        say(f"\n  {len(instances)} problem instances: {label} / top-k final distance")
         for row in instances:
-            print(
+            say(
                 f"  seed {row['seed']:<4} top-k {row['top-k']:.3e}  {label} {row[label]:.3e}  "
-                f"{row['vs_topk']:.3f}x",
-                file=stdout,
+                f"{row['vs_topk']:.3f}x"
             )
         ratios = [row["vs_topk"] for row in instances if row["vs_topk"] is not None]
-        print(
-            f"  median {np.median(ratios):.3f}x, min {min(ratios):.3f}x, max {max(ratios):.3f}x",
-            file=stdout,
-        )
+        say(f"  median {np.median(ratios):.3f}x, min {min(ratios):.3f}x, max {max(ratios):.3f}x")
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
@@ -306,11 +294,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
 
     With several problem instances, a third panel shows RegTop-k's final distance over Top-k's per instance.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     instances = results.get("instances", [])
     panels = 3 if len(instances) > 1 else 2
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8))
@@ -355,6 +339,4 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
         axes[2].legend(fontsize="small")
     s = results["settings"]
     fig.suptitle(f"Linear regression, {s['ranks']} ranks, d={s['dim']}, density {s['ratio']}, lr {s['lr']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -45,8 +45,8 @@ curves and measured points per link) and tables.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 import statistics
 import sys
 import time
@@ -55,9 +55,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import cluster, save
-from hvd_compress.bench.compress import _require, format_size
-from hvd_compress.bench.wire import describe_machine, numel, progress_bar, resnet18_shapes
+from hvd_compress.bench import cluster, publish, report
+from hvd_compress.bench.compress import format_size
+from hvd_compress.bench.wire import numel, resnet18_shapes
 from hvd_compress.compressors import TopK
 from hvd_compress.compressors.base import check_ratio
 from hvd_compress.compressors.reference import num_selected, ternary_lanes, ternary_wire_format, two_bit_bytes
@@ -218,9 +218,7 @@ def worker(config: Dict[str, Any]) -> None:
             times.append(time.perf_counter() - started)
         timings[name] = times
         cluster.progress(f"N={comm.size} {name}")
-    dist.barrier()
-    dist.destroy_process_group()
-    cluster.write_result(config, {"rank": config["rank"], "seconds": timings})
+    cluster.finish_worker(config, {"seconds": timings})
 
 
 # ==================================================================== driver
@@ -318,17 +316,13 @@ def run(
     ``link="none"`` measures on localhost (one unshaped link, ``rates`` unused
     except by a model-only run).
     """
-    if measure:
-        _require("torch", "torch")
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    stdout = stdout or sys.stdout
+    report.require_packages(torch=measure, plots=plot and out is not None)
     ratio = check_ratio(ratio)
     ranks, rates, max_ranks, repeats = _check(ranks, rates, link, measure, repeats, delay, max_ranks)
     d = sum(numel(s) for _, s in resnet18_shapes(scale))
     settings = _settings(ranks, rates, link, measure, ratio, scale, repeats, delay, max_ranks, seed, d)
     plan: List[Optional[str]] = list(rates) if link == "emulated" or not measure else [None]
-    bar = progress_bar(
+    bar = report.progress_bar(
         len(plan) * len(ranks) * len(COLLECTIVES) if measure else 1, "bench scaling", "meas", progress
     )
     links: List[Dict[str, Any]] = []
@@ -348,7 +342,7 @@ def run(
         bar.close()
     results = {
         "benchmark": "scaling",
-        "machine": describe_machine(),
+        "machine": report.describe_machine(),
         "settings": settings,
         "wall_seconds": time.perf_counter() - started,
         "library_rule": {
@@ -357,9 +351,7 @@ def run(
         },
         "links": links,
     }
-    save(results, out, "scaling", write_plot if plot else None)
-    print_tables(results, stdout)
-    return results
+    return publish(results, out, "scaling", write_plot if plot else None, print_tables, stdout)
 
 
 def _measure(rate, ranks, delay, d, ratio, repeats, seed, bar) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
@@ -367,16 +359,9 @@ def _measure(rate, ranks, delay, d, ratio, repeats, seed, bar) -> Tuple[Dict[str
     points: List[Dict[str, Any]] = []
     config = {"numel": d, "ratio": ratio, "repeats": repeats, "seed": seed}
     with cluster.link(max(ranks), rate, delay) as lk:
-        label = cluster.format_rate(lk.bits_per_second)
         for n in ranks:
-            bar.set_postfix_str(f"{label}: starting {n} ranks")
-
-            def advance(text: str, label: str = label) -> None:
-                bar.set_postfix_str(f"{label} {text}")
-                bar.update()
-
             timeout = 300 + 60 * n * repeats * max(1.0, d / 1e7)
-            results = cluster.run_workers(lk, n, MODULE, config, timeout, on_progress=advance)
+            results = cluster.run_workers_with_bar(lk, n, MODULE, config, timeout, bar)
             points.extend(_points(n, results, d, ratio))
         return lk.describe(), points
 
@@ -420,7 +405,7 @@ def _settings(
         + ", one fused fp32 buffer",
         "transport": "TorchDistCommunicator over torch.distributed gloo (the library's communicator)",
         "statistic": "per repeat the slowest rank; median over repeats",
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": report.load_average(),
         "model": {
             "dense": "2(N-1) alpha + 2(N-1)/N * 4d / B",
             "sparse": "(N-1) alpha + (N-1) * 8k / B   (two concurrent allgathers: k int32 + k fp32)",
@@ -451,63 +436,57 @@ def _describe_model(key: str, m: Dict[str, Any]) -> str:
 
 
 def print_tables(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
-    print(
+    say(
         f"Communication time vs N: d = {format_size(s['numel'])} fp32, ratio {s['ratio']:g} (k = {s['k']}); "
-        f"{s['transport']}",
-        file=stdout,
+        f"{s['transport']}"
     )
     for lk in results["links"]:
-        print(f"\nLink {cluster.format_rate(lk['bits_per_second'])}: {lk['note']}", file=stdout)
+        say(f"\nLink {cluster.format_rate(lk['bits_per_second'])}: {lk['note']}")
         for key, m in lk["models"].items():
-            print(f"  model {_describe_model(key, m)}", file=stdout)
+            say(f"  model {_describe_model(key, m)}")
         if lk["points"]:
             keys = list(lk["models"])
             head = "".join(f" {'model ' + k:>14} {'err':>6}" for k in keys)
-            print(f"  {'N':>3} {'collective':<18} {'measured ms':>11}{head}", file=stdout)
+            say(f"  {'N':>3} {'collective':<18} {'measured ms':>11}{head}")
             for p in lk["points"]:
                 cells = "".join(
                     f" {_ms(p[f'model_{k}_s']):>14} {p[f'model_{k}_s'] / p['seconds'] - 1:>+6.0%}"
                     for k in keys
                 )
-                print(f"  {p['ranks']:>3} {p['collective']:<18} {_ms(p['seconds']):>11}{cells}", file=stdout)
+                say(f"  {p['ranks']:>3} {p['collective']:<18} {_ms(p['seconds']):>11}{cells}")
             ratios = ", ".join(
                 f"N={r['ranks']}: {r['dense_over_sparse']:.1f}x / {r['dense_over_terngrad']:.1f}x"
                 for r in lk["measured_speedups"]
             )
-            print(f"  measured dense time / sparse, / TernGrad: {ratios}", file=stdout)
+            say(f"  measured dense time / sparse, / TernGrad: {ratios}")
         _print_model_table(lk, stdout)
     rule = results["library_rule"]
-    print(f"\nLibrary rule ({rule['rule']}): dense from N = {rule['crossover_n']}", file=stdout)
+    say(f"\nLibrary rule ({rule['rule']}): dense from N = {rule['crossover_n']}")
 
 
 def _print_model_table(lk: Dict[str, Any], stdout: Any) -> None:
+    say = functools.partial(print, file=stdout)
     key = "fit" if "fit" in lk["models"] else "nominal"
     m = lk["models"][key]
     c = m["curves"]
-    print(f"  model ({key}) in ms:", file=stdout)
+    say(f"  model ({key}) in ms:")
     ns = [n for n in TABLE_RANKS if n <= c["n"][-1]]
-    print(f"  {'N':>12}" + "".join(f"{n:>9}" for n in ns), file=stdout)
+    say(f"  {'N':>12}" + "".join(f"{n:>9}" for n in ns))
     for name in CURVES:
-        print(f"  {name:>12}" + "".join(f"{_ms(c[f'{name}_s'][n - 2]):>9}" for n in ns), file=stdout)
-    print(
+        say(f"  {name:>12}" + "".join(f"{_ms(c[f'{name}_s'][n - 2]):>9}" for n in ns))
+    say(
         f"  sparse allgather stops paying at N >= {m['crossover_vs_dense']} vs dense "
         f"(closed form {m['crossover_closed_form'] and round(m['crossover_closed_form'], 1)}), "
-        f"N >= {m['crossover_vs_terngrad']} vs TernGrad",
-        file=stdout,
+        f"N >= {m['crossover_vs_terngrad']} vs TernGrad"
     )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """One panel per link: model curves (log-log) and measured points; crossover marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     links = results["links"]
-    fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4.6), squeeze=False)
+    fig, axes = report.pyplot().subplots(1, len(links), figsize=(6 * len(links), 4.6), squeeze=False)
     colors = dict(zip(CURVES, ("black", "tab:blue", "tab:orange")))
     measured = {"dense": "dense allreduce", "sparse": "sparse allgather", "terngrad": "terngrad"}
     for ax, lk in zip(axes[0], links):
@@ -560,9 +539,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
         f"ratio {s['ratio']:g}",
         fontsize="medium",
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 __all__ = [

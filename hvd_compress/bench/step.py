@@ -52,6 +52,7 @@ printed with the measured value, never asserted.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
@@ -59,17 +60,16 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvd_compress.bench import cluster, save
-from hvd_compress.bench.compress import _require, format_size
+from hvd_compress.bench import cluster, publish, report
+from hvd_compress.bench.compress import format_size
 from hvd_compress.bench.wire import (
     COMPRESSORS,
     GRADIENT_SCALE,
     SPARSE,
     allgather_traffic,
     allreduce_traffic,
-    describe_machine,
     numel,
-    progress_bar,
+    resnet18_label,
     resnet18_shapes,
 )
 from hvd_compress.compressors.base import check_ratio
@@ -327,8 +327,6 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
 
 def worker(config: Dict[str, Any]) -> None:
     """One rank: every compressor in turn, in one gloo process group."""
-    import torch.distributed as dist
-
     from hvd_compress.comm.torch_dist import TorchDistCommunicator
 
     cluster.init_gloo(config)
@@ -336,9 +334,7 @@ def worker(config: Dict[str, Any]) -> None:
     grads = _gradients(shapes, config["rank"], config["seed"])
     base = TorchDistCommunicator()
     results = {name: run_config(name, config, shapes, grads, base) for name in config["compressors"]}
-    dist.barrier()
-    dist.destroy_process_group()
-    cluster.write_result(config, {"rank": config["rank"], "configs": results})
+    cluster.finish_worker(config, {"configs": results})
 
 
 # ================================================================== driver side
@@ -412,26 +408,21 @@ def run(
 
     ``rates``: tc rates such as ``"1gbit"``; ``[None]`` runs once on localhost without emulation.
     """
-    _require("torch", "torch")
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    stdout = stdout or sys.stdout
+    report.require_packages(torch=True, plots=plot and out is not None)
     ratio = check_ratio(ratio)
     names = _check(ranks, rates, steps, warmup, compute_ms, compressors, delay)
-    shapes = resnet18_shapes(scale)
-    settings = _settings(ranks, rates, ratio, steps, warmup, scale, compute_ms, names, delay, bucket_mb, seed)
-    settings.update(numel=sum(numel(s) for _, s in shapes), tensors=len(shapes))
-    config = {
-        "ratio": ratio,
-        "steps": steps,
-        "warmup": warmup,
-        "scale": scale,
-        "compute_ms": compute_ms,
-        "compressors": names,
-        "bucket_mb": bucket_mb,
-        "seed": seed,
-    }
-    bar = progress_bar(len(rates) * len(names) * (steps + warmup), "bench step", "step", progress)
+    config = dict(
+        ratio=ratio,
+        steps=steps,
+        warmup=warmup,
+        scale=scale,
+        compute_ms=compute_ms,
+        compressors=names,
+        bucket_mb=bucket_mb,
+        seed=seed,
+    )
+    settings = _settings(ranks, rates, delay, config)
+    bar = report.progress_bar(len(rates) * len(names) * (steps + warmup), "bench step", "step", progress)
     rows: List[Dict[str, Any]] = []
     links: List[Dict[str, Any]] = []
     started = time.perf_counter()
@@ -439,15 +430,8 @@ def run(
     try:
         for rate in rates:
             with cluster.link(ranks, rate, delay) as lk:
-                label = cluster.format_rate(lk.bits_per_second)
-                bar.set_postfix_str(f"{label}: starting {ranks} ranks")
-
-                def advance(text: str, label: str = label) -> None:
-                    bar.set_postfix_str(f"{label} {text}")
-                    bar.update()
-
-                results = cluster.run_workers(
-                    lk, ranks, MODULE, dict(config, ifname=lk.ifname), timeout, on_progress=advance
+                results = cluster.run_workers_with_bar(
+                    lk, ranks, MODULE, dict(config, ifname=lk.ifname), timeout, bar
                 )
                 links.append(lk.describe())
                 rows.extend(_rows(lk, names, results, ratio))
@@ -455,16 +439,14 @@ def run(
         bar.close()
     results = {
         "benchmark": "step",
-        "machine": describe_machine(),
+        "machine": report.describe_machine(),
         "settings": settings,
         "links": links,
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "targets": targets(rows),
     }
-    save(results, out, "step", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    return publish(results, out, "step", write_plot if plot else None, print_table, stdout)
 
 
 def _check(ranks, rates, steps, warmup, compute_ms, compressors, delay) -> List[str]:
@@ -489,37 +471,33 @@ def _check(ranks, rates, steps, warmup, compute_ms, compressors, delay) -> List[
     return names if "none" in names else ["none"] + names  # the dense baseline is always measured
 
 
-def _settings(ranks, rates, ratio, steps, warmup, scale, compute_ms, names, delay, bucket_mb, seed) -> Dict:
+def _settings(ranks: int, rates: Sequence[Optional[str]], delay: str, config: Dict[str, Any]) -> Dict:
+    """The JSON settings: the link, the workers' ``config`` and what the numbers mean."""
     cpus = os.cpu_count() or 1
+    shapes = resnet18_shapes(config["scale"])
     return {
         "ranks": ranks,
         "rates": [r or "none" for r in rates],
         "link": "emulated" if any(rates) else "none",
         "delay": delay,
-        "ratio": ratio,
-        "steps": steps,
-        "warmup": warmup,
-        "scale": scale,
-        "compute_ms": compute_ms,
-        "compressors": names,
-        "bucket_mb": bucket_mb,
-        "seed": seed,
-        "model": "ResNet-18 (torchvision resnet18, 1000 classes) parameter shapes"
-        + ("" if scale == 1 else f", channel widths x {scale:g}"),
+        **config,
+        "model": resnet18_label(config["scale"]),
         "exchange": "hvd_compress.torch.DistributedOptimizer (BucketExchange per bucket) over "
         "TorchDistCommunicator, torch.distributed gloo",
         "baseline": "NoneCompressor through the same optimizer: one fp32 allreduce-Sum per bucket (gloo)",
-        "compute": f"fixed-duration stand-in ({compute_ms:g} ms per step, sleeping): forward 1/3, backward 2/3 "
-        "split over parameters by their layer's multiply-adds at 224x224",
+        "compute": f"fixed-duration stand-in ({config['compute_ms']:g} ms per step, sleeping): forward 1/3, "
+        "backward 2/3 split over parameters by their layer's multiply-adds at 224x224",
         "statistic": "per step the slowest rank; the median step over steps and its split",
         "oversubscribed": ranks > cpus,
-        "load_average_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_average_at_start": report.load_average(),
         "note": (
             f"{ranks} ranks share {cpus} CPU cores: compression and gloo of different ranks take turns, "
             "so compress and communicate times include waiting for a core"
             if ranks > cpus
             else f"{ranks} ranks on {cpus} CPU cores"
         ),
+        "numel": sum(numel(s) for _, s in shapes),
+        "tensors": len(shapes),
     }
 
 
@@ -550,59 +528,48 @@ def _ms(seconds: Optional[float]) -> str:
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
-    print(
+    say(
         f"Step time, {s['ranks']} ranks, {s['model']}: {format_size(s['numel'])} parameters; "
         f"compute stand-in {s['compute_ms']:g} ms; ratio {s['ratio']:g}; median of {s['steps']} steps "
-        f"(slowest rank per step); exchange = compress + communicate",
-        file=stdout,
+        f"(slowest rank per step); exchange = compress + communicate"
     )
-    print(
+    say(
         "Columns: times in ms; speedup = dense step / step; w/o comp = the same without compressor time; "
         "bytes per rank per step (payload handed to collectives, ring traffic, interface tx); "
-        "at rate = traffic at the nominal rate",
-        file=stdout,
+        "at rate = traffic at the nominal rate"
     )
-    print(f"Note: {s['note']}.", file=stdout)
+    say(f"Note: {s['note']}.")
     for lk in results["links"]:
-        print(f"Link {cluster.format_rate(lk['bits_per_second'])}: {lk['note']}.", file=stdout)
-    print(
+        say(f"Link {cluster.format_rate(lk['bits_per_second'])}: {lk['note']}.")
+    say(
         f"\n  {'link':<11} {'compressor':<10} {'step ms':>8} {'compute':>8} {'compress':>9} {'commun.':>8} "
-        f"{'update':>7} {'speedup':>8} {'w/o comp':>8} {'payload':>8} {'traffic':>8} {'tx':>8} {'at rate':>8}",
-        file=stdout,
+        f"{'update':>7} {'speedup':>8} {'w/o comp':>8} {'payload':>8} {'traffic':>8} {'tx':>8} {'at rate':>8}"
     )
     for r in results["rows"]:
-        print(
+        say(
             f"  {cluster.format_rate(r['bits_per_second']):<11} {r['compressor']:<10} {1e3 * r['step_s']:>8.1f} "
             f"{1e3 * r['compute_s']:>8.1f} {1e3 * r['compress_s']:>9.1f} {1e3 * r['communicate_s']:>8.1f} "
             f"{1e3 * r['update_s']:>7.1f} {r['speedup']:>7.2f}x {r['speedup_without_compress']:>7.2f}x "
             f"{_bytes(r['payload_bytes']):>8} {_bytes(r['traffic_bytes']):>8} {_bytes(r['tx_bytes']):>8} "
-            f"{_ms(r['link_time_s']):>8}",
-            file=stdout,
+            f"{_ms(r['link_time_s']):>8}"
         )
     if results["targets"]:
-        print(
-            "\nTarget (the issue's; measured, not asserted): density 1% over 1 Gbit/s >= 5x dense",
-            file=stdout,
-        )
+        say("\nTarget (the issue's; measured, not asserted): density 1% over 1 Gbit/s >= 5x dense")
         for t in results["targets"]:
-            print(
+            say(
                 f"  {t['compressor']:<10} {t['measured_speedup']:.2f}x  target >= {t['target']:g}x  "
-                f"{'ok' if t['met'] else 'MISSED'}",
-                file=stdout,
+                f"{'ok' if t['met'] else 'MISSED'}"
             )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """One panel per link: stacked step time (compute, compress, communicate, update), speedup on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rates = list(dict.fromkeys(r["rate"] for r in results["rows"]))
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.6), squeeze=False, sharey=True)
+    fig, axes = report.pyplot().subplots(
+        1, len(rates), figsize=(6 * len(rates), 4.6), squeeze=False, sharey=True
+    )
     colors = dict(zip(PARTS, ("tab:gray", "tab:orange", "tab:blue", "tab:green")))
     for ax, rate in zip(axes[0], rates):
         rows = [r for r in results["rows"] if r["rate"] == rate]
@@ -626,9 +593,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
         "(speedup vs dense on top)",
         fontsize="medium",
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 __all__ = ["run", "worker", "layer_macs", "CountingCommunicator", "StandInModel", "TARGET", "DEFAULT_RATES"]

@@ -23,14 +23,14 @@ gradients of the same shapes, at N = 2, 4, 8, 16.
 
 from __future__ import annotations
 
-import sys
-import time
+import functools
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import cnn, save
+from hvd_compress.bench import cnn, publish
+from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor, TernGrad
 from hvd_compress.simulator import Simulator
 
@@ -62,7 +62,7 @@ class ErrorProbe(cnn.Probe):
         coded = {e["name"] for e in entries if e["kind"] == "ternary"}
         error = norm = 0.0
         with torch.no_grad():
-            for name in coded:
+            for name in sorted(coded):
                 mean = torch.stack(grads[name]).mean(0).double()
                 error += float((averaged[name].double() - mean).pow(2).sum())
                 norm += float(mean.pow(2).sum())
@@ -106,44 +106,42 @@ def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Seq
 
 
 def study(
-    ranks: int = 4,
     clip: float = 2.5,
-    epochs: int = cnn.EPOCHS,
-    batch_per_rank: int = 32,
-    lr: float = 0.05,
     layer: str = "fc1.weight",
-    train_size: int = 8192,
-    test_size: int = 2048,
-    seed: int = 0,
+    training: cnn.Training = cnn.Training(),
     out: Optional[str] = None,
     progress: bool = True,
     plot: bool = True,
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Dense and TernGrad with/without clipping and scalar sharing; writes ``terngrad.json`` / ``terngrad.png``."""
-    from hvd_compress.bench.compress import _require
-    from hvd_compress.bench.wire import describe_machine
-
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    _require("torch", "torch")
+    require_packages(torch=True, plots=plot and out is not None)
     runs: List[Tuple[str, Compressor]] = [(cnn.label("none"), Compression.none)]
     runs += [(name, TernGrad(**options)) for name, options in variants(clip)]
-    shapes = {name: tuple(p.shape) for name, p in cnn.make_net(seed).named_parameters()}
+    shapes = {name: tuple(p.shape) for name, p in cnn.make_net(training.seed).named_parameters()}
     coded = [
-        row["name"] for row in cnn.layer_table(TernGrad().bind(0, ranks), shapes) if row["sent"] == "ternary"
+        row["name"]
+        for row in cnn.layer_table(TernGrad().bind(0, training.ranks), shapes)
+        if row["sent"] == "ternary"
     ]
     if layer not in coded:
         raise ValueError(
             f"hvd_compress: layer {layer!r} is not TernGrad-coded; choose one of {', '.join(coded)}"
         )
     probes = {name: ErrorProbe(layer) for name, _ in runs[1:]}
-    data = cnn.ImageData.synthetic(train_size, test_size, seed)
-    options = dict(ranks=ranks, epochs=epochs, batch_per_rank=batch_per_rank, lr=lr, seed=seed)
-    started = time.perf_counter()
-    trained = cnn.run_all(runs, data, "simulate terngrad", progress=progress, probes=probes, **options)
+    head, trained = cnn.run_study(
+        "terngrad",
+        runs,
+        training,
+        progress,
+        probes=probes,
+        clip=clip,
+        layer=layer,
+        relative_error="||avg - mean_r g_r||^2 / ||mean_r g_r||^2 over the TernGrad-coded tensors, per step",
+        scale_over_max_abs=f"S / max|g| of {layer}, mean over ranks and steps",
+    )
     rows = []
-    for (name, compressor), result in zip(runs, trained.values()):
+    for name, compressor in runs:
         probe = probes.get(name)
         rows.append(
             {
@@ -153,62 +151,38 @@ def study(
                 "relative_error": probe.relative_error if probe else None,
                 "relative_error_mean": float(np.mean(probe.relative_error)) if probe else None,
                 "scale_over_max_abs": float(np.mean(probe.scale_over_max)) if probe else None,
-                **result,
+                **trained[name],
             }
         )
-    results = {
-        "study": "terngrad",
-        "machine": describe_machine(),
-        "settings": cnn.settings(
-            data,
-            clip=clip,
-            layer=layer,
-            relative_error="||avg - mean_r g_r||^2 / ||mean_r g_r||^2 over the TernGrad-coded tensors, per step",
-            scale_over_max_abs=f"S / max|g| of {layer}, mean over ranks and steps",
-            **options,
-        ),
-        "wall_seconds": time.perf_counter() - started,
-        "runs": rows,
-        "wire": wire_table(shapes, clip, sorted(set(WIRE_RANKS) | {ranks}), seed),
-    }
-    save(results, out, "terngrad", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    wire = wire_table(shapes, clip, sorted(set(WIRE_RANKS) | {training.ranks}), training.seed)
+    results = {**head, "runs": rows, "wire": wire}
+    return publish(results, out, "terngrad", write_plot if plot else None, print_table, stdout)
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
-    print(
-        f"TernGrad ablation on the small CNN: {s['ranks']} simulated ranks, {s['epochs']} epochs, "
-        f"batch {s['batch_per_rank']} per rank, lr {s['lr']}",
-        file=stdout,
-    )
-    print(
+    say(f"TernGrad ablation on the small CNN: {cnn.describe_training(s)}")
+    say(
         f"\n  {'run':<24} {'test acc':>8} {'test loss':>9} {'train loss':>10} {'agg. error':>10} "
-        f"{'S/max|g|':>8} {'bytes/step':>11} {'traffic':>8}",
-        file=stdout,
+        f"{'S/max|g|':>8} {'bytes/step':>11} {'traffic':>8}"
     )
     for r in results["runs"]:
         error = "" if r["relative_error_mean"] is None else f"{r['relative_error_mean']:.3f}"
         scale = "" if r["scale_over_max_abs"] is None else f"{r['scale_over_max_abs']:.3f}"
-        print(
+        say(
             f"  {r['label']:<24} {r['final_test_accuracy']:>8.3f} {r['final_test_loss']:>9.4f} "
             f"{r['final_train_loss']:>10.4f} {error:>10} {scale:>8} {r['bytes_per_step']:>11,.0f} "
-            f"{r['traffic_vs_dense']:>7.4f}x",
-            file=stdout,
+            f"{r['traffic_vs_dense']:>7.4f}x"
         )
-    print(
-        f"\n  agg. error: {s['relative_error']} (mean over steps); S/max|g|: {s['scale_over_max_abs']}",
-        file=stdout,
-    )
-    print("\n  ring traffic per rank vs dense fp32 allreduce, one step (random gradients):", file=stdout)
+    say(f"\n  agg. error: {s['relative_error']} (mean over steps); S/max|g|: {s['scale_over_max_abs']}")
+    say("\n  ring traffic per rank vs dense fp32 allreduce, one step (random gradients):")
     by_key = {(w["ranks"], w["scalar_sharing"]): w for w in results["wire"]}
     world_sizes = sorted({w["ranks"] for w in results["wire"]})
-    print(f"  {'':<18}" + "".join(f" {'N=' + str(n):>8}" for n in world_sizes), file=stdout)
+    say(f"  {'':<18}" + "".join(f" {'N=' + str(n):>8}" for n in world_sizes))
     for sharing, name in ((True, "shared scale"), (False, "per-rank scale")):
         cells = "".join(f" {by_key[(n, sharing)]['traffic_vs_dense']:>8.4f}" for n in world_sizes)
-        print(f"  {name:<18}{cells}", file=stdout)
+        say(f"  {name:<18}{cells}")
 
 
 def _style(run_label: str) -> Dict[str, Any]:
@@ -223,12 +197,7 @@ def _style(run_label: str) -> Dict[str, Any]:
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """Loss and accuracy curves, the aggregate's relative error, and traffic vs N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = pyplot().subplots(2, 3, figsize=(15, 8.5))
     cnn.plot_curves(axes[0], results["runs"], style=_style)
     ax = axes[1, 0]
     for r in results["runs"]:
@@ -275,6 +244,4 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     ax.legend(fontsize="x-small")
     s = results["settings"]
     fig.suptitle(f"TernGrad: clipping and scalar sharing, small CNN, {s['ranks']} simulated ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

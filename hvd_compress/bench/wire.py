@@ -26,20 +26,19 @@ printed with the measured value, never asserted.
 
 from __future__ import annotations
 
-import sys
+import functools
 import time
-import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench.compress import _progress, _require, format_size, gradient, machine
+from hvd_compress.bench import publish, report
+from hvd_compress.bench.compress import format_size, gradient
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.base import check_ratio
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.compressors.sparse import DENSE_BELOW
-from hvd_compress.bench import save
 from hvd_compress.simulator import Simulator
 
 #: Compressors measured, in table order.
@@ -91,25 +90,11 @@ def resnet18_shapes(scale: float = 1.0, num_classes: int = 1000) -> List[Tuple[s
     return shapes
 
 
-def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
-    """A tqdm bar named ``desc`` on stderr; without tqdm, ``compress``'s plain-line fallback."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:
-            pass
-        else:
-            return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
-    return _progress(total, enabled)
-
-
-def describe_machine() -> Dict[str, Any]:
-    """``compress.machine`` for numpy-only runs: torch's fields are ``None`` without torch."""
-    try:
-        import torch
-    except ImportError:
-        torch = types.SimpleNamespace(get_num_threads=lambda: None, __version__=None)
-    return machine(torch, ["cpu"])
+def resnet18_label(scale: float) -> str:
+    """The model of :func:`resnet18_shapes` in the JSON settings."""
+    return "ResNet-18 (torchvision resnet18, 1000 classes) parameter shapes" + (
+        "" if scale == 1 else f", channel widths x {scale:g}"
+    )
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -243,16 +228,14 @@ def run(
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Measure, write ``wire.json`` and ``wire.png`` to ``out``, print the table; returns the results."""
-    if plot and out is not None:
-        _require("matplotlib", "bench")
-    stdout = stdout or sys.stdout
+    report.require_packages(torch=False, plots=plot and out is not None)
     ratio = check_ratio(ratio)
     ranks = sorted({int(n) for n in ranks})
     if not ranks or ranks[0] < 2:
         raise ValueError(f"hvd_compress: ranks must be at least 2, got {list(ranks)}")
     shapes = resnet18_shapes(scale)
     total_numel = sum(numel(s) for _, s in shapes)
-    bar = progress_bar(len(ranks) * len(COMPRESSORS) + 1, "bench wire", "meas", progress)
+    bar = report.progress_bar(len(ranks) * len(COMPRESSORS) + 1, "bench wire", "meas", progress)
     rows: List[Dict[str, Any]] = []
     started = time.perf_counter()
     try:
@@ -270,15 +253,14 @@ def run(
 
     results = {
         "benchmark": "wire",
-        "machine": describe_machine(),
+        "machine": report.describe_machine(),
         "settings": {
             "ranks": ranks,
             "ratio": ratio,
             "scale": scale,
             "dense_below": dense_below,
             "seed": seed,
-            "model": "ResNet-18 (torchvision resnet18, 1000 classes) parameter shapes"
-            + ("" if scale == 1 else f", channel widths x {scale:g}"),
+            "model": resnet18_label(scale),
             "numel": total_numel,
             "tensors": len(shapes),
             "tensors_below_dense_below": sum(1 for _, s in shapes if numel(s) < dense_below),
@@ -292,9 +274,7 @@ def run(
         "rows": rows,
         "targets": targets(rows),
     }
-    save(results, out, "wire", write_plot if plot else None)
-    print_table(results, stdout)
-    return results
+    return publish(results, out, "wire", write_plot if plot else None, print_table, stdout)
 
 
 def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -319,62 +299,51 @@ def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 # -------------------------------------------------------------------- output
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
-    stdout = stdout or sys.stdout
+    say = functools.partial(print, file=stdout)
     s = results["settings"]
     ranks = s["ranks"]
-    print(
+    say(
         f"Bytes per rank per step vs dense fp32 allreduce: {s['model']}, {format_size(s['numel'])} "
         f"parameters in {s['tensors']} tensors ({s['tensors_below_dense_below']} below "
-        f"{s['dense_below']} elements go dense), ratio {s['ratio']:g}",
-        file=stdout,
+        f"{s['dense_below']} elements go dense), ratio {s['ratio']:g}"
     )
     by_key = {(r["compressor"], r["ranks"]): r for r in results["rows"]}
     head = "".join(f" {'N=' + str(n) + ' payload':>14} {'traffic':>9}" for n in ranks)
-    print(f"\n  {'compressor':<10}{head}", file=stdout)
+    say(f"\n  {'compressor':<10}{head}")
     dense = "".join(
         f" {format_size(by_key[(COMPRESSORS[0], n)]['dense_payload_bytes']) + 'B':>14} "
         f"{format_size(int(by_key[(COMPRESSORS[0], n)]['dense_traffic_bytes'])) + 'B':>9}"
         for n in ranks
     )
-    print(f"  {'dense fp32':<10}{dense}", file=stdout)
+    say(f"  {'dense fp32':<10}{dense}")
     for name in COMPRESSORS:
         cells = "".join(
             f" {by_key[(name, n)]['payload_vs_dense']:>13.4f}x {by_key[(name, n)]['traffic_vs_dense']:>8.4f}x"
             for n in ranks
         )
-        print(f"  {name:<10}{cells}", file=stdout)
+        say(f"  {name:<10}{cells}")
     if results["targets"]:
-        print("\nTargets (the issue's; measured, not asserted):", file=stdout)
+        say("\nTargets (the issue's; measured, not asserted):")
         for t in results["targets"]:
-            print(
+            say(
                 f"  {t['compressor']} traffic at N={t['ranks']}: {t['measured']:.4f} of dense "
                 f"(compressed tensors only: {t['compressed_tensors_only']:.4f})  target <= "
-                f"{t['target']:.4f}  {'ok' if t['met'] else 'MISSED'}",
-                file=stdout,
+                f"{t['target']:.4f}  {'ok' if t['met'] else 'MISSED'}"
             )
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """Two panels (payload, ring traffic) of bytes / dense per compressor, one bar per N."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     ranks = results["settings"]["ranks"]
     by_key = {(r["compressor"], r["ranks"]): r for r in results["rows"]}
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    width = 0.8 / len(ranks)
+    fig, axes = report.pyplot().subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, field, title in (
         (axes[0], "payload_vs_dense", "payload (bytes handed to collectives)"),
         (axes[1], "traffic_vs_dense", "ring traffic (bytes sent per rank)"),
     ):
-        for i, n in enumerate(ranks):
-            xs = [j + (i - (len(ranks) - 1) / 2) * width for j in range(len(COMPRESSORS))]
-            ax.bar(xs, [by_key[(c, n)][field] for c in COMPRESSORS], width, label=f"N={n}")
-        ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
-        ax.set_xticks(range(len(COMPRESSORS)), COMPRESSORS)
-        ax.set_yscale("log")
+        report.ratio_bars(
+            ax, COMPRESSORS, [(f"N={n}", [by_key[(c, n)][field] for c in COMPRESSORS]) for n in ranks]
+        )
         ax.set_title(title)
         ax.grid(axis="y", which="both", alpha=0.3)
         ax.legend(fontsize="small")
@@ -387,9 +356,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"Wire bytes per rank per step vs dense, {format_size(s['numel'])} params, ratio {s['ratio']:g}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path)
 
 
 __all__ = [
@@ -401,6 +368,4 @@ __all__ = [
     "wire",
     "COMPRESSORS",
     "TARGETS",
-    "describe_machine",
-    "progress_bar",
 ]
