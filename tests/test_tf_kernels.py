@@ -45,7 +45,14 @@ from hvd_compress.compressors import reference as R  # noqa: E402
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload  # noqa: E402
 from hvd_compress.kernels import tf_ops as F  # noqa: E402
 
-from tests.helpers import exact_k, permille  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    distortions,
+    exact_k,
+    float_arrays,
+    index_sets,
+    permille,
+    ternary_codes,
+)
 
 FLOATS = [np.float16, np.float32, np.float64]
 FLOATS_32_64 = [np.float32, np.float64]
@@ -56,7 +63,6 @@ few = settings(max_examples=6)
 some = settings(max_examples=15)
 
 #: Magnitudes that repeat (ties), signed zeros included.
-TIE_POOL = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 3.0, 1e-3, -1e-3])
 
 
 # --------------------------------------------------------------------------- #
@@ -106,56 +112,6 @@ def assert_nest_same(got, want, what: str) -> None:
 # --------------------------------------------------------------------------- #
 # Strategies (arrays drawn from a seed: fast)
 # --------------------------------------------------------------------------- #
-@st.composite
-def float_arrays(draw, dtype, min_size: int = 1, max_size: int = 3000) -> np.ndarray:
-    """Normal, heavy-tailed, tie-heavy or constant vectors of ``dtype``."""
-    size = draw(st.integers(min_size, max_size))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    kind = draw(st.sampled_from(["normal", "cauchy", "ties", "mixed", "constant"]))
-    if kind == "normal":
-        a = rng.standard_normal(size) * draw(st.sampled_from([1e-3, 1.0, 50.0])) + draw(
-            st.sampled_from([0.0, 0.0, 0.3, -2.0])
-        )
-    elif kind == "cauchy":
-        a = np.clip(rng.standard_cauchy(size), -1e3, 1e3)
-    elif kind == "ties":
-        a = rng.choice(TIE_POOL, size)
-    elif kind == "mixed":
-        a = np.where(rng.random(size) < 0.5, rng.choice(TIE_POOL, size), rng.standard_normal(size))
-    else:
-        a = np.full(size, draw(st.sampled_from([0.0, 0.1, -3.0, 7.0])))
-    return a.astype(dtype)
-
-
-@st.composite
-def index_sets(draw, numel: int, min_count: int = 0) -> np.ndarray:
-    """Ascending distinct int32 indices into ``numel`` entries."""
-    count = draw(st.integers(min(min_count, numel), numel))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return np.sort(rng.choice(numel, count, replace=False)).astype(np.int32)
-
-
-@st.composite
-def ternary_codes(draw, numel: int) -> np.ndarray:
-    """int8 codes in {-1, 0, 1}; constant codes (the extreme fields) are likely."""
-    fill = draw(st.sampled_from([None, None, -1, 0, 1]))
-    if fill is not None:
-        return np.full(numel, fill, dtype=np.int8)
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    return rng.integers(-1, 2, numel).astype(np.int8)
-
-
-@st.composite
-def distortions(draw, numel: int, dtype) -> np.ndarray:
-    """RegTop-k's D: 1e8 where nothing was sent, ``(T - s) / s`` elsewhere."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    d = rng.choice(np.array([R.NO_DISTORTION, -1.0, 0.0, 1.0, -2.0, 3.0]), numel)
-    informative = rng.random(numel) < draw(st.sampled_from([0.0, 0.3, 1.0]))
-    d = np.where(informative, rng.standard_normal(numel) * 3, d)
-    with np.errstate(over="ignore"):
-        return d.astype(dtype)
-
-
 mus = st.sampled_from([4.0, 5.0, 0.7, 4.3, 37.5])
 world_sizes = st.integers(1, 16)
 
