@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -135,28 +134,13 @@ def run_job(mode: str, prefix: str, timeout: float = 120.0):
     return results
 
 
-def _skip_reason(prefix: str):
-    """None when a namespace cluster can be made here, else why not."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "needs root (ip netns, tc)"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return f"{' and '.join(missing)} not found (apt-get install iproute2)"
-    probe = f"{prefix}probe"
-    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    if done.returncode != 0:
-        return f"cannot create a network namespace here: {done.stderr.strip()}"
-    return None
-
-
 def test_two_namespaces_allreduce_and_rate():
     import pytest
 
     prefix = "hvdt" + uuid.uuid4().hex[:4]  # never touches a user's hvdc* cluster
-    reason = _skip_reason(prefix)
+    from hvd_compress.bench.cluster import emulation_problem
+
+    reason = emulation_problem()
     if reason:
         pytest.skip(reason)
     env = dict(os.environ, HVDC_PREFIX=prefix)
