@@ -16,19 +16,11 @@ Like ``torch.load``, restoring unpickles: load only checkpoints you trust.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
-
-
-def _map_arrays(state: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(state, dict):
-        return {key: _map_arrays(value, fn) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_map_arrays(value, fn) for value in state)
-    return fn(state)
 
 
 def _to_numpy(value: Any) -> Any:
@@ -46,11 +38,11 @@ class CompressionCheckpoint(trackable.Trackable):
         self.compressor = compressor
 
     def _serialize_to_tensors(self):
-        state = _map_arrays(self.compressor.state_dict(), _to_numpy)
+        state = tf.nest.map_structure(_to_numpy, self.compressor.state_dict())
         return {"state": tf.constant(pickle.dumps(state))}
 
     def _restore_from_tensors(self, restored_tensors):
         state = pickle.loads(restored_tensors["state"].numpy())
-        tensors = {name: _map_arrays(entry, _to_tensor) for name, entry in state["tensors"].items()}
+        tensors = tf.nest.map_structure(_to_tensor, state["tensors"])
         self.compressor.load_state_dict({**state, "tensors": tensors})
         return tf.no_op()

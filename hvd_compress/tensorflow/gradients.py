@@ -53,18 +53,18 @@ class GradientExchange:
         by_dtype: Dict[Any, List[tuple]] = {}
         for name, grad in present:
             by_dtype.setdefault(grad.dtype, []).append((name, grad))
-        buckets = list(by_dtype.values())
+        ordered = [name for bucket in by_dtype.values() for name, _ in bucket]
 
         def run(*tensors: Any) -> List[Any]:
-            results, start = [], 0
-            for bucket in buckets:
-                named = [(name, t) for (name, _), t in zip(bucket, tensors[start : start + len(bucket)])]
-                start += len(bucket)
-                key = f"hvd_compress.{named[0][1].dtype.name}"
-                results += exchange(self.compressor, self.comm, key, named, self.average)
+            received = dict(zip(ordered, tensors))
+            results = []
+            for dtype, bucket in by_dtype.items():
+                named = [(name, received[name]) for name, _ in bucket]
+                results += exchange(
+                    self.compressor, self.comm, f"hvd_compress.{dtype.name}", named, self.average
+                )
             return results
 
-        reduced = dict(
-            zip([n for b in buckets for n, _ in b], eagerly(run, [g for b in buckets for _, g in b]))
-        )
+        inputs = [grad for bucket in by_dtype.values() for _, grad in bucket]
+        reduced = dict(zip(ordered, eagerly(run, inputs)))
         return [None if grad is None else reduced[name] for name, grad in zip(names, grads)]
