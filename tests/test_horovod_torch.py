@@ -55,16 +55,17 @@ def assert_equals_simulator(result, names, ranks):
 
 
 def expected_topk_bytes(path):
-    """What one rank hands Horovod per step with Top-k: k indices + values per weight and the dense
-    biases, plus an int64 header ``[config, layout, counts...]`` per exchange: one per weight and a
-    4-byte placeholder for Horovod's allreduce (stock), or one for the single fused bucket (drop-in)."""
+    """What one rank hands Horovod per step (mean of STEPS) with Top-k: k indices + values and one
+    NaN flag per weight, the dense biases, a 4-byte placeholder per weight for Horovod's allreduce
+    (stock), and at the first step only an int64 header ``[config, layout]`` per exchange: one per
+    weight (stock) or one for the single fused bucket (drop-in)."""
     params = [p for _, p in workload.make_model().named_parameters()]
     sparse = [p for p in params if p.numel() >= 1024]
     total = sum(4 * p.numel() for p in params if p.numel() < 1024)
-    total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) for p in sparse)
+    total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) + 4 for p in sparse)
     if path == "stock":
-        return total + len(sparse) * (8 * 3 + 4)
-    return total + 8 * (2 + len(sparse))
+        return total + len(sparse) * 4 + len(sparse) * 16 // STEPS
+    return total + 16 // STEPS
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_pat
     assert_equals_simulator(result, ALL, 2)
     wire = json.loads(str(result["wire"]))
     dense = 4 * sum(p.numel() for p in workload.make_model().parameters())
-    header = 0 if path == "stock" else 8 * 2  # the drop-in bucket's [config, layout] header
+    header = 0 if path == "stock" else 8 * 2 // STEPS  # the drop-in bucket's [config, layout] header, once
     assert wire["none"] == [dense + header] * 2
     assert wire["fp16"] == [dense // 2 + header] * 2
     assert wire["topk"] == [expected_topk_bytes(path)] * 2
@@ -135,18 +136,20 @@ def test_op_sum_equals_average_of_scaled_loss(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra, message",
-    [(("--rank1-ratio", "0.2"), "ranks disagree"), (("--rank1-nan",), "NaN/Inf")],
+    "compression, extra, message",
+    # A NaN gradient raises on the per-tensor path (Gaussian-k); the fused path (Top-k) carries it
+    # to every rank's result instead, as a dense allreduce does (tests/test_fused.py).
+    [("topk", ("--rank1-ratio", "0.2"), "ranks disagree"), ("gaussiank", ("--rank1-nan",), "NaN/Inf")],
     ids=["mismatched-ratio", "nan-gradient"],
 )
-def test_bad_configuration_fails_fast_with_a_clear_error(extra, message, tmp_path):
+def test_bad_configuration_fails_fast_with_a_clear_error(compression, extra, message, tmp_path):
     start = time.monotonic()
     done = launch.run(
         "horovodrun",
         2,
         "tests.distributed.torch_horovod",
         "--compression",
-        "topk",
+        compression,
         "--steps",
         "2",
         "--out",

@@ -79,10 +79,12 @@ def test_drop_in_optimizer_on_thread_ranks_equals_simulator(name):
             )
 
 
-def test_mismatched_ranks_and_nan_gradients_fail_every_rank_clearly():
+def test_mismatched_ranks_fail_every_rank_clearly_and_nan_reaches_every_rank():
     pytest.importorskip("torch")
     models = _models(2)
     with pytest.raises(ValueError, match="ranks disagree"):
         run_ranks(2, lambda comm: _train("topk", comm, models[comm.rank], steps=1, ratio=0.2), timeout=20)
-    with pytest.raises(ValueError, match="NaN/Inf"):
-        run_ranks(2, lambda comm: _train("topk", comm, models[comm.rank], steps=1, nan_rank=1), timeout=20)
+    models = _models(2)  # fresh: the failed run's optimizers left their hooks on the old ones
+    results = run_ranks(2, lambda comm: _train("topk", comm, models[comm.rank], steps=1, nan_rank=1), timeout=20)
+    for result in results:  # as a dense allreduce: the NaN of rank 1 reaches every rank's update
+        assert all(not np.isfinite(value).all() for value in result.values()), result

@@ -20,6 +20,14 @@ a few collectives instead of a few per tensor:
 
 Usage: ``add(name, grad)`` for each tensor, ``launch()`` once the bucket is
 complete, ``finish(average)`` for ``{name: average or sum}``.
+
+Torch buckets of one dtype and device whose compressor has a fused form take
+:mod:`hvd_compress.comm.fused` instead: the header is exchanged once per layout,
+sizes are known in advance, a step reads nothing back to the host and encodes
+the whole bucket with a few kernels. The per-tensor path above serves numpy and
+TensorFlow tensors, Gaussian-k (its counts vary) and float64 Top-k off the CPU.
+Every collective of a bucket is started by ``launch`` (TernGrad waits there for
+its shared scales), so ``finish`` only waits and decodes.
 """
 
 from __future__ import annotations
@@ -28,7 +36,6 @@ import math
 import zlib
 from typing import Any, Dict, List, Tuple
 
-from hvd_compress.compressors import TernGrad
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.kernels import ops_for
 
@@ -45,41 +52,59 @@ class BucketExchange:
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
         self.average = True
         self.shapes: Dict[str, tuple] = {}
+        self.added: List[Tuple[str, Any]] = []
         self.dense: List[Tuple[str, DensePayload]] = []
         self.sparse: List[Tuple[str, SparsePayload]] = []
         self.ternary: List[Tuple[str, Any, float]] = []
         self.handles: Dict[str, Any] = {}
         self.rows: Any = None  # every rank's header, once checked
         self.ops: Any = None
+        self.fused: Any = None  # the step of a fused bucket, once launched
 
-    # ------------------------------------------------------------------ encode
     def add(self, name: str, tensor: Any) -> None:
-        """Encode ``tensor`` now (TernGrad: measure its scale; codes come after sharing)."""
+        """Add one gradient of the bucket (encoded by ``launch``)."""
         self.ops = self.ops or ops_for(tensor, name)
         self.shapes[name] = tuple(tensor.shape)
-        if isinstance(self.compressor, TernGrad):
-            scale = self.compressor.local_scale(tensor, name)
-            if scale is not None:
-                self.ternary.append((name, tensor, scale))
-                return
-        payload = self.compressor.encode(tensor, name)
-        if isinstance(payload, SparsePayload):
-            self.sparse.append((name, payload))
-        else:
-            self.dense.append((name, payload))
+        self.added.append((name, tensor))
 
     @property
     def only_dense(self) -> bool:
-        """Every tensor added so far travels dense (None, FP16, small tensors)."""
-        return not (self.sparse or self.ternary)
+        """Every tensor added so far travels dense and has no residual to flush (None, FP16, small tensors)."""
+        compressor = self.compressor
+        return all(
+            compressor.fused_kind(elements(t)) == "dense" and compressor.memory.peek(n, "residual") is None
+            for n, t in self.added
+        )
+
+    def _encode(self) -> None:
+        """Per-tensor path: encode every tensor (TernGrad: measure its scale; codes come after sharing)."""
+        for name, tensor in self.added:
+            if self.compressor.payload_kind == "ternary":
+                scale = self.compressor.local_scale(tensor, name)
+                if scale is not None:
+                    self.ternary.append((name, tensor, scale))
+                    continue
+            payload = self.compressor.encode(tensor, name)
+            if isinstance(payload, SparsePayload):
+                self.sparse.append((name, payload))
+            else:
+                self.dense.append((name, payload))
 
     # ------------------------------------------------------------------ launch
     def launch(self) -> None:
-        """Start the bucket's collectives (asynchronous)."""
+        """Encode the bucket and start its collectives (asynchronous)."""
+        from hvd_compress.comm import fused
+
+        tensors = [t for _, t in self.added]
+        if self.ops.__name__.endswith("torch_ops") and fused.supported(self.compressor, tensors):
+            bucket = self.compressor.fused_bucket(self.key, [n for n, _ in self.added], tensors, self.comm.size)
+            self.fused = bucket.launch(tensors, self.comm)
+            return
+        self._encode()
         ops, comm, key = self.ops, self.comm, self.key
-        layout = [(n, elements(p.values), "dense") for n, p in self.dense]
-        layout += [(n, p.numel, "sparse") for n, p in self.sparse]
-        layout += [(n, elements(t), "ternary") for n, t, _ in self.ternary]
+        layout = [(n, self.shapes[n], "dense") for n, _ in self.dense]
+        layout += [(n, self.shapes[n], "sparse") for n, _ in self.sparse]
+        layout += [(n, self.shapes[n], "ternary") for n, _, _ in self.ternary]
         signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
         counts = [p.values.shape[0] for _, p in self.sparse]
         header = ops.as_int64([[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor())
@@ -101,18 +126,29 @@ class BucketExchange:
             scales = ops.as_float32([s for _, _, s in self.ternary], like=self.ternary[0][1])
             if self.compressor.scalar_sharing:
                 self.handles["scales"] = comm.allreduce_async(scales, comm.MAX, f"{key}.scales")
+                if self.rows is None:  # agree on the layout before waiting for the scales
+                    self._check_header()
+                self._launch_ternary_codes()
             else:
                 self.handles["scales"] = comm.allgather_async(scales, f"{key}.scales")
+                self._launch_two_bit_codes()
 
     def _any_tensor(self) -> Any:
         if self.sparse:
             return self.sparse[0][1].values
         return self.ternary[0][1] if self.ternary else self.dense[0][1].values
 
+    def in_flight(self) -> List[Any]:
+        """Handles of the collectives ``launch`` started (``finish`` waits for them)."""
+        handles = self.fused.handles if self.fused is not None else self.handles
+        return list(handles.values())
+
     # ------------------------------------------------------------------ finish
     def finish(self, average: bool = True) -> Dict[str, Any]:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape."""
         self.average = average
+        if self.fused is not None:
+            return self.fused.finish(self.comm, average)
         results: Dict[str, Any] = {}
         if self.rows is None:
             self._check_header()
@@ -162,26 +198,35 @@ class BucketExchange:
             for (name, _), payloads in zip(self.sparse, by_tensor)
         }
 
-    def _finish_ternary(self) -> Dict[str, Any]:
+    def _launch_ternary_codes(self) -> None:
+        """Shared scales: wait for their Max, encode with them, start the code sum (or 2-bit gather)."""
         ops, comm, tern = self.ops, self.comm, self.compressor
-        scales = comm.wait(self.handles["scales"])
-        if not tern.scalar_sharing:
-            return self._finish_ternary_unshared(scales)
-        shared = ops.to_list(scales)
-        payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, shared)]
-        received = {}
+        self.shared = ops.to_list(comm.wait(self.handles["scales"]))
+        self.payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, self.shared)]
         for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):
-            wires = [tern.wire_tensor(p, ops) for p in payloads if p.wire_format == fmt]
+            wires = [tern.wire_tensor(p, ops) for p in self.payloads if p.wire_format == fmt]
             if not wires:
                 continue
             flat = ops.concat(wires)
             if op is None:
-                received[fmt] = comm.allgather_async(flat, f"{self.key}.codes2bit")
+                self.handles[fmt] = comm.allgather_async(flat, f"{self.key}.codes2bit")
             else:
-                received[fmt] = comm.allreduce_async(flat, op, f"{self.key}.lanes")
-        received = {fmt: comm.wait(handle) for fmt, handle in received.items()}
+                self.handles[fmt] = comm.allreduce_async(flat, op, f"{self.key}.lanes")
+
+    def _launch_two_bit_codes(self) -> None:
+        """Each rank's own scale: allgather of the 2-bit codes."""
+        ops, tern = self.ops, self.compressor
+        self.payloads = [tern.encode(t, name) for name, t, _ in self.ternary]
+        self.packed = [ops.pack_two_bit(p.codes) for p in self.payloads]
+        self.handles["codes2bit"] = self.comm.allgather_async(ops.concat(self.packed), f"{self.key}.codes2bit")
+
+    def _finish_ternary(self) -> Dict[str, Any]:
+        ops, comm, tern = self.ops, self.comm, self.compressor
+        if not tern.scalar_sharing:
+            return self._finish_ternary_unshared(comm.wait(self.handles["scales"]))
+        received = {fmt: comm.wait(self.handles[fmt]) for fmt in ("allreduce", "allgather") if fmt in self.handles}
         results, offsets = {}, {"allreduce": 0, "allgather": 0}
-        for (name, tensor, _), payload, scale in zip(self.ternary, payloads, shared):
+        for (name, tensor, _), payload, scale in zip(self.ternary, self.payloads, self.shared):
             fmt, numel = payload.wire_format, elements(tensor)
             size = tern.wire_tensor(payload, ops).shape[0]
             if fmt == "allreduce":
@@ -203,14 +248,12 @@ class BucketExchange:
     def _finish_ternary_unshared(self, scales: Any) -> Dict[str, Any]:
         """Each rank's own scale: allgather of 2-bit codes and scales, decoded per rank."""
         ops, comm, tern = self.ops, self.comm, self.compressor
-        payloads = [tern.encode(t, name) for name, t, _ in self.ternary]
-        packed = [ops.pack_two_bit(p.codes) for p in payloads]
-        gathered = comm.wait(comm.allgather_async(ops.concat(packed), f"{self.key}.codes2bit"))
+        gathered = comm.wait(self.handles["codes2bit"])
         chunk = gathered.shape[0] // comm.size
         rank_scales = ops.to_list(ops.reshape(scales, (comm.size, -1)))
         results, offset = {}, 0
-        for j, ((name, tensor, _), mine) in enumerate(zip(self.ternary, payloads)):
-            size = packed[j].shape[0]
+        for j, ((name, tensor, _), mine) in enumerate(zip(self.ternary, self.payloads)):
+            size = self.packed[j].shape[0]
             numel = elements(tensor)
             ranks = [
                 TernaryPayload(

@@ -7,15 +7,18 @@ one-element placeholder of ones; ``decompress`` waits for them and rebuilds the
 dense gradient:
 
 - sparse (Top-k, Gaussian-k, RegTop-k) and TernGrad: the tensor is a bucket of
-  one for :class:`~hvd_compress.comm.exchange.BucketExchange` (header check,
-  allgather of indices and values, or scale allreduce-Max and packed code sum;
-  Horovod fuses these small collectives of a step into few buffers);
+  one for :class:`~hvd_compress.comm.exchange.BucketExchange` (the fused torch
+  path: header check on the first step only, allgather of indices and values of
+  known size, or scale allreduce-Max and packed code sum, nothing read back to
+  the host; Horovod fuses these small collectives of a step into few buffers);
 - FP16 casts, None passes through; tensors under ``dense_below`` elements are
-  returned to Horovod's own allreduce unchanged.
+  returned to Horovod's own allreduce unchanged (unless a residual is left to
+  flush after a switch to dense: then our exchange sends gradient + residual).
 
 Horovod's reduction of the placeholder is the scaling it applies (1 for
 ``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
-decoded sum is divided by ``N / placeholder``.
+decoded sum is divided by ``N / placeholder``; it is read on the host once per
+tensor name, the first time.
 
 Collective names: Horovod does not pass the parameter name to ``compress``.
 The i-th tensor compressed since the last ``decompress`` is named
@@ -33,8 +36,8 @@ TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
 
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange
@@ -46,6 +49,8 @@ class _Calls:
 
     index: int = 0
     decompressing: bool = False
+    #: Horovod's reduction of each tensor's placeholder of ones (1: op=Average, N: op=Sum)
+    reductions: Dict[str, float] = field(default_factory=dict)
 
     def next_name(self) -> str:
         if self.decompressing:
@@ -82,19 +87,20 @@ def _calls(compressor: Any) -> _Calls:
 
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress``: start our collectives, return ``(placeholder, ctx)``."""
-    from hvd_compress.compressors import FP16, NoneCompressor
-
     if _framework(tensor) == "tensorflow":
         from hvd_compress.comm import horovod_tf
 
         return horovod_tf.compress(compressor, tensor)
 
-    if isinstance(compressor, NoneCompressor):
-        compressor.encode(tensor, "gradient passed to Horovod")  # validates, counts bytes
-        return tensor, _Context()
-    if isinstance(compressor, FP16):
-        payload = compressor.encode(tensor, "gradient passed to Horovod")
-        return payload.values.reshape(tensor.shape), _Context(dtype=tensor.dtype)
+    if compressor.payload_kind == "dense":  # None, FP16: Horovod's own allreduce moves it
+        wire = compressor.dense_wire_dtype
+        numel, itemsize = tensor.numel(), tensor.element_size()
+        compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
+        if wire is None:
+            return tensor, _Context()
+        import torch
+
+        return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
     name = _calls(compressor).next_name()
     exchange = BucketExchange(compressor, _communicator(), name)
     exchange.add(name, tensor)
@@ -112,9 +118,13 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         return horovod_tf.decompress(compressor, output, ctx)
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
-    _calls(compressor).decompressing = True
+    calls = _calls(compressor)
+    calls.decompressing = True
     world = _communicator().size
-    divisor = world / float(output.reshape(-1)[0])  # N for op=Average, 1 for op=Sum
+    reduced = calls.reductions.get(ctx.name)
+    if reduced is None:  # read once per tensor: Horovod applies the same op every step
+        reduced = calls.reductions[ctx.name] = float(output.reshape(-1)[0])
+    divisor = world / reduced  # N for op=Average, 1 for op=Sum
     if divisor == world:
         return ctx.exchange.finish(average=True)[ctx.name]
     return (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)

@@ -71,5 +71,6 @@ class TorchDistCommunicator(Communicator):
 
     def wait(self, handle: Any) -> Any:
         work, result = handle
-        work.wait()
+        if not work.get_future().done():  # a DDP hook decodes once the futures are done: no second wait
+            work.wait()
         return result()

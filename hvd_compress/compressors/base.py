@@ -80,6 +80,13 @@ class WireStats:
         """Dense bytes over bytes sent."""
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
 
+    def add(self, bytes_sent: int, dense_bytes: int, values_sent: int, numel: int) -> None:
+        """Count a whole bucket at once (the fused path)."""
+        self.bytes_sent += bytes_sent
+        self.dense_bytes += dense_bytes
+        self.values_sent += values_sent
+        self.numel += numel
+
     def reset(self) -> None:
         self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
 
@@ -89,7 +96,17 @@ class Compressor:
 
     Subclasses implement ``_encode(flat, name, shape)`` and, when their payload is
     not dense, ``_sum(payloads, numel)``.
+
+    Capabilities the exchanges dispatch on (never on the class):
+    ``payload_kind`` (``"dense"``, ``"sparse"`` or ``"ternary"``), ``fused`` (the
+    bucket can take :mod:`hvd_compress.comm.fused`), ``dense_wire_dtype`` (the
+    dtype dense payloads travel in, ``None`` for the gradient's) and
+    :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
     """
+
+    payload_kind = "dense"
+    fused = False
+    dense_wire_dtype: Optional[str] = None
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)
@@ -98,6 +115,7 @@ class Compressor:
         self.stats = WireStats()
         self._generators: Dict[str, Any] = {}
         self._saved_generators: Dict[str, Any] = {}
+        self._buckets: Dict[str, Any] = {}  # key -> FusedBucket: plan and state of fused buckets
 
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
@@ -187,8 +205,51 @@ class Compressor:
 
         return horovod.decompress(self, tensor, ctx)
 
+    # ------------------------------------------------------------- fused buckets
+    def fused_kind(self, numel: int) -> str:
+        """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
+        return "dense"
+
+    def fused_bucket(self, key: str, names: List[str], tensors: List[Any], world: int) -> Any:
+        """The :class:`~hvd_compress.comm.fused.FusedBucket` of ``key`` for this layout.
+
+        Built when the layout or configuration is new; state of the tensors it
+        holds moves over from other buckets through the per-name memory.
+        """
+        from hvd_compress.comm.fused import FusedBucket
+
+        shapes = [tuple(t.shape) for t in tensors]
+        bucket = self._buckets.get(key)
+        if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
+            return bucket
+        fresh = FusedBucket(self, key, names, shapes, tensors[0], world)
+        wanted = set(names)
+        for other_key, other in list(self._buckets.items()):
+            if other_key == key or wanted.intersection(other.names):
+                other.flush(self.memory)
+                del self._buckets[other_key]
+        fresh.adopt(self.memory)
+        self._buckets[key] = fresh
+        return fresh
+
+    def _flush_buckets(self) -> None:
+        """Write the fused buckets' state into the per-name memory (checkpoints, inspection)."""
+        for bucket in self._buckets.values():
+            bucket.flush(self.memory)
+
+    def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
+        """Scores a fused sparse bucket selects by (sparsifiers)."""
+        raise NotImplementedError
+
+    def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
+        """Hook: the sum over ranks of a fused bucket's compressed part (RegTop-k learns from it)."""
+
+    def warn_dense(self, name: str, numel: int) -> None:
+        """Hook: ``name`` now travels dense though the algorithm would compress it."""
+
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
+        self._flush_buckets()
         residual = self.memory.peek(name, "residual")
         if residual is None:
             return None
@@ -196,10 +257,14 @@ class Compressor:
 
     def reset(self, name: Optional[str] = None) -> None:
         """Drop the state of one tensor, or of all."""
+        for key, bucket in list(self._buckets.items()):
+            if name is None or name in bucket.names:
+                del self._buckets[key]
         self.memory.reset(name)
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
+        self._flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict()}
         state["generators"] = {
             **self._saved_generators,
@@ -215,6 +280,7 @@ class Compressor:
         saved = state.get("config", {}).get("type")
         if saved != type(self).__name__:
             raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
+        self._buckets = {}
         self.memory.load_state_dict(state["tensors"])
         self._generators = {}
         self._saved_generators = dict(state.get("generators", {}))

@@ -11,6 +11,8 @@ from hvd_compress.compressors.payload import DensePayload
 class NoneCompressor(Compressor):
     """Sends the gradient as it is (the dense allreduce baseline)."""
 
+    fused = True
+
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         return DensePayload(values=flat, dtype=flat.dtype)
 
@@ -19,8 +21,13 @@ class FP16(Compressor):
     """Casts to float16 for the wire and back after the sum (2 bytes per entry).
 
     Values that float16 cannot hold (they would round to Inf, beyond about 65520) are
-    an error rather than a silent Inf.
+    an error rather than a silent Inf on the per-tensor path; the fused path (torch)
+    lets them reach the sum as Inf on every rank, as a float16 allreduce does, so that
+    loss scaling sees them.
     """
+
+    fused = True
+    dense_wire_dtype = "float16"
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         values = ops.cast(flat, ops.float16)

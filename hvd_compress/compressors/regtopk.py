@@ -23,10 +23,13 @@ from typing import Any, Dict
 
 from hvd_compress import kernels
 from hvd_compress.compressors.sparse import DENSE_BELOW, Sparsifier
+from hvd_compress.compressors.validation import check_positive, checked
 
 
 class RegTopK(Sparsifier):
     """RegTop-k with temperature ``mu`` (default 5; the reference's linear regression uses 4)."""
+
+    mu = checked("mu", check_positive, "Temperature of the scores, a finite number > 0.")
 
     def __init__(
         self,
@@ -44,9 +47,6 @@ class RegTopK(Sparsifier):
             dense_when_cheaper=dense_when_cheaper,
             seed=seed,
         )
-        mu = float(mu)
-        if not mu > 0:
-            raise ValueError(f"hvd_compress: RegTopK temperature mu must be > 0, got {mu!r}")
         self.mu = mu
 
     def config(self) -> Dict[str, Any]:
@@ -67,6 +67,22 @@ class RegTopK(Sparsifier):
             return ops.topk_select(a, self.k(a.shape[0]))
         values = self.memory.peek(name, "posterior_values")
         return ops.regtopk_select_sparse(a, idx, values, self.mu, self.k(a.shape[0]))
+
+    def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
+        """``|a|``, damped by ``|tanh((1 + D) / mu)|`` where the last aggregate informed ``D``."""
+        if posterior is None:  # D = 1e8 everywhere: plain Top-k
+            return a.abs()
+        idx, distortion = posterior
+        scores = a.abs().to(ops.accumulation_dtype(ops.promote(a.dtype, distortion.dtype)))
+        return scores.index_copy_(0, idx, ops.regtopk_scores(a.index_select(0, idx), distortion, self.mu))
+
+    def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
+        """``D = (T - s) / s`` at the sent slots (``s != 0``), else 1e8; tensors flagged non-finite: 1e8."""
+        idx, values = sent
+        own = values.to(total.dtype)
+        informative = (own != 0) & ~bad[bucket.slot_rows]
+        distortion = (total.index_select(0, idx) - own) / own
+        bucket.posterior = (idx, ops.where(informative, distortion, ops.NO_DISTORTION))
 
     def _sent(self, name: str, indices: Any, values: Any) -> None:
         self.memory.set(name, "sent_indices", indices)

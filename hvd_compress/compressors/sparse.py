@@ -16,13 +16,28 @@ from typing import Any, Dict, List
 from hvd_compress.compressors import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
 from hvd_compress.compressors.payload import DensePayload, SparsePayload
+from hvd_compress.compressors.validation import check_bool, check_count, checked
 
 #: Tensors below this many elements go dense by default.
 DENSE_BELOW = 1024
 
 
 class Sparsifier(Compressor):
-    """Base of the sparse compressors; subclasses implement ``_select(a, name)``."""
+    """Base of the sparse compressors; subclasses implement ``_select(a, name)``.
+
+    Every parameter is checked when the compressor is made and when it is
+    assigned later (``TypeError`` for a wrong type, ``ValueError`` out of range).
+    """
+
+    payload_kind = "sparse"
+    fused = True
+
+    seed = checked("seed", check_count, "Seed of the random streams, an int >= 0.")
+    error_feedback = checked("error_feedback", check_bool, "Keep what was not sent in a residual (a bool).")
+    dense_below = checked("dense_below", check_count, "Tensors below this many elements go dense (an int >= 0).")
+    dense_when_cheaper = checked(
+        "dense_when_cheaper", check_bool, "Send a tensor dense where N ranks x k >= its size (a bool)."
+    )
 
     def __init__(
         self,
@@ -32,11 +47,11 @@ class Sparsifier(Compressor):
         dense_when_cheaper: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(seed=seed)
+        super().__init__(seed=check_count(seed, f"{type(self).__name__} seed"))  # before int() there
         self.ratio = ratio
-        self.error_feedback = bool(error_feedback)
-        self.dense_below = int(dense_below)
-        self.dense_when_cheaper = bool(dense_when_cheaper)
+        self.error_feedback = error_feedback
+        self.dense_below = dense_below
+        self.dense_when_cheaper = dense_when_cheaper
         self._warned_dense: set = set()
 
     @property
@@ -65,6 +80,25 @@ class Sparsifier(Compressor):
         """``N * k >= numel``: a ring allgather of every rank's ``k`` (value, index) pairs then
         moves at least the bytes of a dense ring allreduce (``(N-1) 8k`` vs ``2 (N-1)/N 4 numel``)."""
         return self.dense_when_cheaper and self.size > 1 and self.size * self.k(numel) >= numel
+
+    def fused_kind(self, numel: int) -> str:
+        if numel == 0 or numel < self.dense_below or self.dense_is_cheaper(numel):
+            return "dense"
+        return "sparse"
+
+    def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
+        """``|a|``: Top-k's scores."""
+        return a.abs()
+
+    def warn_dense(self, name: str, numel: int) -> None:
+        if name not in self._warned_dense and self.dense_is_cheaper(numel):
+            self._warned_dense.add(name)
+            warnings.warn(
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
+                f"k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
+                "payloads would move more bytes than a dense allreduce; its residual is sent with it",
+                stacklevel=4,
+            )
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if flat.shape[0] < self.dense_below:

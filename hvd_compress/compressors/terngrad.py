@@ -16,16 +16,33 @@ allgathered as 2-bit codes when that moves fewer bytes
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Dict, List, Optional
 
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.compressors.payload import DensePayload, TernaryPayload
 from hvd_compress.compressors.reference import two_bit_bytes
 from hvd_compress.compressors.sparse import DENSE_BELOW
+from hvd_compress.compressors.validation import check_bool, check_count, check_positive, checked
 
 
 class TernGrad(Compressor):
-    """TernGrad with clipping factor ``clip`` (``None``: no clipping) and scalar sharing."""
+    """TernGrad with clipping factor ``clip`` (``None``: no clipping) and scalar sharing.
+
+    Every parameter is checked when the compressor is made and when it is
+    assigned later (``TypeError`` for a wrong type, ``ValueError`` out of range).
+    """
+
+    payload_kind = "ternary"
+    fused = True
+
+    seed = checked("seed", check_count, "Seed of the random streams, an int >= 0.")
+    clip = checked(
+        "clip", partial(check_positive, allow_none=True), "Clipping factor c, a finite number > 0 or None."
+    )
+    scalar_sharing = checked("scalar_sharing", check_bool, "Share one scale per layer over ranks (a bool).")
+    error_feedback = checked("error_feedback", check_bool, "Keep what was not sent in a residual (a bool).")
+    dense_below = checked("dense_below", check_count, "Tensors below this many elements go dense (an int >= 0).")
 
     def __init__(
         self,
@@ -35,13 +52,11 @@ class TernGrad(Compressor):
         dense_below: int = DENSE_BELOW,
         seed: int = 0,
     ) -> None:
-        super().__init__(seed=seed)
-        if clip is not None and not float(clip) > 0:
-            raise ValueError(f"hvd_compress: TernGrad clip must be > 0 or None, got {clip!r}")
-        self.clip = None if clip is None else float(clip)
-        self.scalar_sharing = bool(scalar_sharing)
-        self.error_feedback = bool(error_feedback)
-        self.dense_below = int(dense_below)
+        super().__init__(seed=check_count(seed, f"{type(self).__name__} seed"))  # before int() there
+        self.clip = clip
+        self.scalar_sharing = scalar_sharing
+        self.error_feedback = error_feedback
+        self.dense_below = dense_below
 
     def config(self) -> Dict[str, Any]:
         return {
@@ -51,6 +66,9 @@ class TernGrad(Compressor):
             "error_feedback": self.error_feedback,
             "dense_below": self.dense_below,
         }
+
+    def fused_kind(self, numel: int) -> str:
+        return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
     # ------------------------------------------------------------------ steps
     def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:

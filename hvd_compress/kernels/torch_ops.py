@@ -170,6 +170,14 @@ def set_generator_state(rng: torch.Generator, state) -> None:
     rng.set_state(state)
 
 
+def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return torch.promote_types(a, b)
+
+
+def where(condition: torch.Tensor, a: torch.Tensor, b) -> torch.Tensor:
+    return torch.where(condition, a, b)
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -221,6 +229,40 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     return topk_indices(torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)), k)
+
+
+def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64, ``(rows, k)``.
+
+    Exactly ``k`` per row, ascending, ties to the lower index, and no host
+    synchronisation on an accelerator (:func:`topk_rows_keyed`). On CPU each row
+    goes through :func:`topk_indices` (numpy's selection is faster there; a row whose
+    ``k``-th score is NaN, where the reference selects nothing, takes the keyed path).
+    """
+    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+        return topk_rows_keyed(scores, k)
+    rows = []
+    for row in scores:
+        chosen = topk_indices(row, k)
+        rows.append(chosen.long() if chosen.shape[0] == k else topk_rows_keyed(row[None], k)[0])
+    return torch.stack(rows) if rows else scores.new_empty((0, k), dtype=torch.int64)
+
+
+def topk_rows_keyed(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of every row by one ``torch.topk`` of distinct int64 keys: ``bits(score) << 32 | (n - 1 - j)``.
+
+    For ``score >= 0`` the IEEE bits of a float32 grow with its value, so the keys
+    order the entries by score, then by lower index ``j``: the selection is the
+    reference's, ties included, of a fixed size (no count read back). NaN (its sign
+    bit cleared) ranks above +Inf. Scores must be non-negative and exact in float32
+    (float16, bfloat16, float32).
+    """
+    rows, n = scores.shape
+    bits = scores.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    keys = (bits & 0x7FFFFFFF).bitwise_left_shift_(32)
+    keys += torch.arange(n - 1, -1, -1, dtype=torch.int64, device=scores.device)
+    top = torch.topk(keys, k, dim=1, sorted=False).values
+    return torch.sort((n - 1) - (top & 0xFFFFFFFF), dim=1).values
 
 
 # ------------------------------------------------------------------ Gaussian-k

@@ -135,6 +135,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in range(len(self._buckets)):
             if bucket not in self._in_flight:
                 self._launch(bucket)
+        grads, results = [], []
         for bucket in range(len(self._buckets)):
             for name, result in self._in_flight.pop(bucket).finish(self._average).items():
                 p = self._params[name]
@@ -143,7 +144,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     p.grad = result.to(p.dtype)
                 else:
-                    p.grad.copy_(result)
+                    grads.append(p.grad)
+                    results.append(result)
+        if grads:
+            torch._foreach_copy_(grads, results)  # one launch for all parameters
         self._ready = [set() for _ in self._buckets]
         self._delay = {n: self._passes for n in self._params}
         self._synchronized = True

@@ -1,0 +1,449 @@
+"""The fused bucket path for torch tensors: a few kernels per bucket, no host reads in a step.
+
+:class:`~hvd_compress.comm.exchange.BucketExchange` hands a bucket here when its
+tensors are torch tensors of one dtype and device and the compressor offers a
+fused form (``compressor.fused``: None, FP16, Top-k, RegTop-k, TernGrad).
+What a step of a bucket needs to know in advance is known in advance: a
+:class:`FusedBucket` is built once per layout (names, shapes, dtype, device,
+compressor configuration, world size) and holds
+
+- the split of the bucket into a *dense* part (None, FP16, tensors under
+  ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, whose
+  tensors are laid out grouped by size so that each group of equal-size tensors
+  is one ``(rows, n)`` matrix;
+- every size on the wire: ``k = ceil(ratio n)`` per tensor, so each rank sends
+  exactly ``K = sum k`` values and indices and no count is exchanged;
+- the state: the compressed part's error-feedback residual as one flat buffer,
+  RegTop-k's posterior as fixed-size ``(indices, D)`` vectors.
+
+Building it checks once that every rank agrees (an allgather of ``[config hash,
+layout hash]``, read on the host); afterwards a step reads nothing back:
+
+sparse (Top-k, RegTop-k), per bucket::
+
+    a = g + r                                   one cat, one add
+    S = top-k rows of score(a)                  one top-k per size group
+    send a[S] ++ flags, S                       two allgathers (fixed size)
+    r = a with a[S] set to 0 (flagged tensors: r unchanged)
+    result = (sum over ranks, scatter-add in rank order) / N + F
+
+TernGrad: per-row clipping, scales ``max|g|`` and non-finite flags for all
+tensors at once, one allreduce-Max of ``scales ++ flags`` (waited for on the
+device stream where the transport allows), codes for the whole part with each
+tensor's own draws, one packed int32 allreduce (or 2-bit allgather).
+
+Non-finite values behave as in the dense allreduce they replace: each rank
+adds a flag ``f_j = 0 * sum(a_j)`` (0, or NaN when ``a_j`` holds NaN/Inf) per
+compressed tensor to its values; the flags' sum over ranks is added to the
+tensor's result, so a NaN/Inf on any rank makes that tensor non-finite on every
+rank (``torch.cuda.amp.GradScaler`` then skips the step everywhere), and the
+tensor's residual and RegTop-k posterior keep their values from before the
+step. Dense tensors carry NaN/Inf through the sum themselves.
+
+Results are those of the per-tensor compressors (and the Simulator) bit for
+bit: same selection (ties to the lower index), same sums in rank order, same
+draws (each tensor draws its own uniforms, in the order the tensors were added).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from hvd_compress.kernels import torch_ops as ops
+
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the bucket can take the fused path (else the per-tensor path runs)."""
+    if not getattr(compressor, "fused", False) or not tensors:
+        return False
+    first = tensors[0]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if first.dtype not in FUSED_DTYPES or any(
+        t.dtype != first.dtype or t.device != first.device for t in tensors
+    ):
+        return False
+    # Exact top-k keys hold float32 scores; float64 selections run per tensor off the CPU.
+    if compressor.payload_kind == "sparse" and first.dtype == torch.float64 and first.device.type != "cpu":
+        return False
+    return True
+
+
+class Group:
+    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``."""
+
+    def __init__(self, start: int, members: List[int], n: int, k: int, device: torch.device) -> None:
+        self.start, self.members, self.rows, self.n, self.k = start, members, len(members), n, k
+        self.stop = start + self.rows * n
+        #: offset of each row's first element, to turn row-local indices into work positions
+        self.row_base = (torch.arange(self.rows, dtype=torch.int64, device=device) * n + start)[:, None]
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start : self.stop].view(self.rows, self.n)
+
+
+class FusedBucket:
+    """Plan and state of one bucket on the fused path (see the module docstring)."""
+
+    def __init__(self, compressor: Any, key: str, names: List[str], shapes: List[tuple], like: torch.Tensor,
+                 world: int) -> None:
+        self.compressor, self.key, self.world = compressor, key, world
+        self.names, self.shapes = list(names), [tuple(s) for s in shapes]
+        self.dtype, self.device = like.dtype, like.device
+        self.acc = ops.accumulation_dtype(self.dtype)
+        self.config_hash = compressor.config_hash()
+        self.numels = [math.prod(s) for s in self.shapes]
+        self.kinds = [compressor.fused_kind(n) for n in self.numels]
+        by_size: Dict[int, List[int]] = {}
+        for i, kind in enumerate(self.kinds):
+            if kind != "dense":
+                by_size.setdefault(self.numels[i], []).append(i)
+        self.groups: List[Group] = []
+        start = 0
+        sparse = compressor.payload_kind == "sparse"
+        for n, members in by_size.items():
+            k = compressor.k(n) if sparse else 0
+            self.groups.append(Group(start, members, n, k, self.device))
+            start += len(members) * n
+        self.compressed = [i for g in self.groups for i in g.members]  # work order
+        self.n_compressed = start
+        self.dense = [i for i, kind in enumerate(self.kinds) if kind == "dense"]
+        self.n_dense = sum(self.numels[i] for i in self.dense)
+        self.k_total = sum(g.rows * g.k for g in self.groups)
+        self.index_dtype = ops.index_dtype(max(self.n_compressed, 1))
+        self.offsets: Dict[int, int] = {}
+        for g in self.groups:
+            for row, i in enumerate(g.members):
+                self.offsets[i] = g.start + row * g.n
+        # each selected slot's compressed-tensor number (row in work order), for RegTop-k's posterior
+        ks = torch.tensor([g.k for g in self.groups for _ in g.members], dtype=torch.int64)
+        self.slot_rows = torch.repeat_interleave(torch.arange(len(self.compressed)), ks).to(self.device)
+        #: element count of each compressed tensor (work order), to spread per-tensor values
+        self.lengths = torch.tensor([self.numels[i] for i in self.compressed], dtype=torch.int64,
+                                    device=self.device)
+        layout = (self.names, self.shapes, self.kinds, str(self.dtype))
+        self.signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+        # state
+        self.residual: Optional[torch.Tensor] = None
+        self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.flush_into_dense: Dict[int, torch.Tensor] = {}
+        self.checked = False
+
+    # ------------------------------------------------------------------ layout
+    def matches(self, names: List[str], shapes: List[tuple], like: torch.Tensor, world: int) -> bool:
+        return (
+            names == self.names
+            and shapes == self.shapes
+            and like.dtype == self.dtype
+            and like.device == self.device
+            and world == self.world
+            and self.compressor.config_hash() == self.config_hash
+        )
+
+    def check(self, comm: Any) -> None:
+        """Once per layout: every rank runs the same configuration on the same layout (one host read)."""
+        header = torch.tensor([[self.config_hash, self.signature]], dtype=torch.int64, device=self.device)
+        rows = ops.to_list(comm.wait(comm.allgather_async(header, f"{self.key}.header", [1] * self.world)))
+        if any(row != rows[0] for row in rows):
+            raise ValueError(
+                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, or the "
+                f"names, shapes and order of the gradients): [config hash, layout hash] per rank = {rows}; "
+                f"this rank runs {self.compressor!r} on {self._describe()}"
+            )
+        self.checked = True
+
+    def _describe(self) -> str:
+        parts = [f"{n}{list(s)}:{k}" for n, s, k in zip(self.names, self.shapes, self.kinds)]
+        shown = ", ".join(parts[:6]) + (f", ... ({len(parts)} tensors)" if len(parts) > 6 else "")
+        return f"{self.dtype} [{shown}]"
+
+    # ------------------------------------------------------------------- state
+    def adopt(self, memory: Any) -> None:
+        """Take each tensor's state from the compressor's per-name memory (checkpoints, other layouts)."""
+        comp = self.compressor
+        feedback = getattr(comp, "error_feedback", False)
+        residuals = []
+        post_idx, post_val = [], []
+        for i in self.compressed:
+            name, shape = self.names[i], self.shapes[i]
+            memory.track(name, shape)
+            r = memory.peek(name, "residual")
+            if feedback:
+                residuals.append(
+                    r.reshape(-1).to(self.dtype)
+                    if r is not None
+                    else torch.zeros(self.numels[i], dtype=self.dtype, device=self.device)
+                )
+            idx = memory.peek(name, "posterior_indices")
+            if idx is not None:
+                post_idx.append(idx.to(torch.int64) + self.offsets[i])
+                post_val.append(memory.peek(name, "posterior_values"))
+        if feedback and residuals:
+            self.residual = torch.cat(residuals).to(self.device)
+        if post_idx:
+            self.posterior = (torch.cat(post_idx).to(self.device), torch.cat(post_val).to(self.device))
+        for i in self.dense:
+            name = self.names[i]
+            r = memory.peek(name, "residual")
+            if r is not None and r.numel() == self.numels[i]:
+                self.flush_into_dense[i] = r.reshape(-1).to(self.dtype)
+                comp.warn_dense(name, self.numels[i])
+            memory.reset(name)
+        for i in self.compressed:
+            memory.reset(self.names[i])  # the bucket's state is the truth until flush()
+
+    def flush(self, memory: Any) -> None:
+        """Write each tensor's state back to the per-name memory (views; no copy of the residual)."""
+        for i in self.compressed:
+            name, shape, start, n = self.names[i], self.shapes[i], self.offsets[i], self.numels[i]
+            memory.track(name, shape)
+            if self.residual is not None:
+                memory.set(name, "residual", self.residual[start : start + n].view(shape))
+            if self.posterior is not None:
+                idx, values = self.posterior
+                mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
+                memory.set(name, "posterior_indices", (idx[mine] - start).to(ops.index_dtype(n)))
+                memory.set(name, "posterior_values", values[mine])
+        for i, r in self.flush_into_dense.items():
+            memory.set(self.names[i], "residual", r.view(self.shapes[i]))
+
+    # ------------------------------------------------------------------ encode
+    def launch(self, tensors: List[torch.Tensor], comm: Any) -> "Launched":
+        """Encode the bucket and start its collectives."""
+        if not self.checked:
+            self.check(comm)
+        out = Launched(self)
+        dense = self._dense_input(tensors)
+        if dense is not None:
+            out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
+        if self.compressed:
+            g = torch.cat([tensors[i].reshape(-1) for i in self.compressed])
+            if self.compressor.payload_kind == "sparse":
+                self._launch_sparse(g, comm, out)
+            else:
+                self._launch_ternary(g, tensors, comm, out)
+        self._record(out)
+        return out
+
+    def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        if not self.dense:
+            return None
+        parts = []
+        for i in self.dense:
+            flat = tensors[i].reshape(-1)
+            parts.append(flat + self.flush_into_dense.pop(i) if i in self.flush_into_dense else flat)
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        wire = self.compressor.dense_wire_dtype
+        return flat if wire is None else ops.cast(flat, getattr(torch, wire))
+
+    def _launch_sparse(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
+        comp = self.compressor
+        a = g.add_(self.residual) if self.residual is not None else g  # g is the bucket's own copy
+        scores = comp.bucket_scores(a, self.posterior, ops)
+        idx = torch.cat([(ops.topk_rows(grp.view(scores), grp.k) + grp.row_base).reshape(-1) for grp in self.groups])
+        values = a.index_select(0, idx)
+        flags = torch.cat([grp.view(a).sum(dim=1, dtype=torch.float32) for grp in self.groups]).mul_(0)
+        if self.residual is not None:
+            out.residual = a.index_fill_(0, idx, 0)
+        out.sent = (idx, values)
+        rows = [self.k_total + len(self.compressed)] * self.world
+        out.handles["values"] = comm.allgather_async(
+            torch.cat([values, flags.to(values.dtype)]), f"{self.key}.values", rows
+        )
+        out.handles["indices"] = comm.allgather_async(
+            idx.to(self.index_dtype), f"{self.key}.indices", [self.k_total] * self.world
+        )
+
+    def _launch_ternary(self, g: torch.Tensor, tensors: List[torch.Tensor], comm: Any, out: "Launched") -> None:
+        comp = self.compressor
+        a = g.add_(self.residual) if self.residual is not None else g
+        clipped = a if comp.clip is None else torch.empty_like(a)
+        scales = []
+        for grp in self.groups:
+            rows = grp.view(a)
+            if comp.clip is not None:
+                std = torch.std(rows, dim=1, correction=0)
+                low, high = torch.aminmax(rows, dim=1)
+                bound = (std.double() * comp.clip).to(self.dtype)
+                bound = torch.where((bound == 0) | (low == high), torch.inf, bound)[:, None]
+                torch.clamp(rows, -bound, bound, out=grp.view(clipped))
+            low, high = torch.aminmax(grp.view(clipped), dim=1)
+            scales.append(torch.maximum(-low, high).abs())
+        local = torch.cat(scales).to(self.acc)
+        bad = (~torch.isfinite(local)).to(self.acc)
+        uniform = torch.empty(self.n_compressed, dtype=torch.float32, device=self.device)
+        generator = comp.generator(ops, a)
+        for i in sorted(self.compressed):  # draws in the order the tensors were added
+            start = self.offsets[i]
+            torch.rand(self.numels[i], generator=generator, dtype=torch.float32, device=self.device,
+                       out=uniform[start : start + self.numels[i]])
+        uniform = uniform.to(self.dtype)
+        sanitized = torch.nan_to_num(local, nan=0.0, posinf=0.0)
+        if comp.scalar_sharing:
+            shared = comm.wait(comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales"))
+            count = len(self.compressed)
+            scale, out.bad = shared[:count], shared[count:] > 0
+        else:
+            scale, out.bad = sanitized, None
+            out.handles["scales"] = comm.allgather_async(torch.cat([sanitized, bad]), f"{self.key}.scales")
+        codes = self._codes(clipped, scale.to(self.dtype), uniform)
+        if self.residual is not None:
+            out.residual = a.sub_(self._per_row(scale.to(self.dtype)) * codes.to(self.dtype))
+        out.scale = scale
+        out.wire_format = ops.ternary_wire_format(self.n_compressed, self.world) if comp.scalar_sharing else "allgather"
+        if out.wire_format == "allreduce":
+            lanes = ops.pack_ternary(codes, self.world)
+            out.handles["codes"] = comm.allreduce_async(lanes, comm.SUM, f"{self.key}.lanes")
+        else:
+            out.handles["codes"] = comm.allgather_async(ops.pack_two_bit(codes), f"{self.key}.codes2bit")
+
+    def _per_row(self, per_tensor: torch.Tensor) -> torch.Tensor:
+        """A per-compressed-tensor vector spread over the compressed part (one value per element)."""
+        return torch.repeat_interleave(per_tensor, self.lengths, output_size=self.n_compressed)
+
+    def _codes(self, g: torch.Tensor, scale: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """TernGrad codes of every compressed tensor: ``sign(g) [u < |g| / S]`` with each tensor's ``S``."""
+        codes = torch.empty(self.n_compressed, dtype=torch.int8, device=self.device)
+        row = 0
+        for grp in self.groups:
+            rows = grp.view(g)
+            ratio = rows.abs().div_(scale[row : row + grp.rows, None])
+            keep = torch.lt(grp.view(uniform), ratio)
+            signs = (rows > 0).view(torch.int8) - (rows < 0).view(torch.int8)
+            torch.mul(signs, keep, out=grp.view(codes))
+            row += grp.rows
+        return codes
+
+    def _record(self, out: "Launched") -> None:
+        stats, itemsize = self.compressor.stats, ops.itemsize(torch.empty((), dtype=self.dtype))
+        sent = 0
+        for name, handle_input in out.wire_bytes().items():
+            sent += handle_input
+        numel = self.n_dense + self.n_compressed
+        values = self.n_dense + (self.k_total if self.compressor.payload_kind == "sparse" else self.n_compressed)
+        stats.add(sent, numel * itemsize, values, numel)
+
+
+class Launched:
+    """One step of a :class:`FusedBucket`: the collectives in flight and what ``finish`` needs."""
+
+    def __init__(self, bucket: FusedBucket) -> None:
+        self.bucket = bucket
+        self.handles: Dict[str, Any] = {}
+        self.residual: Optional[torch.Tensor] = None
+        self.sent: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.scale: Optional[torch.Tensor] = None
+        self.bad: Optional[torch.Tensor] = None
+        self.wire_format = ""
+
+    def wire_bytes(self) -> Dict[str, int]:
+        b = self.bucket
+        sizes = {}
+        itemsize = torch.empty((), dtype=b.dtype).element_size()
+        if b.dense:
+            wire = b.compressor.dense_wire_dtype
+            sizes["dense"] = b.n_dense * (2 if wire == "float16" else itemsize)
+        if b.compressed and b.compressor.payload_kind == "sparse":
+            index_size = torch.empty((), dtype=b.index_dtype).element_size()
+            sizes["sparse"] = b.k_total * (itemsize + index_size) + len(b.compressed) * itemsize
+        elif b.compressed:
+            codes = (4 * ops.ternary_lanes(b.n_compressed, b.world) if self.wire_format == "allreduce"
+                     else ops.two_bit_bytes(b.n_compressed))
+            sizes["ternary"] = codes + 2 * len(b.compressed) * torch.empty((), dtype=b.acc).element_size()
+        return sizes
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
+        """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape."""
+        b = self.bucket
+        results: Dict[str, torch.Tensor] = {}
+        if b.dense:
+            total = comm.wait(self.handles["dense"]).to(b.acc)
+            flat = self._scaled(total, average)
+            start = 0
+            for i in b.dense:
+                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
+                start += b.numels[i]
+        if b.compressed:
+            if b.compressor.payload_kind == "sparse":
+                flat = self._finish_sparse(comm, average)
+            else:
+                flat = self._finish_ternary(comm, average)
+            for i in b.compressed:
+                start = b.offsets[i]
+                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
+        return results
+
+    def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
+        b = self.bucket
+        return ops.cast(ops.divide(total, b.world) if average else total, b.dtype)
+
+    def _finish_sparse(self, comm: Any, average: bool) -> torch.Tensor:
+        b = self.bucket
+        count = len(b.compressed)
+        values = comm.wait(self.handles["values"]).view(b.world, b.k_total + count)
+        indices = comm.wait(self.handles["indices"]).view(b.world, b.k_total)
+        total = torch.zeros(b.n_compressed, dtype=b.acc, device=b.device)
+        for rank in range(b.world):  # rank order: the same sums on every rank and device
+            total.index_add_(0, indices[rank].long(), values[rank, : b.k_total].to(b.acc))
+        flags = values[:, b.k_total :].to(b.acc).sum(dim=0)  # 0, or NaN where any rank was non-finite
+        bad = torch.isnan(flags)
+        b.compressor.bucket_observe(b, total, self.sent, bad, ops)
+        result = self._scaled(total, average)
+        self._poison_and_keep(result, flags, bad)
+        return result
+
+    def _finish_ternary(self, comm: Any, average: bool) -> torch.Tensor:
+        b = self.bucket
+        count = len(b.compressed)
+        received = comm.wait(self.handles["codes"])
+        if b.compressor.scalar_sharing:
+            if self.wire_format == "allreduce":
+                code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
+            else:
+                chunk = ops.two_bit_bytes(b.n_compressed)
+                code_sum = ops.sum_codes(
+                    [ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed) for r in range(b.world)]
+                )
+            total = self._scaled_rows(code_sum.to(b.acc), self.scale)
+            bad = self.bad
+        else:
+            shared = comm.wait(self.handles["scales"]).view(b.world, 2 * count)
+            chunk = ops.two_bit_bytes(b.n_compressed)
+            total = None
+            for r in range(b.world):  # rank order
+                codes = ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
+                part = self._scaled_rows(codes.to(b.acc), shared[r, :count])
+                total = part if total is None else total.add_(part)
+            bad = (shared[:, count:] > 0).any(dim=0)
+        flags = torch.where(bad, torch.nan, 0.0).to(b.acc)
+        result = self._scaled(total, average)
+        self._poison_and_keep(result, flags, bad)
+        return result
+
+    def _scaled_rows(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        b = self.bucket
+        row = 0
+        for grp in b.groups:
+            grp.view(codes).mul_(scale[row : row + grp.rows, None].to(b.acc))
+            row += grp.rows
+        return codes
+
+    def _poison_and_keep(self, result: torch.Tensor, flags: torch.Tensor, bad: torch.Tensor) -> None:
+        """Flagged tensors: non-finite result on every rank, residual as before the step."""
+        b = self.bucket
+        row = 0
+        for grp in b.groups:
+            grp.view(result).add_(flags[row : row + grp.rows, None].to(result.dtype))
+            if self.residual is not None:
+                keep = bad[row : row + grp.rows, None]
+                torch.where(keep, grp.view(b.residual), grp.view(self.residual), out=grp.view(self.residual))
+            row += grp.rows
+        if self.residual is not None:
+            b.residual = self.residual

@@ -1,0 +1,90 @@
+"""Checks of the compressors' arguments, at construction and on assignment.
+
+Each ``check_*`` returns the value in its canonical type, or raises
+``TypeError`` (wrong type: ``error_feedback='no'``, ``dense_below=1.5``) or
+``ValueError`` (out of range: ``dense_below=-1``, ``clip=-1``), naming the
+argument. :func:`checked` makes a property that runs a check on every
+assignment, so ``compressor.clip = -1`` fails as ``TernGrad(clip=-1)`` does
+instead of silently changing what is sent.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from statistics import StatisticsError
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from hvd_compress.compressors import reference
+
+#: Smallest Gaussian-k ratio: below it ``ratio / 2`` rounds to 0 and the tail
+#: quantile ``Phi^-1(1 - ratio / 2)`` (:func:`reference.normal_tail_quantile`) is undefined.
+GAUSSIANK_MIN_RATIO = 2 * math.ulp(0.0)  # 1e-323
+
+
+def _got(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool (Python or numpy); ``TypeError`` otherwise (``'no'`` is not False)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"hvd_compress: {name} must be True or False, got {_got(value)}")
+    return bool(value)
+
+
+def check_count(value: Any, name: str) -> int:
+    """``value`` as a non-negative int; bools, floats and negatives are rejected."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"hvd_compress: {name} must be an int >= 0, got {_got(value)}")
+    if value < 0:
+        raise ValueError(f"hvd_compress: {name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def check_positive(value: Any, name: str, allow_none: bool = False) -> Optional[float]:
+    """``value`` as a finite float > 0 (or ``None`` when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    expected = "a finite number > 0" + (" or None" if allow_none else "")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"hvd_compress: {name} must be {expected}, got {_got(value)}")
+    number = float(value)
+    if not 0.0 < number < math.inf:  # also rejects NaN
+        raise ValueError(
+            f"hvd_compress: {name} must be > 0 and finite{' (or None)' if allow_none else ''}, got {value!r}"
+        )
+    return number
+
+
+def check_gaussiank_ratio(ratio: float) -> float:
+    """A ratio (already in (0, 1]) for which Gaussian-k's threshold is finite: ``>= 1e-323``."""
+    try:
+        quantile = reference.normal_tail_quantile(ratio)
+    except StatisticsError:
+        quantile = math.nan
+    if not math.isfinite(quantile):
+        raise ValueError(
+            f"hvd_compress: GaussianK ratio {ratio!r} is too small: the Gaussian tail quantile "
+            f"Phi^-1(1 - ratio / 2) of its threshold is not finite (ratio / 2 rounds to 0); "
+            f"the smallest ratio is {GAUSSIANK_MIN_RATIO!r}"
+        )
+    return ratio
+
+
+def checked(attribute: str, check: Callable[[Any, str], Any], doc: str) -> property:
+    """A property stored in ``_<attribute>`` whose every assignment passes through ``check``.
+
+    ``check(value, label)`` gets the label ``"<Class> <attribute>"`` for its messages.
+    """
+    slot = "_" + attribute
+
+    def get(self) -> Any:
+        return getattr(self, slot)
+
+    def set(self, value: Any) -> None:
+        setattr(self, slot, check(value, f"{type(self).__name__} {attribute}"))
+
+    return property(get, set, doc=doc)

@@ -1,0 +1,220 @@
+"""The fused torch bucket path (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
+
+Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on buckets
+of several tensors (sizes repeated, so tensors share a top-k call; small ones
+dense) and must equal the :class:`~hvd_compress.simulator.Simulator`, which
+encodes tensor by tensor, over several steps, for every fused compressor and
+gradient dtype. Also: the keyed top-k equals the reference with ties, nothing
+is lost (sent + residual == produced), a NaN on one rank makes that tensor
+non-finite on every rank and leaves every residual as it was, and a steady-state
+step reads no tensor back to the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_compress import FP16, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
+from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
+from hvd_compress.comm.simulator import run_ranks  # noqa: E402
+from hvd_compress.compressors import reference  # noqa: E402
+from hvd_compress.kernels import torch_ops  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+
+SHAPES = {"a": (40, 50), "b": (7,), "c": (2000,), "d": (40, 50), "e": (2000,), "f": (33, 61)}
+COMPRESSORS = {
+    "topk": lambda: TopK(0.05),
+    "topk-no-feedback": lambda: TopK(0.05, error_feedback=False),
+    "regtopk": lambda: RegTopK(0.05, seed=1),
+    "terngrad": lambda: TernGrad(seed=3),
+    "terngrad-feedback-unclipped": lambda: TernGrad(clip=None, error_feedback=True, seed=3),
+    "terngrad-unshared": lambda: TernGrad(scalar_sharing=False, seed=3),
+    "fp16": FP16,
+    "none": NoneCompressor,
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def gradients(rank: int, step: int, dtype, ties: bool = False):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    grads = {}
+    for name, shape in SHAPES.items():
+        g = torch.randn(shape, generator=generator)
+        if ties:  # few distinct magnitudes: many ties at every k-th value
+            g = torch.round(g * 2) / 2
+        grads[name] = g.to(dtype)
+    return grads
+
+
+def exchange_steps(comm, make, dtype, steps, ties=False, nan=None):
+    compressor = make()
+    out = []
+    for step in range(steps):
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in gradients(comm.rank, step, dtype, ties).items():
+            if nan == (comm.rank, step, name):
+                g = g.clone()
+                g.view(-1)[3] = float("nan")
+            exchange.add(name, g)
+        exchange.launch()
+        assert exchange.fused is not None, "the bucket did not take the fused path"
+        out.append({n: t.clone() for n, t in exchange.finish(average=True).items()})
+        out[-1]["residuals"] = {n: compressor.residual(n) for n in SHAPES}
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", COMPRESSORS)
+def test_fused_bucket_equals_simulator(kind, dtype):
+    if kind.startswith("fp16") and dtype == torch.float64:
+        pytest.skip("float64 -> float16 rounding is covered by the kernel tests")
+    ranks, steps = 3, 3
+    results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, ties=True))
+    sim = Simulator(ranks, COMPRESSORS[kind]())
+    # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
+    # tensors, which may round differently from one tensor's std; all else is bit for bit.
+    clipped = kind in ("terngrad", "terngrad-unshared")
+    tolerance = 64 * torch.finfo(dtype).eps if clipped else 0
+    for step in range(steps):
+        per_rank = [gradients(r, step, dtype, ties=True) for r in range(ranks)]
+        expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
+        for rank, result in enumerate(results):
+            for name in SHAPES:
+                got, want = result[step][name], expected[name]
+                assert got.dtype == want.dtype and got.shape == want.shape, name
+                np.testing.assert_allclose(
+                    got.double().numpy(),
+                    want.double().numpy(),
+                    rtol=0,
+                    atol=tolerance * float(want.double().abs().max()),
+                    err_msg=f"{kind} {dtype} step {step} {name}",
+                )
+                residual = sim.compressors[rank].residual(name)
+                if residual is not None:
+                    np.testing.assert_array_equal(
+                        result[step]["residuals"][name].double().numpy(), residual.double().numpy()
+                    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_keyed_topk_equals_reference_with_ties(dtype):
+    generator = torch.Generator().manual_seed(0)
+    for n, k in [(1, 1), (10, 3), (1000, 10), (1000, 999), (4096, 41)]:
+        scores = (torch.randint(0, 6, (5, n), generator=generator).float() / 4).to(dtype)
+        got = torch_ops.topk_rows_keyed(scores, k)
+        for row, chosen in zip(scores, got):
+            expected = reference.topk_indices(row.float().numpy(), k)
+            np.testing.assert_array_equal(chosen.numpy(), expected)
+        np.testing.assert_array_equal(torch_ops.topk_rows(scores.float(), k).numpy(), got.numpy())
+
+
+def test_sent_plus_residual_equals_produced():
+    """One rank, Top-k with error feedback: sum of results + residual == sum of gradients."""
+    results = exchange_steps(SingleProcessCommunicator(), lambda: TopK(0.01), torch.float64, 6)
+    for name in SHAPES:
+        produced = sum(gradients(0, step, torch.float64)[name] for step in range(6))
+        delivered = sum(results[step][name] for step in range(6))
+        residual = results[-1]["residuals"][name]
+        total = delivered + (0 if residual is None else residual)
+        np.testing.assert_allclose(total.numpy(), produced.numpy(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad-feedback-unclipped", "fp16"])
+def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind):
+    ranks = 2
+    results = run_ranks(
+        ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], torch.float32, 3, nan=(1, 1, "a"))
+    )
+    for result in results:
+        assert not torch.isfinite(result[1]["a"]).all(), "tensor 'a' should be non-finite on every rank"
+        assert all(bool(torch.isfinite(result[s][n]).all()) for s in range(3) for n in SHAPES if (s, n) != (1, "a"))
+        before, after = result[0]["residuals"]["a"], result[1]["residuals"]["a"]
+        if before is not None:
+            assert torch.equal(before, after), "the residual of the NaN step must be kept"
+        for name in SHAPES:
+            residual = result[2]["residuals"][name]
+            assert residual is None or bool(torch.isfinite(residual).all()), name
+
+
+def test_checkpoint_of_a_fused_bucket_resumes_exactly():
+    comm = SingleProcessCommunicator()
+
+    def run(compressor, steps, start=0):
+        out = None
+        for step in range(start, start + steps):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in gradients(0, step, torch.float32).items():
+                exchange.add(name, g)
+            exchange.launch()
+            out = exchange.finish()
+        return out
+
+    straight = run(RegTopK(0.05), 4)
+    first = RegTopK(0.05)
+    run(first, 2)
+    resumed = RegTopK(0.05)
+    resumed.load_state_dict(first.state_dict())
+    again = run(resumed, 2, start=2)
+    for name in SHAPES:
+        assert torch.equal(again[name], straight[name]), name
+
+
+@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad", "fp16", "none"])
+def test_steady_state_step_reads_nothing_back(kind):
+    """The CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``: after the first step (the
+    layout check), a step calls no item/tolist/bool/int/float/index on any tensor."""
+    from tests.distributed import torch_horovod as workload
+
+    import hvd_compress.torch as hvd_torch
+
+    model = workload.make_model()
+    optimizer = hvd_torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        compression=COMPRESSORS[kind](),
+        communicator=SingleProcessCommunicator(),
+    )
+    data = workload.batches(0, 3)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        workload.loss_fn(model, x, y).backward()
+        optimizer.step()
+
+    step(*data[0])
+    with count_host_reads() as reads:
+        for x, y in data[1:]:
+            step(x, y)
+    syncing = {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
+    assert not syncing, f"{kind}: host reads in a steady-state step: {syncing} at {reads.sites.most_common(5)}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad", "fp16", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cuda_steady_state_step_never_synchronizes(kind, dtype):
+    """On a GPU: ``torch.cuda.set_sync_debug_mode("error")`` around steady-state exchanges."""
+    comm = SingleProcessCommunicator()
+    compressor = COMPRESSORS[kind]()
+
+    def step(index):
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in gradients(0, index, dtype).items():
+            exchange.add(name, g.cuda())
+        exchange.launch()
+        return exchange.finish()
+
+    step(0)  # the layout check reads its header once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for index in range(1, 4):
+            step(index)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
