@@ -9,7 +9,11 @@
 - heavy-tailed (Student-t 1.5) noise and one slow worker (``-np 4``): clipped
   ends at a lower loss than unclipped;
 - a worker that exits abruptly, or hangs, ends the job within 60 s with an
-  error naming its rank.
+  error naming its rank;
+- an exception on one rank (in a worker's ``grad_fn``, a NaN gradient the
+  server rejects, or in the script after ``async_sgd`` returned while the other
+  rank waits in a barrier) aborts the 2-process job within seconds, the cause
+  printed by that rank.
 
 Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make test``).
 """
@@ -202,3 +206,25 @@ def test_dead_worker_ends_the_job_with_a_clear_error(how):
         assert ours, launch.output(done)
     else:  # Open MPI's launcher may notice the exit before the server's timeout does
         assert ours or re.search(r"process rank 1 .*exiting\s+improperly|@1,1\]", output), launch.output(done)
+
+
+@pytest.mark.parametrize(
+    "how, cause",
+    [
+        ("raise", "[rank 1] RuntimeError: injected failure in grad_fn on rank 1"),
+        ("nan", "[rank 0] FloatingPointError: hvd_compress: the gradient of worker 1"),
+        ("after", "[rank 1] RuntimeError: injected failure after async_sgd on rank 1"),
+    ],
+    ids=["raise", "nan", "after"],
+)
+def test_exception_on_one_rank_aborts_the_job(how, cause):
+    launch.require_mpi()
+    done, elapsed = launch.run_to_the_end("mpirun", 2, MODULE, "fail", "--how", how)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, launch.output(done)
+    assert "finished without noticing" not in output
+    assert elapsed < 45, f"took {elapsed:.0f} s to end"
+    assert cause in output, launch.output(done)
+    rank = cause[6]
+    assert f"[rank {rank}] Traceback (most recent call last):" in output
+    assert f"MPI_ABORT was invoked on rank {rank}" in output

@@ -6,6 +6,11 @@
 - ``hvd_compress.mpi.DistributedOptimizer`` on 4 processes == the in-process
   Simulator (1e-6 absolute, as for Horovod);
 - a rank configured with another ratio makes every rank fail fast with "ranks disagree";
+  left uncaught, every rank prints it (``[rank R]`` lines) and the job aborts;
+- an exception on rank 1 alone during training (in the script, or a NaN gradient
+  Gaussian-k rejects) ends the 2-process job within seconds, not a hang, with
+  rank 1's traceback in the output (the abort hook of ``hvd_compress.comm.mpi``);
+  ``HVD_COMPRESS_MPI_ABORT_ON_ERROR=0`` does not install it;
 - ``examples/mpi_train.py`` trains (1 epoch, 2 processes): its loss decreases.
 
 Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make test``).
@@ -14,6 +19,7 @@ Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make 
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import numpy as np
@@ -96,6 +102,83 @@ def test_mismatched_ratio_fails_every_rank_fast(tmp_path):
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     for rank in (0, 1):
         assert "ranks disagree" in (tmp_path / f"x.npz.error.{rank}").read_text()
+
+
+#: Seconds a failing job may take: a hang runs into ``launch.run_to_the_end``'s limit (60 s) instead.
+ENDS_WITHIN = 45
+
+
+@pytest.mark.parametrize(
+    "compression, fails, cause",
+    [
+        ("topk", "error", "RuntimeError: injected failure on rank 1 at step 2"),
+        # Gaussian-k takes the per-tensor exchange, which rejects a NaN gradient on the rank that has it
+        ("gaussiank", "nan", "ValueError: hvd_compress: gradient '2.bias' has 10 NaN/Inf of 10 entries"),
+    ],
+    ids=["error", "nan"],
+)
+def test_exception_on_one_rank_aborts_the_job(tmp_path, compression, fails, cause):
+    done, elapsed = launch.run_to_the_end(
+        "mpirun",
+        2,
+        MODULE,
+        "train",
+        "--compression",
+        compression,
+        "--steps",
+        "4",
+        "--rank1-fails",
+        fails,
+        "--fail-step",
+        "2",
+        "--out",
+        str(tmp_path / "x.npz"),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, launch.output(done)
+    assert elapsed < ENDS_WITHIN, f"took {elapsed:.0f} s to end"
+    assert f"[rank 1] hvd_compress: uncaught {cause.split(':')[0]} on rank 1 of 2: aborting" in output, output
+    assert f"[rank 1] {cause}" in output, launch.output(done)
+    assert "[rank 1] Traceback (most recent call last):" in output
+    assert "[rank 0]" not in output  # rank 0 was waiting in the exchange, and was ended
+    assert "MPI_ABORT was invoked on rank 1" in output
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_uncaught_mismatch_is_reported_by_every_rank(tmp_path):
+    done, elapsed = launch.run_to_the_end(
+        "mpirun",
+        2,
+        MODULE,
+        "train",
+        "--compression",
+        "topk",
+        "--steps",
+        "2",
+        "--rank1-ratio",
+        "0.2",
+        "--uncaught",
+        "--out",
+        str(tmp_path / "x.npz"),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, launch.output(done)
+    assert elapsed < ENDS_WITHIN, f"took {elapsed:.0f} s to end"
+    for rank, ratio in ((0, 0.05), (1, 0.2)):
+        assert f"[rank {rank}] ValueError: hvd_compress: ranks disagree" in output, output
+        assert re.search(rf"\[rank {rank}\] ValueError: .*this rank runs TopK\(ratio={ratio},", output), output
+    assert "MPI_ABORT was invoked" in output
+
+
+def test_abort_hook_opt_out(monkeypatch):
+    from hvd_compress.comm import mpi
+
+    monkeypatch.setenv("HVD_COMPRESS_MPI_ABORT_ON_ERROR", "0")
+    monkeypatch.setattr(mpi, "_ABORT_HOOK_INSTALLED", False)
+    hook = sys.excepthook
+    assert mpi.install_abort_on_error() is False
+    assert sys.excepthook is hook
+    assert "mpi4py.MPI" not in sys.modules  # decided before initializing MPI in this process
 
 
 def test_mpi_example_trains():

@@ -48,14 +48,30 @@ launching early still lets all buckets' collectives proceed together.
 Thread level: mpi4py initializes ``MPI_THREAD_MULTIPLE`` by default; the
 optimizer's hooks may run in autograd's device threads, which needs at least
 ``MPI_THREAD_SERIALIZED`` (never two MPI calls at once: we do not make any).
+
+Errors: an exception on one rank would leave it waiting in ``MPI_Finalize``
+and the others in a collective, forever. The first :class:`MPICommunicator`
+of a job of 2 or more ranks therefore installs :func:`install_abort_on_error`:
+a ``sys.excepthook`` (chained to the previous one) that prints the uncaught
+exception's traceback to stderr, every line prefixed ``[rank R]``, waits
+:data:`ABORT_GRACE_S` (so ranks that fail alike, as on a configuration mismatch
+the header check catches, print theirs too) and calls
+``MPI.COMM_WORLD.Abort(1)``: every rank ends, as with Horovod or ``python -m
+mpi4py``. Exceptions the script catches are not affected; nor are other
+threads' (the MPI layer runs its collectives on the calling thread).
+``HVD_COMPRESS_MPI_ABORT_ON_ERROR=0`` turns the hook off.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
+import traceback
 import warnings
 import zlib
-from typing import Any, Dict, Optional, Sequence
+from types import TracebackType
+from typing import Any, Dict, Optional, Sequence, Type
 
 import numpy as np
 
@@ -135,6 +151,63 @@ def _warn_staging() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# ----------------------------------------------------------------- errors end the job
+#: Seconds a failing rank waits between printing its error and aborting the job.
+ABORT_GRACE_S = 1.0
+_ABORT_HOOK_INSTALLED = False
+
+
+def report_error(rank: int, error: BaseException, headline: str) -> None:
+    """Write ``headline`` and ``error``'s traceback to stderr, each line prefixed ``[rank R]``."""
+    trace = traceback.format_exception(type(error), error, error.__traceback__)
+    lines = [headline] + "".join(trace).splitlines()
+    sys.stdout.flush()
+    sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+    sys.stderr.flush()
+
+
+def install_abort_on_error() -> bool:
+    """Make an uncaught exception on any rank end the whole MPI job; ``True`` if the hook is on.
+
+    Installs (once per process) a ``sys.excepthook`` that runs the previous hook
+    (unless it is Python's default, which would print the traceback again),
+    prints the traceback with :func:`report_error`, sleeps :data:`ABORT_GRACE_S`
+    and calls ``MPI.COMM_WORLD.Abort(1)``. Nothing is installed for a single
+    process, or when ``HVD_COMPRESS_MPI_ABORT_ON_ERROR`` is ``0``.
+    """
+    global _ABORT_HOOK_INSTALLED
+    if _ABORT_HOOK_INSTALLED:
+        return True
+    if os.environ.get("HVD_COMPRESS_MPI_ABORT_ON_ERROR", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() < 2:
+        return False
+    previous = sys.excepthook
+
+    def abort_on_error(kind: Type[BaseException], error: BaseException, tb: Optional[TracebackType]) -> None:
+        try:
+            if previous is not sys.__excepthook__:
+                previous(kind, error, tb)
+            rank, size = world.Get_rank(), world.Get_size()
+            report_error(
+                rank,
+                error.with_traceback(tb),
+                f"hvd_compress: uncaught {kind.__name__} on rank {rank} of {size}: aborting the MPI job "
+                "(MPI_COMM_WORLD.Abort(1); HVD_COMPRESS_MPI_ABORT_ON_ERROR=0 turns this off)",
+            )
+        finally:
+            if MPI.Is_initialized() and not MPI.Is_finalized():
+                time.sleep(ABORT_GRACE_S)  # ranks that raised the same error print it too
+                world.Abort(1)
+
+    sys.excepthook = abort_on_error
+    _ABORT_HOOK_INSTALLED = True
+    return True
 
 
 # ----------------------------------------------------------------- datatypes
@@ -263,6 +336,7 @@ class MPICommunicator(Communicator):
 
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD if comm is None else comm
+        install_abort_on_error()
         self._rank, self._size = self.comm.Get_rank(), self.comm.Get_size()
         self._ops = {self.SUM: MPI.SUM, self.MAX: MPI.MAX}
 

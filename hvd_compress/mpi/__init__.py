@@ -10,6 +10,10 @@ Run with ``mpirun -np N python train.py``. The optimizer is
 overlap with backward, residuals in ``state_dict``) on an
 :class:`~hvd_compress.comm.mpi.MPICommunicator`. MPI initializes when this
 module's functions first need it (mpi4py initializes on ``from mpi4py import MPI``).
+From then on an uncaught exception on any rank prints its traceback (lines
+prefixed ``[rank R]``) and aborts the whole job instead of hanging it
+(:func:`~hvd_compress.comm.mpi.install_abort_on_error`;
+``HVD_COMPRESS_MPI_ABORT_ON_ERROR=0`` turns this off).
 """
 
 from __future__ import annotations

@@ -55,19 +55,24 @@ on the hot path):
   ``comm.Abort(1)``: every rank ends (``abort_on_error=False`` raises
   instead; the other ranks are then the caller's problem). Any other error on
   any rank (a NaN gradient, an exception in ``grad_fn``) aborts the same way.
+  Errors are printed with every line prefixed ``[rank R]``. Errors raised
+  before the run starts (ranks that disagree on the configuration: every rank
+  raises alike) and anywhere else in the script are handled by the hook of
+  :func:`hvd_compress.comm.mpi.install_abort_on_error`, which ``async_sgd``
+  installs: uncaught, they abort the job too.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
+
+from hvd_compress.comm.mpi import install_abort_on_error, report_error
 
 __all__ = ["async_sgd", "clip_lambda", "AsyncSGDResult", "WorkerTimeoutError", "worker_rng"]
 
@@ -175,12 +180,7 @@ def _wait(
 
 
 def _abort(comm: Any, error: BaseException) -> None:
-    rank = comm.Get_rank()
-    sys.stderr.write(f"[rank {rank}] hvd_compress.async_sgd failed:\n")
-    sys.stderr.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
-    sys.stderr.write(f"[rank {rank}] {type(error).__name__}: {error}\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
+    report_error(comm.Get_rank(), error, "hvd_compress.async_sgd failed: aborting the MPI job")
     comm.Abort(1)
 
 
@@ -257,6 +257,7 @@ def async_sgd(
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD if comm is None else getattr(comm, "comm", comm)
+    install_abort_on_error()
     rank, size = comm.Get_rank(), comm.Get_size()
     # argument checks: the same on every rank, so every rank raises alike
     if size < 2:

@@ -12,6 +12,11 @@ both final excess losses.
 ``die --how exit|hang --timeout T``: worker rank 1 exits abruptly
 (``os._exit``) or stops answering after 3 gradients; the job must end with
 :class:`~hvd_compress.mpi.async_sgd.WorkerTimeoutError` naming rank 1.
+
+``fail --how raise|nan|after``: worker rank 1's ``grad_fn`` raises after 3
+gradients, or returns NaN (the server rejects it), or the run completes and
+rank 1 raises in the script while rank 0 waits in a barrier; the job must end
+(aborted) with the cause printed by the rank that had it.
 """
 
 from __future__ import annotations
@@ -92,11 +97,11 @@ def main() -> None:
     from mpi4py import MPI
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("command", choices=["run", "contrast", "die"])
+    parser.add_argument("command", choices=["run", "contrast", "die", "fail"])
     parser.add_argument("--clip", default="none")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--how", choices=["exit", "hang"], default="exit")
+    parser.add_argument("--how", choices=["exit", "hang", "raise", "nan", "after"], default="exit")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -158,6 +163,27 @@ def main() -> None:
                 finals[name] = (result.losses[-1], float(np.median(tail)), max(result.delays))
         if comm.Get_rank() == 0:
             np.savez(args.out, **{k: np.array(v) for k, v in finals.items()})
+    elif args.command == "fail":
+        problem = Problem()
+        rank = comm.Get_rank()
+        calls = [0]
+
+        def grad(x, rng):
+            calls[0] += 1
+            g = problem.grad(x, rng)
+            if rank == 1 and calls[0] > 3 and args.how == "raise":
+                raise RuntimeError("injected failure in grad_fn on rank 1")
+            if rank == 1 and calls[0] > 3 and args.how == "nan":
+                g[2] = np.nan
+            return g
+
+        steps = 20 if args.how == "after" else 10_000
+        async_sgd(grad, problem.x0, steps, 0.01, 1.0, delay_schedule=lambda w, i: 0.001, timeout=30.0)
+        if args.how == "after":
+            if rank == 1:
+                raise RuntimeError("injected failure after async_sgd on rank 1")
+            comm.Barrier()  # rank 0 waits for a rank that will never come
+        print(f"rank {rank}: finished without noticing the failure", flush=True)
     else:  # die
         problem = Problem()
         rank = comm.Get_rank()

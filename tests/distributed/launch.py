@@ -7,8 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -69,6 +70,23 @@ def run(
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     command = launcher(kind, ranks) + [sys.executable, "-m", module, *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_to_the_end(
+    kind: str, ranks: int, module: str, *args: str, limit: int = 60
+) -> Tuple[subprocess.CompletedProcess, float]:
+    """:func:`run` of a job that must end by itself within ``limit`` s (one that fails on some rank);
+    returns the finished process and its wall seconds. Still running at ``limit``: the test fails."""
+    start = time.monotonic()
+    try:
+        done = run(kind, ranks, module, *args, timeout=limit)
+    except subprocess.TimeoutExpired as expired:
+        seen = "".join(
+            out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+            for out in (expired.stdout, expired.stderr)
+        )
+        pytest.fail(f"{module} {' '.join(args)} was still running after {limit} s (a hang):\n{seen[-4000:]}")
+    return done, time.monotonic() - start
 
 
 def assert_equals_simulator(

@@ -8,6 +8,13 @@ rank) and writes ``PREFIX.<rank>`` with the number of checks that passed.
 :func:`tests.distributed.torch_horovod.make_model` like that workload, but with
 ``hvd_compress.mpi.DistributedOptimizer``; rank 0 writes the final parameters
 (compare with :func:`tests.distributed.torch_horovod.simulate`).
+
+Error injection (``train``): ``--rank1-ratio R`` misconfigures rank 1 (every
+rank raises "ranks disagree"; caught and reported per rank, or with
+``--uncaught`` left to the library's abort hook); ``--rank1-fails nan|error
+--fail-step S`` makes rank 1 alone fail at step ``S`` while the others wait
+in the exchange: its loss becomes NaN (the compressor rejects the gradient in
+backward) or the training loop raises.
 """
 
 from __future__ import annotations
@@ -177,6 +184,10 @@ def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarr
         loss = loss_fn(model, *data[step])
         if args.op == "sum":
             loss = loss / hvd.size()
+        if hvd.rank() == 1 and args.rank1_fails and step == args.fail_step:
+            if args.rank1_fails == "error":
+                raise RuntimeError(f"injected failure on rank 1 at step {step}")
+            loss = loss * float("nan")
         loss.backward()
         optimizer.step()
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
@@ -190,6 +201,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--op", choices=["average", "sum"], default="average")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    parser.add_argument("--uncaught", action="store_true", help="do not catch --rank1-ratio's error")
+    parser.add_argument("--rank1-fails", choices=["nan", "error"], help="rank 1 alone fails (error test)")
+    parser.add_argument("--fail-step", type=int, default=1)
     args = parser.parse_args()
 
     import hvd_compress.mpi as hvd
@@ -204,6 +218,8 @@ def main() -> None:
         try:
             trained = train(name, args.steps, args)
         except ValueError as error:
+            if args.rank1_ratio is None or args.uncaught:
+                raise
             Path(f"{args.out}.error.{comm.rank}").write_text(str(error))
             print(f"rank {comm.rank}: {error}", file=sys.stderr, flush=True)
             comm.barrier()  # every rank raised: let all of them report before the launcher ends the job
