@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ci/build_horovod.sh: build Horovod from its PyPI sdist against the venv's torch,
-# TensorFlow and Open MPI, cache the wheel, install it into the venv, and smoke-test it
-# (imports, horovodrun --check-build, a 2-rank allreduce under Gloo and under mpirun).
+# TensorFlow and Open MPI, cache the wheel, install it into the venv, patch horovodrun's
+# mpirun line for Open MPI 5 (see "patch" below), and smoke-test it (imports, horovodrun
+# --check-build, a 2-rank allreduce under horovodrun --gloo, mpirun and plain horovodrun).
 #
 # Usage: ci/build_horovod.sh [VENV]          (default VENV: <repo>/.venv)
 # Env:   HOROVOD_VERSION          default 0.28.1
@@ -121,6 +122,34 @@ fi
 "$PY" -m pip uninstall -y -q horovod 2>/dev/null || true
 "$PY" -m pip install -q "$WHEEL"
 
+# ---- patch: horovodrun's mpirun line, for Open MPI 5 ---------------------------
+# Horovod built with MPI makes plain `horovodrun -np N python train.py` (no --gloo) exec
+#   mpirun ... -bind-to none -map-by slot ...     (horovod/runner/mpi_run.py, _NO_BINDING_ARGS)
+# Open MPI 5's mpirun (prterun) no longer parses these two single-dash long options, which
+# Open MPI 4 accepted: it takes the `none` after `-bind-to` as the program to run (exit 66,
+# "prterun was unable to find the specified executable file ... Executable: none"), and
+# refuses `-map-by slot` ("An unrecognized option ... --map-by", exit 213). The rest of
+# Horovod's line (-np, -H, -mca, -x, --tag-output) still parses. The double-dash spellings
+# mean the same to Open MPI 4 and 5, so Horovod's Open MPI branch gets those; MPICH, Intel
+# MPI and Spectrum MPI keep Horovod's own arguments, and --binding-args still overrides.
+# The installed file is patched after every install (so a cached wheel gets it too);
+# idempotent. ci/setup.sh's check_horovod looks for the marker "hvd_compress: Open MPI 5".
+"$PY" - <<'PATCH'
+import importlib.util, pathlib, sys
+path = pathlib.Path(importlib.util.find_spec("horovod.runner.mpi_run").origin)
+text = path.read_text()
+old = "        return list(_OMPI_FLAGS), list(_NO_BINDING_ARGS), _OMPI_IMPL\n"
+new = ("        # hvd_compress: Open MPI 5 parses only the double-dash spellings (ci/build_horovod.sh)\n"
+       "        return list(_OMPI_FLAGS), ['--bind-to none', '--map-by slot'], _OMPI_IMPL\n")
+if new in text:
+    print(f"[build_horovod] {path}: already patched for Open MPI 5")
+elif text.count(old) == 1:
+    path.write_text(text.replace(old, new))
+    print(f"[build_horovod] {path}: Open MPI binding arguments now --bind-to none --map-by slot")
+else:
+    sys.exit(f"[build_horovod] {path}: no Open MPI launch line to patch (has Horovod changed?)")
+PATCH
+
 # ---- smoke test ---------------------------------------------------------------
 [[ "$(id -u)" == 0 ]] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -136,4 +165,6 @@ log "check: horovodrun -np 2 --gloo"
 timeout 300 horovodrun -np 2 --gloo "$PY" -c "$ALLREDUCE"
 log "check: mpirun -np 2"
 timeout 300 mpirun -np 2 "$PY" -c "$ALLREDUCE"
+log "check: horovodrun -np 2 (no --gloo: Horovod's MPI controller, the patched mpirun line)"
+timeout 300 horovodrun -np 2 "$PY" -c "$ALLREDUCE; assert hvd.mpi_enabled() and not hvd.gloo_enabled()"
 log "ok: $("$PY" -c 'import horovod; print(horovod.__version__)') installed from $WHEEL"

@@ -3,7 +3,7 @@
 # with the NCCL / Gloo / Open MPI network environment set for one interface. See ci/multinode.md.
 #
 #   ci/run_multinode.sh [options] -- SCRIPT [ARGS...]
-#     --launcher horovodrun|mpirun   default horovodrun (always --gloo: horovodrun --mpi fails with Open MPI 5)
+#     --launcher horovodrun|mpirun   default horovodrun (always --gloo; see ci/multinode.md)
 #     -np N                          total processes (default: sum of slots)
 #     -H host1:8,host2:8             hosts and slots, or
 #     --hostfile FILE                Open MPI hostfile ("host slots=8" lines, ci/hostfile.example)

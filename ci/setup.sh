@@ -55,7 +55,9 @@ install_tensorflow() { pip install "tensorflow-cpu==$TF_VERSION" "$TF_KERAS_SPEC
 check_tensorflow()   { has tensorflow-cpu "$TF_VERSION" tf_keras "${TF_VERSION%.*}"; }
 
 install_horovod() { bash "$ROOT/ci/build_horovod.sh" "$VENV"; }
-check_horovod()   { has horovod "$HOROVOD_VERSION" && [[ -x "$VENV/bin/horovodrun" ]]; }
+# ...and horovodrun's mpirun line patched for Open MPI 5 (see ci/build_horovod.sh, "patch")
+check_horovod()   { has horovod "$HOROVOD_VERSION" && [[ -x "$VENV/bin/horovodrun" ]] &&
+                    grep -qs 'hvd_compress: Open MPI 5' "$VENV"/lib/python3*/site-packages/horovod/runner/mpi_run.py; }
 
 install_package() { pip install -e ".[$EXTRAS]"; }
 check_package()   { has hvd_compress "" mpi4py 4 pytest ""; }
