@@ -10,6 +10,8 @@ hvd-compress bench compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] 
 hvd-compress bench wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 hvd-compress bench step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1] [--out results]
 hvd-compress bench scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01] [--out results]
+hvd-compress bench train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
+                              [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from hvd_compress import Compression, __version__
 
@@ -254,6 +256,49 @@ def _bench_scaling(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_train_step(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import train_step
+
+    print(
+        f"Training step at world size 1: {args.model} on {args.device}, batch "
+        f"{args.batch or train_step.DEFAULT_BATCH[args.model]}, {args.steps} steps after {args.warmup}, "
+        f"{', '.join(args.compressors)} at ratio {args.ratio}"
+    )
+    train_step.run(
+        model=args.model,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch=args.batch,
+        compressors=args.compressors,
+        ratio=args.ratio,
+        routes=args.routes,
+        dropin_comm=args.dropin_comm,
+        seed=args.seed,
+        json_path=args.json or None,
+        plot_path=args.plot or None,
+    )
+    for path in (args.json, args.plot):
+        if path:
+            print(f"Wrote {path}")
+    return 0
+
+
+def _names(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    """A comma-separated list of some of ``choices``."""
+
+    def parse(text: str) -> List[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from {','.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
 def _ints(text: str) -> List[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -448,6 +493,40 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--max-ranks", type=int, default=512, help="model curves up to this N (default 512)")
     scaling.add_argument("--seed", type=int, default=0)
     _add_out(scaling, "scaling", _bench_scaling)
+
+    from hvd_compress.bench.train_step import COMPRESSORS, DROPIN_COMMS, MODELS, ROUTES
+
+    train = benchmarks.add_parser(
+        "train-step", help="full training-step time per route (DDP, hooks, ours) at world size 1, CPU or GPU"
+    )
+    train.add_argument("--model", choices=MODELS, default="mlp", help="resnet50 and gpt2 need [bench-gpu]")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    train.add_argument("--steps", type=int, default=25, help="timed steps per row (median and min reported)")
+    train.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    train.add_argument("--batch", type=int, help="default: resnet50 64, gpt2 8, mlp 32")
+    train.add_argument(
+        "--compressors",
+        type=_names(COMPRESSORS),
+        default=list(COMPRESSORS),
+        help=f"ours, per route (default {','.join(COMPRESSORS)})",
+    )
+    _add_ratio(train)
+    train.add_argument(
+        "--routes",
+        type=_names(ROUTES),
+        default=list(ROUTES),
+        help=f"default all: {','.join(ROUTES)} (ddp, the baseline, always runs)",
+    )
+    train.add_argument(
+        "--dropin-comm",
+        choices=DROPIN_COMMS,
+        default="auto",
+        help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
+    )
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--json", default="results/train_step.json", help="results file (default %(default)s)")
+    train.add_argument("--plot", default="results/train_step.png", help="bar chart of ratios (default %(default)s)")
+    train.set_defaults(run=_bench_train_step)
     return parser
 
 
