@@ -291,7 +291,9 @@ class FusedBucket:
             scale, out.bad = shared[:count], shared[count:] > 0
         else:
             scale, out.bad = sanitized, None
-            out.handles["scales"] = comm.allgather_async(torch.cat([sanitized, bad]), f"{self.key}.scales")
+            out.handles["scales"] = comm.allgather_async(
+                torch.cat([sanitized, bad]), f"{self.key}.scales", [2 * len(self.compressed)] * self.world
+            )
         codes = self._codes(clipped, scale.to(self.dtype), uniform)
         if self.residual is not None:
             out.residual = a.sub_(self._per_row(scale.to(self.dtype)) * codes.to(self.dtype))
@@ -301,7 +303,8 @@ class FusedBucket:
             lanes = ops.pack_ternary(codes, self.world)
             out.handles["codes"] = comm.allreduce_async(lanes, comm.SUM, f"{self.key}.lanes")
         else:
-            out.handles["codes"] = comm.allgather_async(ops.pack_two_bit(codes), f"{self.key}.codes2bit")
+            packed = ops.pack_two_bit(codes)
+            out.handles["codes"] = comm.allgather_async(packed, f"{self.key}.codes2bit", [packed.shape[0]] * self.world)
 
     def _per_row(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """A per-compressed-tensor vector spread over the compressed part (one value per element)."""
