@@ -525,7 +525,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--json", default="results/train_step.json", help="results file (default %(default)s)")
-    train.add_argument("--plot", default="results/train_step.png", help="bar chart of ratios (default %(default)s)")
+    train.add_argument(
+        "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
+    )
     train.set_defaults(run=_bench_train_step)
     return parser
 

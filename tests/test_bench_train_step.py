@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -45,7 +46,8 @@ def test_cli_writes_json_and_png_with_every_row(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     s = results["settings"]
-    assert (s["model"], s["batch"], s["world_size"], s["device"], s["backend"]) == ("mlp", 4, 1, "cpu", "gloo")
+    assert (s["model"], s["batch"], s["world_size"]) == ("mlp", 4, 1)
+    assert (s["device"], s["backend"]) == ("cpu", "gloo")
     assert s["torch_version"] == torch.__version__ and s["device_name"] and s["date"]
 
     expected = train_step.plan(train_step.ROUTES, train_step.COMPRESSORS)
@@ -146,3 +148,42 @@ def test_clear_errors(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "train-step", "--routes", "ddp,nope"])
     assert "unknown 'nope'" in capsys.readouterr().err
+
+
+def test_resnet50_and_gpt2_inputs_with_stand_in_packages(monkeypatch):
+    """The optional models' plumbing (inputs, labels, loss), tiny stand-ins for torchvision/transformers."""
+    import types
+
+    class _LM(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.embed = torch.nn.Embedding(config.vocab_size, 8)
+            self.head = torch.nn.Linear(8, config.vocab_size)
+
+        def forward(self, input_ids, labels, use_cache):
+            assert input_ids.shape == (1, train_step.GPT2_SEQUENCE) and labels is input_ids and not use_cache
+            logits = self.head(self.embed(input_ids))
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return types.SimpleNamespace(loss=loss)
+
+    def resnet50():
+        conv = torch.nn.Conv2d(3, 4, 7, stride=8)
+        pool = torch.nn.AdaptiveAvgPool2d(1)
+        return torch.nn.Sequential(conv, pool, torch.nn.Flatten(), torch.nn.Linear(4, 1000))
+
+    models = types.ModuleType("torchvision.models")
+    models.resnet50 = resnet50
+    vision = types.ModuleType("torchvision")
+    vision.models = models
+    transformers = types.ModuleType("transformers")
+    transformers.GPT2Config = lambda: types.SimpleNamespace(vocab_size=50)
+    transformers.GPT2LMHeadModel = _LM
+    monkeypatch.setitem(sys.modules, "torchvision", vision)
+    monkeypatch.setitem(sys.modules, "torchvision.models", models)
+    monkeypatch.setitem(sys.modules, "transformers", transformers)
+    for model in ("resnet50", "gpt2"):
+        results = train_step.run(
+            model=model, steps=1, warmup=0, batch=1, routes=["ddp"], compressors=["topk"], progress=False
+        )
+        (row,) = results["rows"]
+        assert row["error"] is None and row["ratio"] == 1.0, row

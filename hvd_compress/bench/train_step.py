@@ -147,6 +147,19 @@ def handwritten_topk_hook(state, bucket):  # no annotations: DDP checks them aga
 
 
 # ================================================================ workloads
+def _optional(module: str) -> Any:
+    """``module`` of the ``bench-gpu`` extra; ImportError naming the extra when missing or broken."""
+    try:
+        return report.require(module, "bench-gpu")
+    except ImportError:
+        raise
+    except Exception as error:  # noqa: BLE001  (e.g. torchvision built for another torch: RuntimeError)
+        raise ImportError(
+            f"hvd_compress: {module} is installed but does not import ({type(error).__name__}: {error}); "
+            f"it must match torch (pip install 'hvd_compress[bench-gpu]' next to your torch)"
+        ) from error
+
+
 class Workload:
     """A model factory and its loss on one fixed synthetic batch."""
 
@@ -157,16 +170,18 @@ class Workload:
         self.parameter_count: Optional[int] = None  # known after the first build()
         generator = torch.Generator().manual_seed(seed)
         if model == "resnet50":
-            self._models = report.require("torchvision.models", "bench-gpu")
+            self._models = _optional("torchvision.models")
             self.inputs = torch.randn(batch, 3, 224, 224, generator=generator).to(device)
             self.labels = torch.randint(0, 1000, (batch,), generator=generator).to(device)
             self.description = f"torchvision resnet50, batch {batch} x 3x224x224, 1000 random labels"
         elif model == "gpt2":
-            self._transformers = report.require("transformers", "bench-gpu")
+            self._transformers = _optional("transformers")
             vocab = self._transformers.GPT2Config().vocab_size
             shape = (batch, GPT2_SEQUENCE)
             self.inputs = torch.randint(0, vocab, shape, generator=generator).to(device)
-            self.description = f"GPT-2 small (transformers), batch {batch} x {GPT2_SEQUENCE} random tokens, LM loss"
+            self.description = (
+                f"GPT-2 small (transformers), batch {batch} x {GPT2_SEQUENCE} random tokens, LM loss"
+            )
         elif model == "mlp":
             self.inputs = torch.randn(batch, MLP_SIZES[0], generator=generator).to(device)
             self.labels = torch.randint(0, MLP_SIZES[-1], (batch,), generator=generator).to(device)
@@ -494,7 +509,7 @@ def process_group(cuda: bool) -> Iterator[str]:
         dist.destroy_process_group()
 
 
-def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int], routes, compressors) -> None:
+def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int], routes, compressors):
     if model not in MODELS:
         raise ValueError(f"hvd_compress: model must be one of {', '.join(MODELS)}, got {model!r}")
     if device not in ("cpu", "cuda"):
@@ -508,7 +523,9 @@ def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int
             raise ValueError(f"hvd_compress: unknown route {name!r}; choose from {', '.join(ROUTES)}")
     for name in compressors:
         if name not in COMPRESSORS:
-            raise ValueError(f"hvd_compress: unknown compressor {name!r}; choose from {', '.join(COMPRESSORS)}")
+            raise ValueError(
+                f"hvd_compress: unknown compressor {name!r}; choose from {', '.join(COMPRESSORS)}"
+            )
 
 
 # ==================================================================== run
@@ -694,7 +711,8 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     ours = [r for r in rows if r["route"] in OUR_ROUTES]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [1, 2]}, sharey=True)
     if torch_rows:
-        report.ratio_bars(axes[0], [r["route"] for r in torch_rows], [("torch", [r["ratio"] for r in torch_rows])])
+        ratios = [("torch", [r["ratio"] for r in torch_rows])]
+        report.ratio_bars(axes[0], [r["route"] for r in torch_rows], ratios)
         axes[0].tick_params(axis="x", labelrotation=30)
     axes[0].set_title("torch routes")
     names = list(dict.fromkeys(r["compressor"] for r in ours))
