@@ -127,6 +127,8 @@ class FusedBucket:
         #: element count of each compressed tensor (work order), to spread per-tensor values
         self.lengths = torch.tensor([self.numels[i] for i in self.compressed], dtype=torch.int64,
                                     device=self.device)
+        self.wire_format = self._ternary_wire_format()
+        self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
         self.signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
         # state
@@ -134,6 +136,34 @@ class FusedBucket:
         self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.flush_into_dense: Dict[int, torch.Tensor] = {}
         self.checked = False
+
+    def _ternary_wire_format(self) -> str:
+        """How TernGrad's codes travel: packed lanes summed (``allreduce``) or 2-bit codes gathered."""
+        comp = self.compressor
+        if comp.payload_kind != "ternary" or not comp.scalar_sharing:
+            return "allgather"
+        return ops.ternary_wire_format(self.n_compressed, self.world)
+
+    def _step_stats(self) -> Tuple[int, int, int, int]:
+        """What a step hands the collectives, for :class:`~hvd_compress.compressors.base.WireStats`:
+        ``(bytes sent, dense bytes, values sent, elements)``; the same every step of this plan."""
+        def size(dtype: torch.dtype) -> int:
+            return torch.empty((), dtype=dtype).element_size()
+
+        itemsize, comp, count = size(self.dtype), self.compressor, len(self.compressed)
+        wire = comp.dense_wire_dtype
+        sent = self.n_dense * (itemsize if wire is None else size(getattr(torch, wire)))
+        values = self.n_dense
+        if count and comp.payload_kind == "sparse":
+            sent += self.k_total * (itemsize + size(self.index_dtype)) + count * itemsize
+            values += self.k_total
+        elif count:
+            codes = (4 * ops.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"
+                     else ops.two_bit_bytes(self.n_compressed))
+            sent += codes + 2 * count * size(self.acc)
+            values += self.n_compressed
+        numel = self.n_dense + self.n_compressed
+        return sent, numel * itemsize, values, numel
 
     # ------------------------------------------------------------------ layout
     def matches(self, names: List[str], shapes: List[tuple], like: torch.Tensor, world: int) -> bool:
@@ -227,8 +257,8 @@ class FusedBucket:
             if self.compressor.payload_kind == "sparse":
                 self._launch_sparse(g, comm, out)
             else:
-                self._launch_ternary(g, tensors, comm, out)
-        self._record(out)
+                self._launch_ternary(g, comm, out)
+        self.compressor.stats.add(*self.step_stats)
         return out
 
     def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -260,7 +290,7 @@ class FusedBucket:
             idx.to(self.index_dtype), f"{self.key}.indices", [self.k_total] * self.world
         )
 
-    def _launch_ternary(self, g: torch.Tensor, tensors: List[torch.Tensor], comm: Any, out: "Launched") -> None:
+    def _launch_ternary(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
         a = g.add_(self.residual) if self.residual is not None else g
         clipped = a if comp.clip is None else torch.empty_like(a)
@@ -298,8 +328,7 @@ class FusedBucket:
         if self.residual is not None:
             out.residual = a.sub_(self._per_row(scale.to(self.dtype)) * codes.to(self.dtype))
         out.scale = scale
-        out.wire_format = ops.ternary_wire_format(self.n_compressed, self.world) if comp.scalar_sharing else "allgather"
-        if out.wire_format == "allreduce":
+        if self.wire_format == "allreduce":
             lanes = ops.pack_ternary(codes, self.world)
             out.handles["codes"] = comm.allreduce_async(lanes, comm.SUM, f"{self.key}.lanes")
         else:
@@ -323,16 +352,6 @@ class FusedBucket:
             row += grp.rows
         return codes
 
-    def _record(self, out: "Launched") -> None:
-        stats, itemsize = self.compressor.stats, ops.itemsize(torch.empty((), dtype=self.dtype))
-        sent = 0
-        for name, handle_input in out.wire_bytes().items():
-            sent += handle_input
-        numel = self.n_dense + self.n_compressed
-        values = self.n_dense + (self.k_total if self.compressor.payload_kind == "sparse" else self.n_compressed)
-        stats.add(sent, numel * itemsize, values, numel)
-
-
 class Launched:
     """One step of a :class:`FusedBucket`: the collectives in flight and what ``finish`` needs."""
 
@@ -343,23 +362,6 @@ class Launched:
         self.sent: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.scale: Optional[torch.Tensor] = None
         self.bad: Optional[torch.Tensor] = None
-        self.wire_format = ""
-
-    def wire_bytes(self) -> Dict[str, int]:
-        b = self.bucket
-        sizes = {}
-        itemsize = torch.empty((), dtype=b.dtype).element_size()
-        if b.dense:
-            wire = b.compressor.dense_wire_dtype
-            sizes["dense"] = b.n_dense * (2 if wire == "float16" else itemsize)
-        if b.compressed and b.compressor.payload_kind == "sparse":
-            index_size = torch.empty((), dtype=b.index_dtype).element_size()
-            sizes["sparse"] = b.k_total * (itemsize + index_size) + len(b.compressed) * itemsize
-        elif b.compressed:
-            codes = (4 * ops.ternary_lanes(b.n_compressed, b.world) if self.wire_format == "allreduce"
-                     else ops.two_bit_bytes(b.n_compressed))
-            sizes["ternary"] = codes + 2 * len(b.compressed) * torch.empty((), dtype=b.acc).element_size()
-        return sizes
 
     # ------------------------------------------------------------------ finish
     def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
@@ -407,7 +409,7 @@ class Launched:
         count = len(b.compressed)
         received = comm.wait(self.handles["codes"])
         if b.compressor.scalar_sharing:
-            if self.wire_format == "allreduce":
+            if b.wire_format == "allreduce":
                 code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
             else:
                 chunk = ops.two_bit_bytes(b.n_compressed)
