@@ -5,8 +5,8 @@
     mpirun -np 4 python examples/pytorch_train.py --compression regtopk --path mpi
 
 The data are synthetic 8x8 "digits": ten random smooth templates plus noise,
-generated from a fixed seed (no downloads; ``hvd_compress.bench.cnn.synthetic_digits``,
-the data of ``hvd-compress simulate cnn``); each rank trains on its own shard.
+generated from a fixed seed (no downloads; ``benchmarks.cnn.synthetic_digits``,
+the data of ``python -m benchmarks cnn``); each rank trains on its own shard.
 ``--path stock`` hands our compressor to ``horovod.torch.DistributedOptimizer``;
 ``--path dropin`` uses ``hvd_compress.torch.DistributedOptimizer`` (fused buckets),
 ``--path mpi`` the same optimizer over mpi4py (``hvd_compress.mpi``, no Horovod).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hvd_compress import Compression
-from hvd_compress.bench.cnn import synthetic_digits
+from benchmarks.cnn import synthetic_digits
 
 
 class Net(torch.nn.Module):

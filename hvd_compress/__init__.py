@@ -6,7 +6,7 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
 Every compressor has a communication-free ``encode(tensor, name) -> payload`` and
 ``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
-:mod:`hvd_compress.compressors.reference` is the specification every framework
+:mod:`hvd_compress.kernels.reference` is the specification every framework
 kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
 in one process.
 """
@@ -20,6 +20,9 @@ from hvd_compress.compressors import (
     TernGrad,
     TopK,
 )
+
+# Registers the adapter that runs Horovod's compress/decompress for every compressor.
+from hvd_compress.comm import horovod as _horovod_adapter  # noqa: E402,F401
 
 __version__ = "0.1.0"
 

@@ -24,9 +24,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from hvd_compress.compressors import Compressor, TernGrad
+from hvd_compress.compressors import Compressor, as_compressor
 from hvd_compress.compressors.base import as_tensor
-from hvd_compress.compressors.payload import array_nbytes
+from hvd_compress.wire import array_nbytes
 
 
 class Simulator:
@@ -39,11 +39,7 @@ class Simulator:
     def __init__(self, n_ranks: int, compression: Compressor, seed: Optional[int] = None) -> None:
         if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
             raise ValueError(f"hvd_compress: n_ranks must be a positive int, got {n_ranks!r}")
-        if not isinstance(compression, Compressor):
-            raise TypeError(
-                "hvd_compress: Simulator needs a compressor instance such as TopK(0.01) or "
-                f"Compression.fp16, got {compression!r}"
-            )
+        compression = as_compressor(compression, "Simulator's compression")
         self.n_ranks = n_ranks
         self.compressors: List[Compressor] = []
         for rank in range(n_ranks):
@@ -99,7 +95,7 @@ class Simulator:
     def _shared_scales(self, grads: Dict[str, List[np.ndarray]]) -> Dict[str, float]:
         """TernGrad scalar sharing: allreduce-Max of every rank's vector of layer scales."""
         first = self.compressors[0]
-        if not (isinstance(first, TernGrad) and first.scalar_sharing):
+        if not (first.payload_kind == "ternary" and first.scalar_sharing):
             return {}
         local = [
             {name: c.local_scale(per_rank[rank], name) for name, per_rank in grads.items()}

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors.reference import NO_DISTORTION
+from hvd_compress.kernels.reference import NO_DISTORTION
 
 # --------------------------------------------------------------------------- #
 # Compressor factories (small tests send everything sparsely: dense_below=0, and no switch to

@@ -1,4 +1,4 @@
-"""``hvd-compress bench compress``: smoke runs on tiny sizes (speed is measured by the benchmark, never here)."""
+"""``python -m benchmarks compress``: smoke runs on tiny sizes (speed is measured by the benchmark, never here)."""
 
 import json
 
@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-from hvd_compress.bench import compress  # noqa: E402
-from hvd_compress.cli import main  # noqa: E402
+from benchmarks import compress  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
 
 ROW_FIELDS = {
     "backend",
@@ -74,7 +74,6 @@ def test_cli(tmp_path, capsys):
     assert (
         main(
             [
-                "bench",
                 "compress",
                 "--sizes",
                 "10k,12_000",
@@ -94,8 +93,8 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_rejects_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "compress", "--sizes", "lots", "--out", str(tmp_path)])
-    assert main(["bench", "compress", "--sizes", "10k", "--ratio", "0", "--out", str(tmp_path)]) == 2
+        main(["compress", "--sizes", "lots", "--out", str(tmp_path)])
+    assert main(["compress", "--sizes", "10k", "--ratio", "0", "--out", str(tmp_path)]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err
 
 

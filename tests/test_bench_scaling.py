@@ -1,12 +1,12 @@
-"""``hvd-compress bench scaling``: the model's formulas by hand, model-only and localhost runs."""
+"""``python -m benchmarks scaling``: the model's formulas by hand, model-only and localhost runs."""
 
 import json
 import math
 
 import pytest
 
-from hvd_compress.bench import scaling
-from hvd_compress.cli import main
+from benchmarks import scaling
+from benchmarks.cli import main
 
 D = 10_000  # elements; k = 100 at ratio 0.01
 B = 1e8  # bytes per second
@@ -85,7 +85,7 @@ def test_fit_recovers_the_constants():
 
 def test_model_only(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    args = ["bench", "scaling", "--measure", "none", "--rates", "1gbit,10gbit", "--max-ranks", "128"]
+    args = ["scaling", "--measure", "none", "--rates", "1gbit,10gbit", "--max-ranks", "128"]
     assert main(args + ["--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "scaling.json").read_text())
     s = results["settings"]
@@ -108,7 +108,7 @@ def test_model_only(tmp_path, capsys):
 def test_localhost_measured_points(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    args = ["bench", "scaling", "--link", "none", "--ranks", "2", "--scale", "0.0625", "--repeats", "2"]
+    args = ["scaling", "--link", "none", "--ranks", "2", "--scale", "0.0625", "--repeats", "2"]
     assert main(args + ["--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "scaling.json").read_text())
     (lk,) = results["links"]
@@ -124,6 +124,6 @@ def test_localhost_measured_points(tmp_path, capsys):
 
 def test_rejects_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "scaling", "--measure", "some", "--out", str(tmp_path)])
-    assert main(["bench", "scaling", "--link", "none", "--ranks", "1", "--out", str(tmp_path)]) == 2
+        main(["scaling", "--measure", "some", "--out", str(tmp_path)])
+    assert main(["scaling", "--link", "none", "--ranks", "1", "--out", str(tmp_path)]) == 2
     assert "at least 2" in capsys.readouterr().err

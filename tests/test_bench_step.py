@@ -1,4 +1,4 @@
-"""``hvd-compress bench step``: tiny runs on localhost, and on an emulated link where root allows."""
+"""``python -m benchmarks step``: tiny runs on localhost, and on an emulated link where root allows."""
 
 import json
 import os
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hvd_compress.bench import cluster, step, wire  # noqa: E402
-from hvd_compress.cli import main  # noqa: E402
+from benchmarks import cluster, step, wire  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
 
 ROW_FIELDS = {
     "rate",
@@ -95,7 +95,7 @@ def _check(path, rates, names):
 
 def test_localhost_every_compressor(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    args = ["bench", "step", "--link", "none", *TINY, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
+    args = ["step", "--link", "none", *TINY, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
     assert main(args) == 0
     results, rows = _check(tmp_path, ["none"], list(wire.COMPRESSORS))
     assert results["links"][0]["shaping"] == "none"
@@ -118,7 +118,7 @@ def test_emulated_link(tmp_path, capsys):
     if problem:
         pytest.skip(f"no emulated link here: {problem}")
     before = _namespaces()
-    args = ["bench", "step", "--rates", "1gbit", *TINY, "--steps", "1", "--warmup", "0"]
+    args = ["step", "--rates", "1gbit", *TINY, "--steps", "1", "--warmup", "0"]
     assert main(args + ["--compression", "topk", "--out", str(tmp_path)]) == 0
     assert _namespaces() <= before, "bench step left network namespaces behind"
     results, rows = _check(tmp_path, ["1gbit"], ["none", "topk"])
@@ -134,7 +134,7 @@ def test_emulated_link(tmp_path, capsys):
 
 def test_emulation_without_root_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert main(["bench", "step", "--rates", "1gbit", *TINY, "--out", str(tmp_path)]) == 2
+    assert main(["step", "--rates", "1gbit", *TINY, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "needs" in err and "--link none" in err
     assert not (tmp_path / "step.json").exists()
@@ -142,8 +142,8 @@ def test_emulation_without_root_is_a_clear_error(tmp_path, capsys, monkeypatch):
 
 def test_rejects_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "step", "--rates", "1gb", "--out", str(tmp_path)])
-    assert main(["bench", "step", "--link", "none", "--ranks", "1", "--out", str(tmp_path)]) == 2
+        main(["step", "--rates", "1gb", "--out", str(tmp_path)])
+    assert main(["step", "--link", "none", "--ranks", "1", "--out", str(tmp_path)]) == 2
     assert "ranks must be at least 2" in capsys.readouterr().err
-    assert main(["bench", "step", "--link", "none", "--ratio", "0", "--out", str(tmp_path)]) == 2
+    assert main(["step", "--link", "none", "--ratio", "0", "--out", str(tmp_path)]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err

@@ -1,12 +1,12 @@
-"""``hvd-compress bench wire``: bytes per rank per step on tiny ResNet-18-shaped models."""
+"""``python -m benchmarks wire``: bytes per rank per step on tiny ResNet-18-shaped models."""
 
 import json
 
 import numpy as np
 import pytest
 
-from hvd_compress.bench import wire
-from hvd_compress.cli import main
+from benchmarks import wire
+from benchmarks.cli import main
 
 ROW_FIELDS = {
     "ranks",
@@ -102,7 +102,7 @@ def test_run_writes_json_and_plot(tmp_path, capsys):
 
 def test_cli(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    args = ["bench", "wire", "--ranks", "2,4", "--scale", "0.0625", "--out", str(tmp_path)]
+    args = ["wire", "--ranks", "2,4", "--scale", "0.0625", "--out", str(tmp_path)]
     assert main(args) == 0
     _check(tmp_path, [2, 4])
     assert "wire.json" in capsys.readouterr().out
@@ -110,8 +110,8 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_rejects_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["bench", "wire", "--ranks", "two", "--out", str(tmp_path)])
-    assert main(["bench", "wire", "--ranks", "1", "--scale", "0.0625", "--out", str(tmp_path)]) == 2
+        main(["wire", "--ranks", "two", "--out", str(tmp_path)])
+    assert main(["wire", "--ranks", "1", "--scale", "0.0625", "--out", str(tmp_path)]) == 2
     assert "ranks must be at least 2" in capsys.readouterr().err
-    assert main(["bench", "wire", "--ratio", "0", "--scale", "0.0625", "--out", str(tmp_path)]) == 2
+    assert main(["wire", "--ratio", "0", "--scale", "0.0625", "--out", str(tmp_path)]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err

@@ -1,7 +1,8 @@
-"""The ``hvd-compress`` command line (hvd_compress.cli.main)."""
+"""The ``hvd-compress`` command line (hvd_compress.cli.main) and ``python -m benchmarks``."""
 
 import json
 
+from benchmarks.cli import main as benchmarks_main
 from hvd_compress.cli import main
 
 
@@ -24,7 +25,7 @@ def test_demo_writes_json(tmp_path, capsys):
 
 
 def test_simulate_linreg(capsys):
-    assert main(["simulate", "linreg", "--steps", "50"]) == 0
+    assert benchmarks_main(["linreg", "--steps", "50"]) == 0
     out = capsys.readouterr().out
     assert "top-k" in out and "regtop-k" in out
 
@@ -32,5 +33,19 @@ def test_simulate_linreg(capsys):
 def test_bad_ratio_returns_2_with_a_message(capsys):
     assert main(["demo", "--epochs", "1", "--compression", "topk", "--ratio", "0"]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err
-    assert main(["simulate", "linreg", "--steps", "5", "--ratio", "1.5"]) == 2
+    assert benchmarks_main(["linreg", "--steps", "5", "--ratio", "1.5"]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_python_m_benchmarks_lists_the_studies():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--help"], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    for study in ("linreg", "cnn", "gaussian", "terngrad", "compress", "wire", "step", "scaling"):
+        assert study in done.stdout

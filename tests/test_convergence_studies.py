@@ -1,4 +1,4 @@
-"""``hvd-compress simulate cnn / gaussian / terngrad``: the CNN convergence studies, tiny sizes."""
+"""``python -m benchmarks cnn / gaussian / terngrad``: the CNN convergence studies, tiny sizes."""
 
 import json
 import math
@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import Compression, TopK  # noqa: E402
-from hvd_compress.bench import cnn, gaussian  # noqa: E402
-from hvd_compress.cli import main  # noqa: E402
-from hvd_compress.compressors.reference import GAUSSIANK_HIGH  # noqa: E402
+from benchmarks import cnn, gaussian  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
+from hvd_compress.kernels.reference import GAUSSIANK_HIGH  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
 #: 2 ranks x 16 images, 256 training images: 8 steps.
@@ -26,7 +26,7 @@ def _load(path, stem):
 
 def test_cnn_cli(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    assert main(["simulate", "cnn", *TINY, "--ratios", "0.01,0.001", "--plot", str(tmp_path)]) == 0
+    assert main(["cnn", *TINY, "--ratios", "0.01,0.001", "--plot", str(tmp_path)]) == 0
     results = _load(tmp_path, "cnn")
     runs = {r["label"]: r for r in results["runs"]}
     assert list(runs) == [
@@ -61,7 +61,7 @@ def test_cnn_cli(tmp_path, capsys):
 def test_dense_training_lowers_the_loss():
     data = cnn.ImageData.synthetic(train=2048, test=512, seed=3)
     result = cnn.run_all(
-        [("dense", Compression.none)], data, "test", ranks=2, epochs=2, progress=False, evals=2
+        [("dense", Compression.none())], data, "test", ranks=2, epochs=2, progress=False, evals=2
     )["dense"]
     losses, accuracy = result["eval"]["test_loss"], result["eval"]["test_accuracy"]
     assert losses[-1] < 0.6 * losses[0], losses
@@ -80,7 +80,7 @@ def test_layer_table_reasons():
 
 def test_gaussian_cli(tmp_path):
     pytest.importorskip("matplotlib")
-    assert main(["simulate", "gaussian", *TINY, "--snapshots", "3", "--plot", str(tmp_path)]) == 0
+    assert main(["gaussian", *TINY, "--snapshots", "3", "--plot", str(tmp_path)]) == 0
     results = _load(tmp_path, "gaussian")
     assert [s["step"] for s in results["snapshots"]] == [1, 5, 8]
     for snap in results["snapshots"]:
@@ -103,13 +103,13 @@ def test_gaussian_cli(tmp_path):
     "study, message", [("gaussian", "not sparsified"), ("terngrad", "not TernGrad-coded")]
 )
 def test_rejects_a_dense_layer(study, message, capsys):
-    assert main(["simulate", study, *TINY, "--layer", "conv1.weight"]) == 2
+    assert main([study, *TINY, "--layer", "conv1.weight"]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_gaussian_probe_matches_the_compressor_on_step_one():
     """At step 1 the residual is zero: the first-guess count is that of the reference threshold on g."""
-    from hvd_compress.compressors import reference
+    from hvd_compress.kernels import reference
 
     data = cnn.ImageData.synthetic(train=64, test=16)
     probe = gaussian.GaussianProbe(0.01, "fc1.weight", [0])
@@ -126,7 +126,7 @@ def test_gaussian_probe_matches_the_compressor_on_step_one():
 
 def test_terngrad_cli(tmp_path):
     pytest.importorskip("matplotlib")
-    assert main(["simulate", "terngrad", *TINY, "--plot", str(tmp_path)]) == 0
+    assert main(["terngrad", *TINY, "--plot", str(tmp_path)]) == 0
     results = _load(tmp_path, "terngrad")
     runs = {r["label"]: r for r in results["runs"]}
     assert list(runs) == [
@@ -158,4 +158,4 @@ def test_terngrad_cli(tmp_path):
 
 def test_cli_rejects_bad_ratios():
     with pytest.raises(SystemExit):
-        main(["simulate", "cnn", "--ratios", "a,b"])
+        main(["cnn", "--ratios", "a,b"])

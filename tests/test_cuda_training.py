@@ -1,7 +1,7 @@
 """End-to-end training on one CUDA device: the drop-in optimizer on thread ranks, over NCCL and MPI.
 
 - ``hvd_compress.torch.DistributedOptimizer`` on 3 thread ranks
-  (:func:`~hvd_compress.comm.simulator.run_ranks`), each training a CUDA copy of
+  (:func:`~hvd_compress.comm.threads.run_ranks`), each training a CUDA copy of
   the small model of ``tests/distributed/torch_horovod.py`` with every compressor:
   all ranks end with the same parameters, bit for bit (the sparse sum adds in rank
   order, so replicas cannot drift apart), residuals stay on the GPU, and the
@@ -35,7 +35,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd_torch  # noqa: E402
-from hvd_compress.comm.simulator import run_ranks  # noqa: E402
+from hvd_compress.comm.threads import run_ranks  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 

@@ -34,7 +34,8 @@ if not (dist.is_available() and dist.is_gloo_available()):
 import torch.multiprocessing as mp  # noqa: E402
 
 from hvd_compress import Compression, RegTopK  # noqa: E402
-from hvd_compress.compressors import reference  # noqa: E402
+from hvd_compress import wire  # noqa: E402
+from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
 
@@ -63,13 +64,13 @@ def compressor(variant: str):
 @contextlib.contextmanager
 def wire_format(variant: str):
     """``terngrad_allreduce``: force the packed-lane allreduce (2 ranks would pick the 2-bit allgather)."""
-    original = reference.ternary_wire_format
+    original = wire.ternary_wire_format
     if variant.endswith("_allreduce"):
-        reference.ternary_wire_format = lambda numel, world: "allreduce"
+        wire.ternary_wire_format = lambda numel, world: "allreduce"
     try:
         yield
     finally:
-        reference.ternary_wire_format = original
+        wire.ternary_wire_format = original
 
 
 # ----------------------------------------------------------------- in the ranks

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.compressors.payload import DensePayload, SparsePayload
+from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.simulator import Simulator
 
 KINDS = [TopK, GaussianK, RegTopK]

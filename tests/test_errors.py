@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Compression, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors.payload import DensePayload, TernaryPayload
+from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
 
 from tests.helpers import ALL_COMPRESSORS, SPARSIFIERS

@@ -21,8 +21,8 @@ from hvd_compress import FP16, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: 
 from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
-from hvd_compress.comm.simulator import run_ranks  # noqa: E402
-from hvd_compress.compressors import reference  # noqa: E402
+from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors import reference
-from hvd_compress.compressors.payload import SparsePayload, TernaryPayload
+from hvd_compress.kernels import reference
+from hvd_compress import wire
+from hvd_compress.wire import SparsePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
 
 f64 = np.float64
@@ -333,8 +334,8 @@ def test_terngrad_clipping_at_c_std():
     ],
 )
 def test_ternary_field_width(world_size, bits, per_lane):
-    assert reference.ternary_field_bits(world_size) == bits
-    assert reference.ternary_codes_per_lane(world_size) == per_lane
+    assert wire.ternary_field_bits(world_size) == bits
+    assert wire.ternary_codes_per_lane(world_size) == per_lane
 
 
 def test_pack_ternary_lane_values():
@@ -394,7 +395,7 @@ def test_two_bit_packing():
     np.testing.assert_array_equal(packed, [-122, 0])
     assert packed.dtype == np.int8
     np.testing.assert_array_equal(reference.unpack_two_bit(packed, 5), codes)
-    assert reference.two_bit_bytes(5) == 2
+    assert wire.two_bit_bytes(5) == 2
 
 
 @pytest.mark.parametrize(
@@ -409,7 +410,7 @@ def test_two_bit_packing():
     ],
 )
 def test_ternary_wire_format(numel, world_size, fmt):
-    assert reference.ternary_wire_format(numel, world_size) == fmt
+    assert wire.ternary_wire_format(numel, world_size) == fmt
 
 
 def test_ternary_payload_bytes_and_format():

@@ -28,7 +28,7 @@ except ImportError as error:
 
 from hvd_compress import FP16, NoneCompressor, TernGrad, TopK  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.compressors.reference import num_selected  # noqa: E402
+from hvd_compress.kernels.reference import num_selected  # noqa: E402
 from hvd_compress.keras.callbacks import CompressionStatsCallback, DensityWarmupCallback  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""``hvd-compress simulate linreg --plot/--mu-sweep``: the RegTop-k linear-regression study, tiny sizes."""
+"""``python -m benchmarks linreg --plot/--mu-sweep``: the RegTop-k linear-regression study, tiny sizes."""
 
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import NoneCompressor, RegTopK, TopK
-from hvd_compress.bench import linreg
-from hvd_compress.cli import main
+from benchmarks import linreg
+from benchmarks.cli import main
 
 SMALL = dict(n_ranks=4, dim=12, ratio=0.4, mu=4.0, steps=40, lr=0.01)
 LABELS = {"dense", "top-k", "regtop-k mu=4", "regtop-k mu=4 + revert", "regtop-k mu=1", "regtop-k mu=2"}
@@ -88,7 +88,7 @@ def test_final_distance_and_subsample():
 
 def test_cli(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    args = ["simulate", "linreg", "--ranks", "4", "--dim", "12", "--steps", "40", "--mu-sweep", "1,2"]
+    args = ["linreg", "--ranks", "4", "--dim", "12", "--steps", "40", "--mu-sweep", "1,2"]
     assert main(args + ["--plot", str(tmp_path)]) == 0
     _check(tmp_path)
     out = capsys.readouterr().out
@@ -97,4 +97,4 @@ def test_cli(tmp_path, capsys):
 
 def test_cli_rejects_bad_sweep(capsys):
     with pytest.raises(SystemExit):
-        main(["simulate", "linreg", "--mu-sweep", "a,b"])
+        main(["linreg", "--mu-sweep", "a,b"])

@@ -138,7 +138,7 @@ def test_two_namespaces_allreduce_and_rate():
     import pytest
 
     prefix = "hvdt" + uuid.uuid4().hex[:4]  # never touches a user's hvdc* cluster
-    from hvd_compress.bench.cluster import emulation_problem
+    from benchmarks.cluster import emulation_problem
 
     reason = emulation_problem()
     if reason:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors import reference
-from hvd_compress.compressors.payload import TernaryPayload
+from hvd_compress.kernels import reference
+from hvd_compress.wire import TernaryPayload
 from hvd_compress.simulator import Simulator
 
 from tests.helpers import (

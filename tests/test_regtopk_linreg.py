@@ -1,7 +1,7 @@
 """RegTop-k on the RegTop-k paper's distributed linear regression toy.
 
 20 ranks, d = 100, density 0.4, mu = 4, lr = 0.01, full-batch gradients of
-heterogeneous least-squares problems (hvd_compress.bench.linreg). Top-k with
+heterogeneous least-squares problems (benchmarks.linreg). Top-k with
 error feedback stalls at a fixed distance from the optimum; RegTop-k ends
 clearly closer; dense gradient descent converges.
 """
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import NoneCompressor, RegTopK, TopK
-from hvd_compress.bench import linreg
+from benchmarks import linreg
 
 STEPS = 1500
 WINDOW = 300  # compare the mean squared distance over the last WINDOW steps

@@ -41,8 +41,8 @@ import tensorflow as tf  # noqa: E402
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress import kernels  # noqa: E402
-from hvd_compress.compressors import reference as R  # noqa: E402
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload  # noqa: E402
+from hvd_compress.kernels import reference as R  # noqa: E402
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload  # noqa: E402
 from hvd_compress.kernels import tf_ops as F  # noqa: E402
 
 from tests.helpers import (  # noqa: E402

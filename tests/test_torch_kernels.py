@@ -41,8 +41,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
-from hvd_compress.compressors import reference as R  # noqa: E402
-from hvd_compress.compressors.payload import TernaryPayload  # noqa: E402
+from hvd_compress.kernels import reference as R  # noqa: E402
+from hvd_compress.wire import TernaryPayload  # noqa: E402
 from hvd_compress.kernels import ops_for  # noqa: E402
 from hvd_compress.kernels import torch_ops as T  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402

@@ -1,7 +1,12 @@
-"""Workloads of the ``hvd-compress`` command: the demo, simulations and benchmarks."""
+"""Workloads of the ``hvd-compress`` command: the demo and the training-step benchmark.
+
+The paper reproductions and link studies live in the repository's ``benchmarks/``
+folder (``python -m benchmarks``), which is not installed.
+"""
 
 import contextlib
 import json
+import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
@@ -13,6 +18,13 @@ def single_threaded_blas():
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(limits=1, user_api="blas")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a one-process rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def save(results: Dict[str, Any], out: Optional[str], stem: str, plot: Optional[Callable] = None) -> None:

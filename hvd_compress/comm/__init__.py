@@ -1,1 +1,13 @@
-"""Communication: how payloads travel (Horovod collectives; mpi4py and torch.distributed to come)."""
+"""Communication: how payloads travel between ranks.
+
+- :mod:`~hvd_compress.comm.exchange` (per-tensor path) and :mod:`~hvd_compress.comm.fused`
+  (torch buckets) move one bucket of gradients over a
+  :class:`~hvd_compress.comm.communicator.Communicator`;
+- communicators: Horovod (torch and TensorFlow), mpi4py (:mod:`~hvd_compress.comm.mpi`),
+  torch.distributed (:mod:`~hvd_compress.comm.torch_dist`) and thread ranks
+  (:mod:`~hvd_compress.comm.threads`);
+- :mod:`~hvd_compress.comm.horovod` and :mod:`~hvd_compress.comm.horovod_tf`: our
+  compressors as Horovod ``Compressor`` objects (``compression=`` in stock Horovod).
+
+Formats on the wire are defined in :mod:`hvd_compress.wire`.
+"""

@@ -33,10 +33,9 @@ its shared scales), so ``finish`` only waits and decodes.
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any, Dict, List, Tuple
 
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
 from hvd_compress.kernels import ops_for
 
 
@@ -97,7 +96,7 @@ class BucketExchange:
 
         tensors = [t for _, t in self.added]
         if self.ops.__name__.endswith("torch_ops") and fused.supported(self.compressor, tensors):
-            bucket = self.compressor.fused_bucket(self.key, [n for n, _ in self.added], tensors, self.comm.size)
+            bucket = fused.bucket_for(self.compressor, self.key, [n for n, _ in self.added], tensors, self.comm.size)
             self.fused = bucket.launch(tensors, self.comm)
             return
         self._encode()
@@ -105,7 +104,7 @@ class BucketExchange:
         layout = [(n, self.shapes[n], "dense") for n, _ in self.dense]
         layout += [(n, self.shapes[n], "sparse") for n, _ in self.sparse]
         layout += [(n, self.shapes[n], "ternary") for n, _, _ in self.ternary]
-        signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+        signature = header_hash(layout)
         counts = [p.values.shape[0] for _, p in self.sparse]
         header = ops.as_int64([[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor())
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")

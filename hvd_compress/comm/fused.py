@@ -48,11 +48,11 @@ draws (each tensor draws its own uniforms, in the order the tensors were added).
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from hvd_compress import wire
 from hvd_compress.kernels import torch_ops as ops
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -130,7 +130,7 @@ class FusedBucket:
         self.wire_format = self._ternary_wire_format()
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
-        self.signature = zlib.crc32(repr(layout).encode()) & 0x7FFFFFFF
+        self.signature = wire.header_hash(layout)
         # state
         self.residual: Optional[torch.Tensor] = None
         self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
@@ -142,7 +142,7 @@ class FusedBucket:
         comp = self.compressor
         if comp.payload_kind != "ternary" or not comp.scalar_sharing:
             return "allgather"
-        return ops.ternary_wire_format(self.n_compressed, self.world)
+        return wire.ternary_wire_format(self.n_compressed, self.world)
 
     def _step_stats(self) -> Tuple[int, int, int, int]:
         """What a step hands the collectives, for :class:`~hvd_compress.compressors.base.WireStats`:
@@ -151,15 +151,15 @@ class FusedBucket:
             return torch.empty((), dtype=dtype).element_size()
 
         itemsize, comp, count = size(self.dtype), self.compressor, len(self.compressed)
-        wire = comp.dense_wire_dtype
-        sent = self.n_dense * (itemsize if wire is None else size(getattr(torch, wire)))
+        wire_dtype = comp.dense_wire_dtype
+        sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(torch, wire_dtype)))
         values = self.n_dense
         if count and comp.payload_kind == "sparse":
             sent += self.k_total * (itemsize + size(self.index_dtype)) + count * itemsize
             values += self.k_total
         elif count:
-            codes = (4 * ops.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"
-                     else ops.two_bit_bytes(self.n_compressed))
+            codes = (4 * wire.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"
+                     else wire.two_bit_bytes(self.n_compressed))
             sent += codes + 2 * count * size(self.acc)
             values += self.n_compressed
         numel = self.n_dense + self.n_compressed
@@ -269,8 +269,8 @@ class FusedBucket:
             flat = tensors[i].reshape(-1)
             parts.append(flat + self.flush_into_dense.pop(i) if i in self.flush_into_dense else flat)
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        wire = self.compressor.dense_wire_dtype
-        return flat if wire is None else ops.cast(flat, getattr(torch, wire))
+        wire_dtype = self.compressor.dense_wire_dtype
+        return flat if wire_dtype is None else ops.cast(flat, getattr(torch, wire_dtype))
 
     def _launch_sparse(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
@@ -412,7 +412,7 @@ class Launched:
             if b.wire_format == "allreduce":
                 code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
             else:
-                chunk = ops.two_bit_bytes(b.n_compressed)
+                chunk = wire.two_bit_bytes(b.n_compressed)
                 code_sum = ops.sum_codes(
                     [ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed) for r in range(b.world)]
                 )
@@ -420,7 +420,7 @@ class Launched:
             bad = self.bad
         else:
             shared = comm.wait(self.handles["scales"]).view(b.world, 2 * count)
-            chunk = ops.two_bit_bytes(b.n_compressed)
+            chunk = wire.two_bit_bytes(b.n_compressed)
             total = None
             for r in range(b.world):  # rank order
                 codes = ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
@@ -452,3 +452,24 @@ class Launched:
             row += grp.rows
         if self.residual is not None:
             b.residual = self.residual
+
+
+def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.Tensor], world: int) -> "FusedBucket":
+    """The :class:`FusedBucket` of ``key`` for this layout, kept in ``compressor._buckets``.
+
+    Built when the layout or configuration is new; state of the tensors it
+    holds moves over from other buckets through the compressor's per-name memory.
+    """
+    shapes = [tuple(t.shape) for t in tensors]
+    bucket = compressor._buckets.get(key)
+    if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
+        return bucket
+    fresh = FusedBucket(compressor, key, names, shapes, tensors[0], world)
+    wanted = set(names)
+    for other_key, other in list(compressor._buckets.items()):
+        if other_key == key or wanted.intersection(other.names):
+            other.flush(compressor.memory)
+            del compressor._buckets[other_key]
+    fresh.adopt(compressor.memory)
+    compressor._buckets[key] = fresh
+    return fresh

@@ -107,11 +107,9 @@ def _next_name() -> str:
 
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
-    from hvd_compress.compressors import FP16, NoneCompressor
-
-    if isinstance(compressor, NoneCompressor):
+    if compressor.payload_kind == "dense" and compressor.dense_wire_dtype is None:  # None
         return tensor, _Context()
-    if isinstance(compressor, FP16):
+    if compressor.payload_kind == "dense":  # FP16
         encode = lambda t: [tf.reshape(compressor.encode(t, "gradient passed to Horovod").values, t.shape)]
         (values,) = eagerly(encode, [tensor], [tf.float16])
         return values, _Context(dtype=tensor.dtype)

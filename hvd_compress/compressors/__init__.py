@@ -1,9 +1,13 @@
 """Compressors: the numpy specification (``reference``) and the algorithm classes.
 
-``Compression`` mirrors Horovod's ``hvd.Compression``: ``Compression.none`` and
-``Compression.fp16`` are ready to use; the sparse and ternary ones are factories,
-e.g. ``Compression.topk(0.01)``.
+``Compression`` mirrors Horovod's ``hvd.Compression``. Every entry is a factory
+that makes a new compressor with its own state: ``Compression.topk(0.01)``,
+``Compression.fp16()``. ``Compression.none`` and ``Compression.fp16`` also work
+uncalled, as Horovod users write them (:class:`DenseFactory`).
 """
+
+from typing import Any, Type
+
 
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.gaussiank import GaussianK
@@ -13,11 +17,59 @@ from hvd_compress.compressors.terngrad import TernGrad
 from hvd_compress.compressors.topk import TopK
 
 
+class DenseFactory:
+    """``Compression.none`` / ``Compression.fp16``: call it for a new compressor.
+
+    Passed uncalled, as Horovod's own ``hvd.Compression.none`` is, it still works:
+    our routes call it (:func:`as_compressor`), and stock Horovod's calls of
+    ``compress``/``decompress`` run a fresh compressor each (no state is shared
+    between optimizers; the wire statistics of such calls are not kept).
+    """
+
+    def __init__(self, name: str, cls: Type[Compressor]) -> None:
+        self.name, self.cls = name, cls
+
+    def __call__(self, **options: Any) -> Compressor:
+        return self.cls(**options)
+
+    def compress(self, tensor: Any):
+        return self.cls().compress(tensor)
+
+    def decompress(self, tensor: Any, ctx: Any):
+        return self.cls().decompress(tensor, ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+def as_compressor(value: Any, route: str = "compression") -> Compressor:
+    """The compressor a route runs: ``None`` is no compression, a factory or class is called.
+
+    Each call of a factory makes a new compressor, so optimizers never share state.
+    """
+    if value is None:
+        return NoneCompressor()
+    if isinstance(value, Compressor):
+        return value
+    if isinstance(value, DenseFactory) or (isinstance(value, type) and issubclass(value, Compressor)):
+        try:
+            return value()
+        except TypeError as error:
+            raise TypeError(
+                f"hvd_compress: {route}={value!r} needs arguments; pass an instance such as "
+                f"{getattr(value, '__name__', value)}(0.01) ({error})"
+            ) from None
+    raise TypeError(
+        f"hvd_compress: {route} must be an hvd_compress compressor such as "
+        f"hvd_compress.TopK(0.01) or Compression.fp16, got {value!r}"
+    )
+
+
 class Compression:
     """Namespace of compressors, like ``horovod.torch.Compression``."""
 
-    none = NoneCompressor()
-    fp16 = FP16()
+    none = DenseFactory("none", NoneCompressor)
+    fp16 = DenseFactory("fp16", FP16)
     topk = TopK
     gaussiank = GaussianK
     regtopk = RegTopK
@@ -52,4 +104,6 @@ __all__ = [
     "NoneCompressor",
     "FP16",
     "Compression",
+    "DenseFactory",
+    "as_compressor",
 ]

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.residual import TensorMemory
 
 
@@ -142,7 +141,7 @@ class Compressor:
 
     def config_hash(self) -> int:
         """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike."""
-        return zlib.crc32(repr(sorted(self.config().items())).encode()) & 0x7FFFFFFF
+        return header_hash(sorted(self.config().items()))
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -190,47 +189,26 @@ class Compressor:
         return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface
+    #: The module that runs Horovod's protocol for every compressor. The comm layer
+    #: registers it (:mod:`hvd_compress.comm.horovod`, imported by ``import hvd_compress``)
+    #: so that this layer never imports a higher one.
+    horovod_adapter: Any = None
+
     def compress(self, tensor: Any):
         """Horovod ``Compressor.compress``: starts this compressor's own collectives.
 
         See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
         """
-        from hvd_compress.comm import horovod
-
-        return horovod.compress(self, tensor)
+        return _adapter().compress(self, tensor)
 
     def decompress(self, tensor: Any, ctx: Any):
         """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
-        from hvd_compress.comm import horovod
-
-        return horovod.decompress(self, tensor, ctx)
+        return _adapter().decompress(self, tensor, ctx)
 
     # ------------------------------------------------------------- fused buckets
     def fused_kind(self, numel: int) -> str:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
         return "dense"
-
-    def fused_bucket(self, key: str, names: List[str], tensors: List[Any], world: int) -> Any:
-        """The :class:`~hvd_compress.comm.fused.FusedBucket` of ``key`` for this layout.
-
-        Built when the layout or configuration is new; state of the tensors it
-        holds moves over from other buckets through the per-name memory.
-        """
-        from hvd_compress.comm.fused import FusedBucket
-
-        shapes = [tuple(t.shape) for t in tensors]
-        bucket = self._buckets.get(key)
-        if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
-            return bucket
-        fresh = FusedBucket(self, key, names, shapes, tensors[0], world)
-        wanted = set(names)
-        for other_key, other in list(self._buckets.items()):
-            if other_key == key or wanted.intersection(other.names):
-                other.flush(self.memory)
-                del self._buckets[other_key]
-        fresh.adopt(self.memory)
-        self._buckets[key] = fresh
-        return fresh
 
     def _flush_buckets(self) -> None:
         """Write the fused buckets' state into the per-name memory (checkpoints, inspection)."""
@@ -295,6 +273,15 @@ class Compressor:
 
     def _observe(self, name: str, total: Any, ops: Any) -> None:
         """Hook for compressors that learn from the aggregate; default: nothing."""
+
+
+def _adapter() -> Any:
+    if Compressor.horovod_adapter is None:
+        raise RuntimeError(
+            "hvd_compress: no Horovod adapter is registered; import hvd_compress (not only its submodules' "
+            "files) before passing a compressor to Horovod"
+        )
+    return Compressor.horovod_adapter
 
 
 def payload_tensor(payload: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hvd_compress.compressors.base import Compressor
-from hvd_compress.compressors.payload import DensePayload
+from hvd_compress.wire import DensePayload
 
 
 class NoneCompressor(Compressor):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List
 
-from hvd_compress.compressors import reference
+from hvd_compress.kernels import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
-from hvd_compress.compressors.payload import DensePayload, SparsePayload
+from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.compressors.validation import check_bool, check_count, checked
 
 #: Tensors below this many elements go dense by default.

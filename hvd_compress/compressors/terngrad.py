@@ -11,7 +11,7 @@ Deep Learning" (NeurIPS 2017). Per layer::
 On the wire the codes of all ranks are summed by an integer allreduce of int32
 lanes packing ``floor(32 / b)`` codes of ``b = ceil(log2(2N + 1))`` bits, or
 allgathered as 2-bit codes when that moves fewer bytes
-(:func:`reference.ternary_wire_format`).
+(:func:`hvd_compress.wire.ternary_wire_format`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from functools import partial
 from typing import Any, Dict, List, Optional
 
 from hvd_compress.compressors.base import Compressor, dense_sum
-from hvd_compress.compressors.payload import DensePayload, TernaryPayload
-from hvd_compress.compressors.reference import two_bit_bytes
+from hvd_compress.wire import DensePayload, TernaryPayload
+from hvd_compress.wire import two_bit_bytes
 from hvd_compress.compressors.sparse import DENSE_BELOW
 from hvd_compress.compressors.validation import check_bool, check_count, check_positive, checked
 

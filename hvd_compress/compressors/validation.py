@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from hvd_compress.compressors import reference
+from hvd_compress.kernels import reference
 
 #: Smallest Gaussian-k ratio: below it ``ratio / 2`` rounds to 0 and the tail
 #: quantile ``Phi^-1(1 - ratio / 2)`` (:func:`reference.normal_tail_quantile`) is undefined.

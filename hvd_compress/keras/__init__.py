@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401
+from hvd_compress.compressors import as_compressor
 
 
 def check_keras() -> None:
@@ -61,7 +62,7 @@ def DistributedOptimizer(
     """
     import horovod.tensorflow.keras as hvd_keras
 
-    compression = Compression.none if compression is None else compression
+    compression = as_compressor(compression)
     distributed = hvd_keras.DistributedOptimizer(optimizer, **horovod_kwargs)
     distributed._allreduce_grads = exchange_for(compression, op, gradient_predivide_factor, communicator)
     distributed.compression = compression

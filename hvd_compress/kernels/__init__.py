@@ -1,7 +1,7 @@
 """Framework kernels: the reference functions for each array type.
 
 ``ops_for(tensor)`` returns the module implementing
-:mod:`hvd_compress.compressors.reference`'s functions for that tensor: the
+:mod:`hvd_compress.kernels.reference`'s functions for that tensor: the
 reference itself for numpy arrays, :mod:`hvd_compress.kernels.torch_ops` for
 torch tensors, :mod:`hvd_compress.kernels.tf_ops` for TensorFlow tensors and
 variables. Compressor classes only ever call these functions, so one class
@@ -20,7 +20,7 @@ import numpy as np
 def ops_for(tensor: Any, name: str = "") -> ModuleType:
     """The kernel module for ``tensor``'s framework; ``TypeError`` for unknown types."""
     if isinstance(tensor, np.ndarray):
-        from hvd_compress.compressors import reference
+        from hvd_compress.kernels import reference
 
         return reference
     framework = type(tensor).__module__.split(".")[0]
@@ -49,6 +49,6 @@ def module(name: str) -> ModuleType:
     return importlib.import_module(name)
 
 
-_REFERENCE = "hvd_compress.compressors.reference"
+_REFERENCE = "hvd_compress.kernels.reference"
 _TORCH = "hvd_compress.kernels.torch_ops"
 _TF = "hvd_compress.kernels.tf_ops"

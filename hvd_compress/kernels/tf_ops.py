@@ -1,4 +1,4 @@
-"""TensorFlow kernels: the functions of :mod:`hvd_compress.compressors.reference` on TF tensors.
+"""TensorFlow kernels: the functions of :mod:`hvd_compress.kernels.reference` on TF tensors.
 
 Same names, same arguments, same results, for ``tf.Tensor`` and ``tf.Variable``
 inputs: bit-exact for Top-k (ties to the lower index, indices ascending),
@@ -32,7 +32,8 @@ from typing import Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
+from hvd_compress.wire import ternary_field_bits
+from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_GROW,
     GAUSSIANK_HIGH,
     GAUSSIANK_LOW,
@@ -42,11 +43,6 @@ from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: fr
     gaussiank_correct,
     normal_tail_quantile,
     num_selected,
-    ternary_codes_per_lane,
-    ternary_field_bits,
-    ternary_lanes,
-    ternary_wire_format,
-    two_bit_bytes,
 )
 
 _WORD = 1 << 32

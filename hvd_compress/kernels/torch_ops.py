@@ -1,4 +1,4 @@
-"""PyTorch kernels: the functions of :mod:`hvd_compress.compressors.reference` on torch tensors.
+"""PyTorch kernels: the functions of :mod:`hvd_compress.kernels.reference` on torch tensors.
 
 Same names, same arguments, same results: bit-exact for Top-k, RegTop-k, the
 error-feedback split and TernGrad's codes given the same draws; reductions
@@ -14,17 +14,13 @@ from typing import Sequence, Tuple
 import numpy as np
 import torch
 
-from hvd_compress.compressors.reference import (  # noqa: F401  (re-exported: framework-free)
+from hvd_compress.wire import ternary_field_bits
+from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_HIGH,
     NO_DISTORTION,
     gaussiank_correct,
     normal_tail_quantile,
     num_selected,
-    ternary_codes_per_lane,
-    ternary_field_bits,
-    ternary_lanes,
-    ternary_wire_format,
-    two_bit_bytes,
 )
 
 _WORD = 1 << 32

@@ -186,7 +186,7 @@ def _abort(comm: Any, error: BaseException) -> None:
 
 def _payload_arrays(payload: Any):
     """``(format, values, indices, scale)`` of a payload, as contiguous numpy arrays."""
-    from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+    from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 
     def host(a):
         return np.ascontiguousarray(np.asarray(a))
@@ -505,7 +505,7 @@ class _Server:
                     f"hvd_compress: worker {w} sent a compressed gradient, the server has no compressor"
                 )
             return values
-        from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+        from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 
         if fmt == DENSE:
             payload = DensePayload(values=values, dtype=self.x.dtype)

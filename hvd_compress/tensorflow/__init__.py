@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01), like Horovod's)
+from hvd_compress.compressors import as_compressor
 from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: F401
 from hvd_compress.tensorflow.gradients import GradientExchange
 
@@ -56,7 +57,7 @@ def DistributedGradientTape(
     """
     import horovod.tensorflow as hvd
 
-    compression = Compression.none if compression is None else compression
+    compression = as_compressor(compression)
     tape = hvd.DistributedGradientTape(gradtape, **horovod_kwargs)
     tape._allreduce_grads = exchange_for(compression, op, gradient_predivide_factor, communicator)
     return tape

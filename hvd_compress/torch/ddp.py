@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.comm.torch_dist import TorchDistCommunicator
+from hvd_compress.compressors import as_compressor
 
 
 class CompressionState:
@@ -49,7 +50,7 @@ class CompressionState:
         process_group: Optional[Any] = None,
         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
     ) -> None:
-        self.compressor = compressor
+        self.compressor = as_compressor(compressor, "CompressionState's compressor")
         self.process_group = process_group
         named = [] if named_parameters is None else list(named_parameters)
         self._names: Dict[int, str] = {id(p): n for n, p in named}

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.compressors import Compressor, NoneCompressor
+from hvd_compress.compressors import Compressor, as_compressor
 
 
 def _is_sum(op: Any) -> bool:
@@ -210,12 +210,7 @@ def DistributedOptimizer(
     any :class:`~hvd_compress.comm.communicator.Communicator`). ``compression``
     is one of our compressors (default: none).
     """
-    compression = NoneCompressor() if compression is None else compression
-    if not isinstance(compression, Compressor):
-        raise TypeError(
-            f"hvd_compress: compression must be an hvd_compress compressor such as "
-            f"hvd.Compression.topk(0.01), got {compression!r}"
-        )
+    compression = as_compressor(compression)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(
         optimizer.param_groups,

@@ -1,4 +1,4 @@
-"""TernGrad ablation: ``hvd-compress simulate terngrad`` (Wen et al. 2017, paper 002).
+"""TernGrad ablation: ``python -m benchmarks terngrad`` (Wen et al. 2017, paper 002).
 
 TernGrad sends ``S * t`` with ``t_j = sign(g_j) Bernoulli(|g_j| / S)`` in {-1, 0, 1}:
 unbiased, with per-entry variance ``S |g_j| - g_j^2``, so a smaller scale ``S``
@@ -12,7 +12,7 @@ means less noise. Two of the paper's choices act on ``S``:
   codes per int32 lane) whose traffic does not grow with N. Without it each rank
   allgathers its 2-bit codes and its own scale: ``(N-1) d / 4`` bytes sent.
 
-The study trains the CNN of :mod:`hvd_compress.bench.cnn` with the four
+The study trains the CNN of :mod:`benchmarks.cnn` with the four
 combinations (and dense SGD as the reference) and records, besides loss and
 accuracy, the relative error of the aggregate ``||avg - mean_r g_r||^2 /
 ||mean_r g_r||^2`` over the TernGrad-coded tensors every step (quantization
@@ -29,7 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import cnn, publish
+from benchmarks import cnn
+from hvd_compress.bench import publish
 from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor, TernGrad
 from hvd_compress.simulator import Simulator
@@ -75,7 +76,7 @@ class ErrorProbe(cnn.Probe):
 
 def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Sequence[int], seed: int = 0):
     """Bytes per rank of one step with and without scalar sharing at every N, vs dense fp32."""
-    from hvd_compress.bench.wire import allreduce_traffic
+    from benchmarks.wire import allreduce_traffic
 
     rng = np.random.default_rng(seed)
     dense = 4 * sum(int(np.prod(s)) for s in shapes.values())
@@ -116,7 +117,7 @@ def study(
 ) -> Dict[str, Any]:
     """Dense and TernGrad with/without clipping and scalar sharing; writes ``terngrad.json`` / ``terngrad.png``."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs: List[Tuple[str, Compressor]] = [(cnn.label("none"), Compression.none)]
+    runs: List[Tuple[str, Compressor]] = [(cnn.label("none"), Compression.none())]
     runs += [(name, TernGrad(**options)) for name, options in variants(clip)]
     shapes = {name: tuple(p.shape) for name, p in cnn.make_net(training.seed).named_parameters()}
     coded = [

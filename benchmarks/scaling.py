@@ -15,7 +15,7 @@ per sequential message), for a gradient of ``d`` fp32 elements and density
 
 * TernGrad with a shared scale: an allreduce-Max of the scale, then the codes
   as an allreduce of ``lanes = ceil(d / floor(32 / ceil(log2(2N+1))))`` int32
-  lanes, or, where that moves fewer bytes (``reference.ternary_wire_format``:
+  lanes, or, where that moves fewer bytes (``wire.ternary_wire_format``:
   ``N * ceil(d/4) < 2 * 4 lanes``), an allgather of 2-bit codes::
 
       T_tern = 2 (N-1) alpha + [2 (N-1) alpha + 2 (N-1)/N * 4 lanes / B]  or  [(N-1) alpha + (N-1) ceil(d/4) / B]
@@ -55,14 +55,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import cluster, publish, report
-from hvd_compress.bench.compress import format_size
-from hvd_compress.bench.wire import numel, resnet18_shapes
+from benchmarks import cluster
+from hvd_compress.bench import publish, report
+from benchmarks.compress import format_size
+from benchmarks.wire import numel, resnet18_shapes
 from hvd_compress.compressors import TopK
 from hvd_compress.compressors.base import check_ratio
-from hvd_compress.compressors.reference import num_selected, ternary_lanes, ternary_wire_format, two_bit_bytes
+from hvd_compress.kernels.reference import num_selected
+from hvd_compress.wire import ternary_lanes, ternary_wire_format, two_bit_bytes
 
-MODULE = "hvd_compress.bench.scaling"
+MODULE = "benchmarks.scaling"
 DEFAULT_RANKS = (2, 4, 8)
 DEFAULT_RATES = ("1gbit", "10gbit")
 MAX_RANKS = 512

@@ -60,9 +60,10 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvd_compress.bench import cluster, publish, report
-from hvd_compress.bench.compress import format_size
-from hvd_compress.bench.wire import (
+from benchmarks import cluster
+from hvd_compress.bench import publish, report
+from benchmarks.compress import format_size
+from benchmarks.wire import (
     COMPRESSORS,
     GRADIENT_SCALE,
     SPARSE,
@@ -75,7 +76,7 @@ from hvd_compress.bench.wire import (
 from hvd_compress.compressors.base import check_ratio
 
 DEFAULT_RATES = ("1gbit", "10gbit")
-MODULE = "hvd_compress.bench.step"
+MODULE = "benchmarks.step"
 #: (rate, ratio, compressors, minimum speedup): the issue's target, printed, never asserted.
 TARGET = ("1gbit", 0.01, SPARSE, 5.0)
 #: Output pixels per layer of ResNet-18 at 224x224 input, by parameter-name prefix.
@@ -245,7 +246,7 @@ def make_compressor(name: str, ratio: float) -> Any:
 def _gradients(shapes, rank: int, seed: int) -> Dict[str, Any]:
     import torch
 
-    from hvd_compress.bench.compress import gradient
+    from benchmarks.compress import gradient
 
     return {
         name: torch.from_numpy(GRADIENT_SCALE * gradient(numel(shape), seed=[seed, rank, i])).reshape(shape)

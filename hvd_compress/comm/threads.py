@@ -1,4 +1,4 @@
-"""In-process ranks as threads: the Communicator of the simulator world.
+"""Ranks as threads of one process: a Communicator that runs the real per-rank code without MPI.
 
 :class:`ThreadCommunicator` lets the real per-rank code (the fused exchange,
 the drop-in optimizer) run N ranks in one process, each in its own thread,

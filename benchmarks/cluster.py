@@ -23,7 +23,6 @@ import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+from hvd_compress.bench import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "ci" / "netns_cluster.sh"
 PROGRESS = "@progress "
 EMULATED_PORT = 29533
@@ -192,12 +193,6 @@ def link(nodes: int, rate: Optional[str] = None, delay: str = "0.1ms") -> Iterat
             subprocess.run([str(SCRIPT), "down"], env=env, capture_output=True, timeout=120)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ------------------------------------------------------------------- workers
 def _pump(stream: Any, lines: "queue.Queue[str]") -> None:
     for line in stream:
@@ -347,7 +342,7 @@ def _wait(
 def worker_config(argv: List[str]) -> Dict[str, Any]:
     """The configuration passed as ``worker CONFIG_JSON``."""
     if len(argv) != 2 or argv[0] != "worker":
-        raise SystemExit("usage: python -m MODULE worker CONFIG_JSON (started by hvd-compress bench)")
+        raise SystemExit("usage: python -m MODULE worker CONFIG_JSON (started by python -m benchmarks)")
     return json.loads(argv[1])
 
 

@@ -1,8 +1,8 @@
 """A small CNN trained on simulated ranks: the model, data and loop of the convergence studies.
 
-``hvd-compress simulate cnn`` (this module's :func:`study`), ``simulate gaussian``
-(:mod:`hvd_compress.bench.gaussian`) and ``simulate terngrad``
-(:mod:`hvd_compress.bench.terngrad`) all train :func:`make_net` with :func:`train`.
+``python -m benchmarks cnn`` (this module's :func:`study`), ``gaussian``
+(:mod:`benchmarks.gaussian`) and ``terngrad``
+(:mod:`benchmarks.terngrad`) all train :func:`make_net` with :func:`train`.
 
 Data: synthetic 1x8x8 "digits" (ten smooth random templates plus Gaussian
 noise, :func:`synthetic_digits`, also the data of ``examples/pytorch_train.py``),
@@ -13,7 +13,7 @@ shard of the global batch; the gradients go through
 gathered, every rank decodes the average) and SGD with momentum applies the
 average. Every payload is logged, so the study reports what was sent: bytes a
 rank hands to the collectives, its ring traffic (allreduce ``2 (N-1)/N P``,
-allgather ``(N-1) Q``, :func:`hvd_compress.bench.wire.wire`) and the achieved
+allgather ``(N-1) Q``, :func:`benchmarks.wire.wire`) and the achieved
 density (entries sent / entries), against dense fp32 in the same run.
 
 The sparsifiers send some tensors dense: those under ``dense_below`` elements
@@ -36,7 +36,7 @@ import numpy as np
 from hvd_compress.bench import publish, single_threaded_blas
 from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
 
 #: Densities of the sparsifiers in ``simulate cnn``.
@@ -106,10 +106,10 @@ def record_payloads(sim: Simulator) -> List[Dict[str, Any]]:
 
     Entry: ``rank``, ``name``, ``kind`` (``dense``, ``sparse``, ``ternary``), ``numel``,
     ``values`` (entries sent: ``|S|`` for sparse payloads), ``bytes`` (payload
-    ``nbytes``), ``traffic`` (ring bytes, :func:`hvd_compress.bench.wire.wire`) and
+    ``nbytes``), ``traffic`` (ring bytes, :func:`benchmarks.wire.wire`) and
     ``scale`` (TernGrad's ``S``).
     """
-    from hvd_compress.bench.wire import wire
+    from benchmarks.wire import wire
 
     log: List[Dict[str, Any]] = []
     for compressor in sim.compressors:
@@ -233,7 +233,7 @@ def train(
     """
     import torch
 
-    from hvd_compress.bench.wire import allreduce_traffic
+    from benchmarks.wire import allreduce_traffic
 
     if int(epochs) < 1:
         raise ValueError(f"hvd_compress: epochs must be at least 1, got {epochs}")
@@ -457,7 +457,7 @@ def study(
     """
     require_packages(torch=True, plots=plot and out is not None)
     ratios = [float(r) for r in dict.fromkeys(ratios)]
-    runs: List[Tuple[str, Compressor]] = [(label("none"), Compression.none)]
+    runs: List[Tuple[str, Compressor]] = [(label("none"), Compression.none())]
     for ratio in ratios:
         runs += [(label(name, ratio), Compression.by_name(name, ratio)) for name in SPARSE]
     runs.append((label("terngrad"), Compression.terngrad()))

@@ -34,10 +34,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvd_compress.bench import publish, report
-from hvd_compress.bench.compress import format_size, gradient
+from benchmarks.compress import format_size, gradient
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.base import check_ratio
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.compressors.sparse import DENSE_BELOW
 from hvd_compress.simulator import Simulator
 

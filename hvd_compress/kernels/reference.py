@@ -18,6 +18,8 @@ from typing import Callable, Sequence, Tuple
 
 import numpy as np
 
+from hvd_compress.wire import ternary_field_bits
+
 #: Wire dtype of ``FP16``.
 float16 = np.float16
 
@@ -334,39 +336,6 @@ def terngrad_codes(g: np.ndarray, scale: float, uniform: np.ndarray) -> np.ndarr
         return np.zeros(g.shape[0], dtype=np.int8)
     keep = uniform < np.abs(g) / g.dtype.type(scale)
     return (np.sign(g).astype(np.int8) * keep).astype(np.int8)
-
-
-def ternary_field_bits(world_size: int) -> int:
-    """Bits ``b = ceil(log2(2N + 1))`` of a field holding ``sum over N ranks of (t + 1)``."""
-    return max(1, math.ceil(math.log2(2 * world_size + 1)))
-
-
-def ternary_codes_per_lane(world_size: int) -> int:
-    """``floor(32 / b)`` codes share one int32 lane of the integer allreduce."""
-    return 32 // ternary_field_bits(world_size)
-
-
-def ternary_lanes(numel: int, world_size: int) -> int:
-    """int32 lanes holding ``numel`` packed codes for ``world_size`` ranks."""
-    return -(-numel // ternary_codes_per_lane(world_size))
-
-
-def two_bit_bytes(numel: int) -> int:
-    """Bytes of ``numel`` codes packed 2 bits each (four per byte)."""
-    return -(-numel // 4)
-
-
-def ternary_wire_format(numel: int, world_size: int) -> str:
-    """``"allreduce"`` (packed int32 sum) or ``"allgather"`` (2-bit codes), by bytes moved.
-
-    A ring allreduce of ``P`` bytes moves ``2 (N-1)/N * P`` per rank, a ring
-    allgather of ``Q`` bytes per rank moves ``(N-1) * Q``: allgather wins when
-    ``N * Q < 2 * P``.
-    """
-    packed = 4 * ternary_lanes(numel, world_size)
-    if world_size * two_bit_bytes(numel) < 2 * packed:
-        return "allgather"
-    return "allreduce"
 
 
 def _pack_fields(fields: np.ndarray, bits: int, per_word: int, word: type) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Gaussian-k during training: ``hvd-compress simulate gaussian`` (Shi et al. 2019, paper 001).
+"""Gaussian-k during training: ``python -m benchmarks gaussian`` (Shi et al. 2019, paper 001).
 
 Gaussian-k assumes the error-compensated gradient ``a = g + r`` of a layer is
 bell-shaped and takes its threshold from two moments instead of a sort::
@@ -7,11 +7,11 @@ bell-shaped and takes its threshold from two moments instead of a sort::
 
 then corrects ``thr`` at most 3 times (x0.5 below ``2k/3`` selected, x1.5 above
 ``4k/3``; hclhkbu/GaussianK-SGD), trimming to the ``k`` largest when it
-overshoots (:func:`hvd_compress.compressors.reference.gaussiank_select`). So
+overshoots (:func:`hvd_compress.kernels.reference.gaussiank_select`). So
 ``|S| <= 4k/3`` always, and ``|S| >= 2k/3`` unless every threshold tried
 selected fewer.
 
-The study trains the CNN of :mod:`hvd_compress.bench.cnn` with ``GaussianK(ratio)``
+The study trains the CNN of :mod:`benchmarks.cnn` with ``GaussianK(ratio)``
 on N simulated ranks and records, from outside the compressor:
 
 * at a few iterations, the histogram of ``a`` of one layer on rank 0 (``g`` this
@@ -33,10 +33,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.bench import cnn, publish
+from benchmarks import cnn
+from hvd_compress.bench import publish
 from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import GaussianK
-from hvd_compress.compressors.reference import GAUSSIANK_HIGH, GAUSSIANK_LOW
+from hvd_compress.kernels.reference import GAUSSIANK_HIGH, GAUSSIANK_LOW
 
 #: Histogram bins of ``a``.
 BINS = 81

@@ -29,8 +29,8 @@ import numpy as np
 from hvd_compress.bench import publish
 from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 from hvd_compress.compressors import Compression
-from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
-from hvd_compress.compressors.reference import num_selected
+from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.kernels.reference import num_selected
 
 #: Default gradient sizes (elements): a ResNet-50-scale layer bucket up to a whole model.
 DEFAULT_SIZES = (1_000_000, 11_700_000, 25_000_000)

@@ -1,0 +1,381 @@
+"""``python -m benchmarks``: the paper reproductions and link studies (not installed).
+
+Run from a checkout of the repository (the library installed, e.g. ``make setup``):
+
+python -m benchmarks linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4] [--mu-sweep 1,2,4,8] [--instances 1]
+                            [--plot DIR]
+python -m benchmarks cnn [--ranks 4] [--epochs 5] [--ratios 0.01,0.001] [--lr 0.05] [--seed 0] [--plot DIR]
+python -m benchmarks gaussian [--ranks 4] [--epochs 5] [--ratio 0.01] [--layer fc1.weight] [--plot DIR]
+python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
+python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
+python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
+python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
+                          [--out results]
+python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
+                             [--out results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, List, Optional
+
+from hvd_compress import Compression
+from hvd_compress.cli import _add_ratio, _floats, _ints, run_command
+
+def _wrote(folder: Optional[str], stem: str) -> int:
+    if folder:
+        print(f"Wrote {folder}/{stem}.json and {folder}/{stem}.png")
+    return 0
+
+
+def _simulate_linreg(args: argparse.Namespace) -> int:
+    from benchmarks import linreg
+
+    results = linreg.study(
+        n_ranks=args.ranks,
+        dim=args.dim,
+        ratio=args.ratio,
+        mu=args.mu,
+        mu_sweep=args.mu_sweep or (),
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        instances=args.instances,
+        out=args.plot,
+    )
+    final = {r["label"]: r["final_distance"] for r in results["final"]}
+    print(f"  regtop-k / top-k = {final[f'regtop-k mu={args.mu:g}'] / final['top-k']:.3f}")
+    return _wrote(args.plot, "linreg")
+
+
+def _training(args: argparse.Namespace) -> Any:
+    """The training options every CNN study shares."""
+    from benchmarks.cnn import Training
+
+    return Training(
+        ranks=args.ranks,
+        epochs=args.epochs,
+        batch_per_rank=args.batch_size,
+        lr=args.lr,
+        train_size=args.train_size,
+        test_size=args.test_size,
+        seed=args.seed,
+    )
+
+
+def _simulate_cnn(args: argparse.Namespace) -> int:
+    from benchmarks import cnn
+
+    cnn.study(ratios=args.ratios, training=_training(args), out=args.plot)
+    return _wrote(args.plot, "cnn")
+
+
+def _simulate_gaussian(args: argparse.Namespace) -> int:
+    from benchmarks import gaussian
+
+    gaussian.study(
+        ratio=args.ratio, layer=args.layer, snapshots=args.snapshots, training=_training(args), out=args.plot
+    )
+    return _wrote(args.plot, "gaussian")
+
+
+def _simulate_terngrad(args: argparse.Namespace) -> int:
+    from benchmarks import terngrad
+
+    terngrad.study(clip=args.clip, layer=args.layer, training=_training(args), out=args.plot)
+    return _wrote(args.plot, "terngrad")
+
+
+def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
+    parser.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
+    parser.add_argument("--epochs", type=int, default=5, help="64 steps each with the defaults (5)")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank (default 32)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD step size, momentum 0.9 (0.05)")
+    parser.add_argument("--train-size", type=int, default=8192, help="synthetic training images (8192)")
+    parser.add_argument("--test-size", type=int, default=2048, help="synthetic test images (2048)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", metavar="DIR", help=f"write {study}.json and {study}.png here")
+
+
+def _widths(scale: float) -> str:
+    return "" if scale == 1 else f" (widths x {scale:g})"
+
+
+def _where(args: argparse.Namespace) -> str:
+    return "localhost, no emulation" if args.link == "none" else f"emulated links of {', '.join(args.rates)}"
+
+
+def _bench_compress(args: argparse.Namespace) -> int:
+    from benchmarks import compress
+
+    args.sizes = [size for group in args.sizes for size in group]  # "--sizes 1M,25M 11.7M"
+    print(
+        f"Compression cost: one encode vs torch.topk and one memory pass; sizes "
+        f"{', '.join(compress.format_size(s) for s in args.sizes)}, ratio {args.ratio}, "
+        f"median of {args.repeats}, device {args.device}"
+    )
+    compress.run(sizes=args.sizes, ratio=args.ratio, repeats=args.repeats, device=args.device, out=args.out)
+    return _wrote(args.out, "compress")
+
+
+def _bench_wire(args: argparse.Namespace) -> int:
+    from benchmarks import wire
+
+    print(
+        f"Wire bytes: one simulated step of every compressor on ResNet-18-shaped gradients{_widths(args.scale)}, "
+        f"N = {', '.join(map(str, args.ranks))}, ratio {args.ratio}"
+    )
+    wire.run(
+        ranks=args.ranks,
+        ratio=args.ratio,
+        scale=args.scale,
+        dense_below=args.dense_below,
+        seed=args.seed,
+        out=args.out,
+    )
+    return _wrote(args.out, "wire")
+
+
+def _rates(text: str) -> List[str]:
+    from benchmarks.cluster import parse_rate
+
+    rates = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        for rate in rates:
+            parse_rate(rate)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+    return rates
+
+
+def _on_ranks(run: Callable[..., Any], out: str, stem: str, **options: Any) -> int:
+    """Run a benchmark whose ranks are processes: one that failed or timed out is exit status 1."""
+    try:
+        run(out=out, **options)
+    except RuntimeError as error:
+        print(f"python -m benchmarks: {error}", file=sys.stderr)
+        return 1
+    return _wrote(out, stem)
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+    from benchmarks import step, wire
+
+    names = args.compression or list(wire.COMPRESSORS)
+    print(
+        f"Step time: {args.ranks} ranks, ResNet-18-shaped gradients{_widths(args.scale)}, "
+        f"{', '.join(names)} at ratio {args.ratio}, {args.steps} steps, "
+        f"compute stand-in {args.compute_ms:g} ms; {_where(args)}"
+    )
+    return _on_ranks(
+        step.run,
+        args.out,
+        "step",
+        ranks=args.ranks,
+        rates=[None] if args.link == "none" else args.rates,
+        ratio=args.ratio,
+        steps=args.steps,
+        warmup=args.warmup,
+        scale=args.scale,
+        compute_ms=args.compute_ms,
+        compressors=names,
+        delay=args.delay,
+        bucket_mb=args.bucket_mb,
+        seed=args.seed,
+    )
+
+
+def _bench_scaling(args: argparse.Namespace) -> int:
+    from benchmarks import scaling
+
+    measure = args.measure != "none"
+    print(
+        f"Communication scaling: dense allreduce vs sparse allgather vs TernGrad, ratio {args.ratio}; "
+        + (f"{_where(args)}, measured at N = {', '.join(map(str, args.ranks))}" if measure else "model only")
+    )
+    return _on_ranks(
+        scaling.run,
+        args.out,
+        "scaling",
+        ranks=args.ranks,
+        rates=args.rates,
+        link=args.link,
+        measure=measure,
+        ratio=args.ratio,
+        scale=args.scale,
+        repeats=args.repeats,
+        delay=args.delay,
+        max_ranks=args.max_ranks,
+        seed=args.seed,
+    )
+
+
+def _size(text: str) -> List[int]:
+    from benchmarks.compress import parse_size
+
+    try:
+        return [parse_size(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _add_width_scale(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="channel-width multiplier of ResNet-18 (1 = 11.7M parameters)",
+    )
+
+
+def _add_link(parser: argparse.ArgumentParser, rates: str, none: str) -> None:
+    """``--rates`` (described as ``rates``) and ``--link`` (``none``: what ``--link none`` does)."""
+    parser.add_argument(
+        "--rates",
+        type=_rates,
+        default=["1gbit", "10gbit"],
+        help=f"{rates}, tc syntax (default 1gbit,10gbit)",
+    )
+    parser.add_argument(
+        "--link",
+        choices=("emulated", "none"),
+        default="emulated",
+        help=f"none: {none}",
+    )
+
+
+def _add_delay(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
+    )
+
+
+def _add_out(parser: argparse.ArgumentParser, stem: str, run: Callable[[argparse.Namespace], int]) -> None:
+    """``--out`` for ``<stem>.json`` and ``<stem>.png``, and the handler ``run``."""
+    parser.add_argument("--out", default="results", help=f"folder for {stem}.json and {stem}.png")
+    parser.set_defaults(run=run)
+
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    linreg = commands.add_parser("linreg", help="RegTop-k paper's distributed linear regression")
+    linreg.add_argument("--ranks", type=int, default=20)
+    linreg.add_argument("--dim", type=int, default=100)
+    linreg.add_argument("--ratio", type=float, default=0.4)
+    linreg.add_argument("--mu", type=float, default=4.0)
+    linreg.add_argument("--lr", type=float, default=0.01)
+    linreg.add_argument("--steps", type=int, default=2500)
+    linreg.add_argument("--seed", type=int, default=0)
+    linreg.add_argument(
+        "--instances", type=int, default=1, help="problems (seeds seed, seed+1, ...) for Top-k vs RegTop-k"
+    )
+    linreg.add_argument("--mu-sweep", type=_floats, help="add a RegTop-k run per temperature, e.g. 1,2,4,8")
+    linreg.add_argument("--plot", metavar="DIR", help="write linreg.json and linreg.png (log scale) here")
+    linreg.set_defaults(run=_simulate_linreg)
+    cnn = commands.add_parser("cnn", help="small CNN: dense, Top-k, Gaussian-k, RegTop-k per ratio, TernGrad")
+    _add_cnn_options(cnn, "cnn")
+    cnn.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="densities (0.01,0.001)")
+    cnn.set_defaults(run=_simulate_cnn)
+    gauss = commands.add_parser("gaussian", help="Gaussian-k: histogram of g + r vs its Gaussian, |S| vs k")
+    _add_cnn_options(gauss, "gaussian")
+    gauss.add_argument("--ratio", type=float, default=0.01, help="Gaussian-k density (default 0.01)")
+    gauss.add_argument("--layer", default="fc1.weight", help="layer of the histograms (default fc1.weight)")
+    gauss.add_argument("--snapshots", type=int, default=4, help="iterations with a histogram (default 4)")
+    gauss.set_defaults(run=_simulate_gaussian)
+    tern = commands.add_parser("terngrad", help="TernGrad with/without clipping and scalar sharing")
+    _add_cnn_options(tern, "terngrad")
+    tern.add_argument("--clip", type=float, default=2.5, help="clipping factor c of the clipped runs (2.5)")
+    tern.add_argument("--layer", default="fc1.weight", help="layer whose scale is reported (fc1.weight)")
+    tern.set_defaults(run=_simulate_terngrad)
+
+    compress = commands.add_parser("compress", help="encode time vs torch.topk and one memory pass")
+    compress.add_argument(
+        "--sizes",
+        type=_size,
+        nargs="+",
+        default=[[1_000_000, 11_700_000, 25_000_000]],
+        help="gradient sizes in elements: 1M 11.7M 25M, 10000 or 1M,25M (default 1M 11.7M 25M)",
+    )
+    _add_ratio(compress)
+    compress.add_argument("--repeats", type=int, default=5, help="timed encodes per measurement (median)")
+    compress.add_argument(
+        "--device", choices=("cpu", "cuda", "all"), default="all", help="all: cpu, and cuda when available"
+    )
+    _add_out(compress, "compress", _bench_compress)
+
+    wire = commands.add_parser("wire", help="bytes per rank per step vs dense fp32, ResNet-18 shapes")
+    wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")
+    _add_ratio(wire)
+    _add_width_scale(wire)
+    wire.add_argument(
+        "--dense-below",
+        type=int,
+        default=1024,
+        help="tensors below this many elements go dense (default 1024)",
+    )
+    wire.add_argument("--seed", type=int, default=0)
+    _add_out(wire, "wire", _bench_wire)
+
+    step = commands.add_parser(
+        "step", help="training-step time, dense vs compressors, N ranks on emulated links"
+    )
+    step.add_argument("--ranks", type=int, default=4, help="processes, one per network namespace (default 4)")
+    _add_link(
+        step,
+        rates="emulated link rates",
+        none="plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)",
+    )
+    _add_delay(step)
+    _add_ratio(step)
+    step.add_argument("--steps", type=int, default=10, help="timed steps per compressor (median reported)")
+    step.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    _add_width_scale(step)
+    step.add_argument(
+        "--compute-ms",
+        type=float,
+        default=50.0,
+        help="fixed-duration forward+backward stand-in per step (ms)",
+    )
+    step.add_argument(
+        "--compression",
+        action="append",
+        choices=Compression.names,
+        help="repeatable; default all (dense always)",
+    )
+    step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")
+    step.add_argument("--seed", type=int, default=0)
+    _add_out(step, "step", _bench_step)
+
+    scaling = commands.add_parser(
+        "scaling", help="communication time vs N and bandwidth: model and measured points"
+    )
+    scaling.add_argument(
+        "--ranks", type=_ints, default=[2, 4, 8], help="measured world sizes (default 2,4,8)"
+    )
+    _add_link(scaling, rates="link rates", none="measure on localhost, no root needed")
+    scaling.add_argument(
+        "--measure",
+        choices=("collectives", "none"),
+        default="collectives",
+        help="none: the model alone, alpha = --delay (default: run the collectives)",
+    )
+    _add_ratio(scaling)
+    scaling.add_argument(
+        "--scale", type=float, default=1.0, help="gradient size as ResNet-18 with widths x SCALE (1 = 11.7M)"
+    )
+    scaling.add_argument("--repeats", type=int, default=5, help="timed runs per collective (median reported)")
+    _add_delay(scaling)
+    scaling.add_argument("--max-ranks", type=int, default=512, help="model curves up to this N (default 512)")
+    scaling.add_argument("--seed", type=int, default=0)
+    _add_out(scaling, "scaling", _bench_scaling)
+
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_command(build_parser(), argv)

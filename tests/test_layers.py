@@ -1,0 +1,131 @@
+"""The library's import graph: layers import only downward, and no module imports itself back.
+
+Layers, lowest first (docs/design.md explains each):
+
+    wire -> kernels -> compressors -> comm -> hvd_compress (the package facade) -> routes -> tools
+
+Every ``import`` of an ``hvd_compress`` module counts, at module level or inside a
+function (a lazy import is still an arrow). A module may import its own layer
+or a lower one; the graph as a whole must have no circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hvd_compress"
+
+LAYERS = [
+    ("wire", ["hvd_compress.wire"]),
+    ("kernels", ["hvd_compress.kernels"]),
+    ("compressors", ["hvd_compress.compressors"]),
+    ("comm", ["hvd_compress.comm", "hvd_compress.simulator"]),
+    ("package", ["hvd_compress"]),
+    ("routes", ["hvd_compress.torch", "hvd_compress.tensorflow", "hvd_compress.keras", "hvd_compress.mpi"]),
+    ("tools", ["hvd_compress.bench", "hvd_compress.cli"]),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> Dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    """Index of the layer whose longest prefix matches ``module``."""
+    best, best_len = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS and docs/design.md"
+    return best
+
+
+def imports_of(module: str, path: Path, known: Set[str]) -> Set[str]:
+    """The ``hvd_compress`` modules ``module`` imports (``from pkg import sub`` counts as ``pkg.sub``)."""
+    found: Set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.split(".")[0] == "hvd_compress")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "hvd_compress":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in known else base)
+    found.discard(module)
+    return found
+
+
+def graph() -> Dict[str, Set[str]]:
+    known = modules()
+    return {module: imports_of(module, path, set(known)) for module, path in known.items()}
+
+
+def test_every_import_points_to_the_same_or_a_lower_layer():
+    upward: List[str] = []
+    for module, targets in graph().items():
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                upward.append(
+                    f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+
+
+def test_the_library_never_imports_the_studies():
+    """``benchmarks/`` is not installed: nothing in ``hvd_compress`` may import it."""
+    offenders = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{module} imports {n}" for n in names if n.split(".")[0] == "benchmarks"]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_import_graph_has_no_circle():
+    edges = graph()
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+    circles: List[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                circles.append(" -> ".join(path[path.index(target) :] + [target]))
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
+    """The checks above can fail: a lazy import inside a function is found."""
+    source = "def f():\n    from hvd_compress.comm import horovod\n    from . import sparse\n"
+    probe = tmp_path / "base.py"
+    probe.write_text(source)
+    found = imports_of("hvd_compress.compressors.base", probe, {"hvd_compress.comm.horovod",
+                                                                "hvd_compress.compressors.sparse"})
+    assert found == {"hvd_compress.comm.horovod", "hvd_compress.compressors.sparse"}
