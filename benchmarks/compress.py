@@ -11,7 +11,7 @@ reference is the specification, not the fast path.
 Outputs (in ``out``): ``compress.json`` (machine and rows), ``compress.png``
 (ratio vs ``torch.topk`` per compressor and size) and a table on stdout.
 
-Speed is only measured here, never asserted: the targets (DESIGN.md section 6)
+Speed is only measured here, never asserted: the targets
 are printed next to the measured numbers.
 """
 
@@ -354,7 +354,7 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
                     f"{r['density']:>8.4f} {r['bytes_vs_dense']:>11.4f}"
                 )
     if results["targets"]:
-        say("\nTargets (DESIGN.md section 6; measured, not asserted):")
+        say("\nTargets (measured, not asserted):")
         for t in results["targets"]:
             say(
                 f"  {t['device']:<4} {format_size(t['size']):>6} {t['compressor']:<9} vs {t['against']:<10} "

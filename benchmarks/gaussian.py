@@ -1,4 +1,4 @@
-"""Gaussian-k during training: ``python -m benchmarks gaussian`` (Shi et al. 2019, paper 001).
+"""Gaussian-k during training: ``python -m benchmarks gaussian`` (Shi et al., arXiv:1911.08772, 2019; docs/references.md).
 
 Gaussian-k assumes the error-compensated gradient ``a = g + r`` of a layer is
 bell-shaped and takes its threshold from two moments instead of a sort::

@@ -1,4 +1,4 @@
-"""TernGrad ablation: ``python -m benchmarks terngrad`` (Wen et al. 2017, paper 002).
+"""TernGrad ablation: ``python -m benchmarks terngrad`` (Wen et al., NeurIPS 2017; docs/references.md).
 
 TernGrad sends ``S * t`` with ``t_j = sign(g_j) Bernoulli(|g_j| / S)`` in {-1, 0, 1}:
 unbiased, with per-entry variance ``S |g_j| - g_j^2``, so a smaller scale ``S``

@@ -1,4 +1,4 @@
-"""Asynchronous SGD with and without gradient clipping under heavy-tailed noise (paper 003).
+"""Asynchronous SGD with and without gradient clipping under heavy-tailed noise.
 
     mpirun -np 4 python examples/async_sgd.py
     mpirun -np 4 python examples/async_sgd.py --arrival --steps 3000
@@ -10,6 +10,9 @@ Problem: least squares f(x) = ||Ax - b||^2 / (2n) with Student-t(1.5) noise
 step size and delay schedule; by default the server applies gradients in the
 schedule's virtual-clock order (``deterministic=True``: bit-for-bit
 reproducible), ``--arrival`` uses real arrival order instead.
+
+The method and its analysis: Erickson & Johansson, arXiv:2606.13287, 2026
+(docs/references.md).
 Clipping (x <- x - eta * min(1, lambda/||g||) g) converges; without it the rare
 huge noise draws, applied late by stale workers too, throw x far away.
 """

@@ -1,4 +1,4 @@
-"""Asynchronous SGD with clipping (paper 003) over MPI: :mod:`hvd_compress.mpi.async_sgd`.
+"""Asynchronous SGD with clipping over MPI (docs/references.md): :mod:`hvd_compress.mpi.async_sgd`.
 
 - ``clip_lambda``: norm bound, identity below lambda, the zero vector, ``None``;
 - ``mpirun -np 3`` with ``deterministic=True`` and a delay schedule (one slow

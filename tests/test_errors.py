@@ -1,4 +1,4 @@
-"""Bad input gets a clear error (DESIGN.md section 5), naming the tensor where there is one."""
+"""Bad input gets a clear error, naming the tensor where there is one."""
 
 import warnings
 
@@ -123,8 +123,10 @@ def test_simulator_bad_construction():
         Simulator(0, TopK(0.1))
     with pytest.raises(ValueError, match="n_ranks must be a positive int"):
         Simulator(True, TopK(0.1))
-    with pytest.raises(TypeError, match="compressor instance"):
+    with pytest.raises(TypeError, match=r"needs arguments; pass an instance such as TopK\(0.01\)"):
         Simulator(2, TopK)
+    with pytest.raises(TypeError, match="must be an hvd_compress compressor"):
+        Simulator(2, "topk")
 
 
 def test_simulator_state_of_other_world_size():

@@ -1,4 +1,4 @@
-"""Hand-checked small cases for every algorithm (DESIGN.md section 3).
+"""Hand-checked small cases for every algorithm.
 
 Each expected value is worked out in the comment next to it; none is copied
 from the library's output.

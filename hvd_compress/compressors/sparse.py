@@ -1,6 +1,6 @@
 """Sparsifiers with error feedback: what Top-k, Gaussian-k and RegTop-k share.
 
-Per tensor and step (DESIGN.md section 3)::
+Per tensor and step (docs/design.md, "Error feedback")::
 
     a = g + r;  S = select(a);  send a[S];  r = a with a[S] set to 0
 

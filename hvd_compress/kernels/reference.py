@@ -6,7 +6,7 @@ generators) and call these. Torch and TensorFlow kernels implement the same
 functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
 and TernGrad given the same random draws, the same threshold rule for Gaussian-k.
 
-Notation (DESIGN.md section 3): ``a`` is the error-compensated gradient
+Notation (docs/design.md): ``a`` is the error-compensated gradient
 ``g + r`` of one tensor on one rank, ``d`` its length, ``k = max(1, ceil(ratio * d))``.
 """
 
