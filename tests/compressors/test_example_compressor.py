@@ -115,7 +115,7 @@ def test_simulator_bytes_are_k_values_and_indices():
     assert sim.bytes_sent == expected  # float32 values + int32 indices
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
 def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
     conformance.check_thread_ranks_equal_simulator(make, framework=framework)
 
@@ -124,7 +124,7 @@ def test_drop_in_torch_optimizer_on_thread_ranks_equals_the_simulator():
     conformance.check_drop_in_optimizer_equals_simulator(make)
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
 def test_state_dict_round_trip_continues_exactly(framework):
     conformance.check_state_dict_round_trip(make, framework=framework)
 
