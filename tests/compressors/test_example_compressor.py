@@ -1,0 +1,134 @@
+"""The worked example of docs/adding_a_compressor.md: a compressor written from that page alone.
+
+Random-k: each rank sends ``k = ceil(ratio d)`` entries of ``a = g + r`` chosen
+uniformly at random from its own stream (a different choice per rank and step)
+and keeps the rest in its residual (error feedback). It is a ``Sparsifier`` that
+implements ``_select`` and nothing else but ``fused = False`` (its selection is not
+"the k largest scores", so torch buckets take the per-tensor exchange). The tests
+run it through the conformance checks of ``tests/conformance.py``: Simulator,
+thread ranks through the real exchange, the drop-in torch optimizer, mass
+conservation, checkpoints, and ranks that disagree.
+"""
+
+import numpy as np
+import pytest
+
+from hvd_compress import TopK
+from hvd_compress.compressors.sparse import Sparsifier
+from hvd_compress.simulator import Simulator
+from hvd_compress.wire import SparsePayload
+from tests import conformance
+
+
+class RandomK(Sparsifier):
+    """Random-k sparsification with error feedback: ``S`` = ``k`` indices drawn without replacement."""
+
+    fused = False  # not a top-k of bucket scores: the per-tensor exchange runs it
+
+    def _select(self, a, name, shape, ops):
+        # the k largest of d uniform draws of this rank's stream: k distinct indices, uniformly chosen
+        scores = ops.uniform(self.generator(ops, a), a)
+        return ops.topk_indices(scores, self.k(a.shape[0]))
+
+
+def make():
+    return RandomK(0.1, dense_below=0)
+
+
+# --------------------------------------------------------------------------- the algorithm itself
+def test_sends_k_distinct_entries_of_g_plus_r_and_keeps_the_rest():
+    compressor = make()
+    grad = np.random.default_rng(0).standard_normal(200).astype(np.float32)
+    first = compressor.encode(grad, "w")
+    assert isinstance(first, SparsePayload) and first.numel == 200
+    indices = np.asarray(first.indices)
+    assert indices.shape == (20,) and np.unique(indices).shape == (20,)
+    np.testing.assert_array_equal(first.values, grad[indices])
+    residual = grad.copy()
+    residual[indices] = 0
+    np.testing.assert_array_equal(compressor.residual("w"), residual)
+    second = compressor.encode(grad, "w")  # a = g + r; another draw
+    assert not np.array_equal(np.asarray(second.indices), indices)
+    np.testing.assert_array_equal(second.values, (grad + residual)[np.asarray(second.indices)])
+
+
+def test_ranks_draw_from_their_own_streams_and_the_seed_sets_them():
+    grad = np.ones(100, np.float32)
+    chosen = [np.asarray(make().bind(rank, 4).encode(grad, "w").indices) for rank in range(4)]
+    assert len({c.tobytes() for c in chosen}) == 4
+    again = np.asarray(make().bind(2, 4).encode(grad, "w").indices)
+    np.testing.assert_array_equal(again, chosen[2])
+    other_seed = np.asarray(RandomK(0.1, dense_below=0, seed=7).bind(2, 4).encode(grad, "w").indices)
+    assert not np.array_equal(other_seed, chosen[2])
+
+
+def test_is_unbiased_in_its_choice():
+    """Each entry is chosen with probability k / d: over 400 draws every entry of 20 is seen about 40 times."""
+    compressor = RandomK(0.1, dense_below=0, error_feedback=False)
+    counts = np.zeros(20)
+    for _ in range(400):
+        np.add.at(counts, np.asarray(compressor.encode(np.ones(20, np.float32), "w").indices), 1)
+    assert counts.sum() == 800
+    assert counts.min() > 20 and counts.max() < 65
+
+
+def test_arguments_are_checked_and_in_the_configuration():
+    with pytest.raises(ValueError, match="hvd_compress: ratio"):
+        RandomK(0.0)
+    compressor = make()
+    with pytest.raises(TypeError, match="hvd_compress: RandomK error_feedback"):
+        compressor.error_feedback = "no"
+    assert compressor.config() == {
+        "type": "RandomK",
+        "ratio": 0.1,
+        "error_feedback": True,
+        "dense_below": 0,
+        "dense_when_cheaper": True,
+    }
+    assert compressor.config_hash() != TopK(0.1, dense_below=0).config_hash()
+    assert compressor.fused_kind(1000) == "sparse"  # the stock Horovod route compresses it
+
+
+def test_small_tensors_go_dense_with_the_default_dense_below():
+    payload = RandomK(0.1).encode(np.ones(100, np.float32), "bias")
+    assert not isinstance(payload, SparsePayload)
+
+
+# --------------------------------------------------------------------------- conformance
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+def test_payloads(framework):
+    conformance.check_payloads(make, framework)
+
+
+def test_rejects_bad_gradients():
+    conformance.check_rejects_bad_gradients(make)
+
+
+def test_conserves_mass_sent_plus_residual_equals_produced():
+    conformance.check_conserves_mass(make)
+
+
+def test_simulator_bytes_are_k_values_and_indices():
+    sim = Simulator(3, make())
+    sim.step(conformance.gradients(0, 3))
+    expected = sum(8 * make().k(int(np.prod(shape))) for shape in conformance.SHAPES.values())
+    assert sim.bytes_sent == expected  # float32 values + int32 indices
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
+    conformance.check_thread_ranks_equal_simulator(make, framework=framework)
+
+
+def test_drop_in_torch_optimizer_on_thread_ranks_equals_the_simulator():
+    conformance.check_drop_in_optimizer_equals_simulator(make)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+def test_state_dict_round_trip_continues_exactly(framework):
+    conformance.check_state_dict_round_trip(make, framework=framework)
+
+
+def test_ranks_running_another_compressor_fail_clearly():
+    conformance.check_ranks_disagreeing_fail_clearly(make, lambda: TopK(0.1, dense_below=0))
+    conformance.check_ranks_disagreeing_fail_clearly(make, lambda: RandomK(0.2, dense_below=0))
