@@ -203,6 +203,7 @@ def test_steady_steps_read_nothing_back(dense_ms, compressed_ms):
         exchange_steps(auto, comm, range(6))
         with count_host_reads() as reads:
             exchange_steps(auto, comm, range(6, 9))
-        return reads.count
+        # numpy views of CPU tensors (Top-k's CPU selection) copy nothing and wait for nothing
+        return {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
 
-    assert run_ranks(2, work) == [0, 0]
+    assert run_ranks(2, work) == [{}, {}]
