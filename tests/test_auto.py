@@ -207,3 +207,28 @@ def test_steady_steps_read_nothing_back(dense_ms, compressed_ms):
         return {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
 
     assert run_ranks(2, work) == [{}, {}]
+
+
+def test_tensorflow_per_tensor_path_flushes_into_dense():
+    """TensorFlow tensors take the per-tensor path: going dense sends the residual with the gradient."""
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    def grad(rank, step):
+        return np.random.default_rng(10 * step + rank).normal(size=(64, 32))
+
+    def work(comm):
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
+        delivered = np.zeros((64, 32))
+        for step in range(7):
+            exchange = open_exchange(auto, comm, "bucket")
+            exchange.add("w", tf.constant(grad(comm.rank, step)))
+            exchange.launch()
+            delivered += exchange.finish(average=False)["w"].numpy()
+        return delivered, auto.residual("w"), auto.stats.decisions["bucket"]["choice"]
+
+    results = run_ranks(2, work)
+    produced = sum(grad(r, s) for r in range(2) for s in range(7))
+    for delivered, residual, choice in results:
+        assert choice == "dense" and residual is None
+        np.testing.assert_allclose(delivered, produced, rtol=0, atol=1e-12)
