@@ -99,6 +99,7 @@ class BucketChoice:
     exchanges: int = 0  # exchanges of this bucket so far
     decided_at: int = 0
     measured: int = 0  # exchanges of the current measurement (the first is not timed)
+    remeasure: bool = False  # measure again from the next exchange
     samples: List[Tuple[Any, Any, Any, Any, Any, Any]] = field(default_factory=list)
 
     def decision(self) -> Dict[str, Any]:
@@ -107,7 +108,7 @@ class BucketChoice:
                 "decided_at": self.decided_at}
 
     def public(self) -> Dict[str, Any]:
-        return {**self.decision(), "exchanges": self.exchanges}
+        return {**self.decision(), "exchanges": self.exchanges, "remeasure": self.remeasure}
 
 
 class AutoStats(WireStats):
@@ -227,7 +228,7 @@ class AutoExchange:
         if self.mode != "measure":
             exchange.launch()
             return
-        state.measured += 1
+        state.measured, state.remeasure = state.measured + 1, False
         timed = state.measured > 1  # the first exchange of a measurement builds plans
         clock, comm, like = self.auto.clock, self.comm, self.added[0][1]
         mark = (lambda: clock.mark(like)) if timed else (lambda: None)
@@ -301,6 +302,16 @@ class Auto(Compressor):
     fused = property(lambda self: self.inner.fused)
     dense_wire_dtype = property(lambda self: self.inner.dense_wire_dtype)
     dense_below = property(lambda self: getattr(self.inner, "dense_below", 0))
+    error_feedback = property(lambda self: getattr(self.inner, "error_feedback", False))
+
+    @property
+    def ratio(self) -> float:
+        """The inner compressor's density (density schedules set it here)."""
+        return self.inner.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.inner.ratio = value
 
     def bind(self, rank: int, size: int) -> "Auto":
         self.inner.bind(rank, size)
@@ -337,7 +348,8 @@ class Auto(Compressor):
         if self.pin is not None:
             return self.pin
         if state.choice is not None and state.measured == 0:
-            if not (self.decide_every and state.exchanges - state.decided_at >= self.decide_every):
+            due = self.decide_every and state.exchanges - state.decided_at >= self.decide_every
+            if not (due or state.remeasure):
                 return state.choice
             state.samples = []
         return "decide" if len(state.samples) >= self.warmup else "measure"
@@ -372,7 +384,7 @@ class Auto(Compressor):
     def remeasure(self) -> None:
         """Measure every bucket again from its next exchange (call on every rank at the same step)."""
         for state in self.choices.values():
-            state.choice, state.measured, state.samples = None, 0, []
+            state.remeasure, state.measured, state.samples = True, 0, []
 
     # --------------------------------------------------------------- checkpoints
     def state_dict(self) -> Dict[str, Any]:
