@@ -71,7 +71,9 @@ def decide(dense_ms: float, compressed_ms: float, margin: float = 0.0) -> str:
 
 # --------------------------------------------------------------------- clocks
 class WallClock:
-    """Host clock: ``mark()`` is ``time.perf_counter()``; collectives were waited for before each mark."""
+    """The default clock: a CUDA event recorded on the current stream for CUDA tensors (read, with one
+    synchronisation, only when deciding), ``time.perf_counter()`` otherwise. Each mark follows the
+    waits for the collectives it closes."""
 
     def mark(self, like: Any) -> Any:
         if getattr(like, "is_cuda", False):
