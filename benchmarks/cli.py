@@ -161,9 +161,9 @@ def _on_ranks(run: Callable[..., Any], out: str, stem: str, **options: Any) -> i
 
 
 def _bench_step(args: argparse.Namespace) -> int:
-    from benchmarks import step, wire
+    from benchmarks import step
 
-    names = args.compression or list(wire.COMPRESSORS)
+    names = args.compression or list(step.ROWS)
     print(
         f"Step time: {args.ranks} ranks, ResNet-18-shaped gradients{_widths(args.scale)}, "
         f"{', '.join(names)} at ratio {args.ratio}, {args.steps} steps, "
@@ -344,8 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--compression",
         action="append",
-        choices=Compression.names,
-        help="repeatable; default all (dense always)",
+        choices=Compression.names + tuple(f"auto-{name}" for name in Compression.names),
+        help="repeatable; auto-NAME: Auto(NAME), each bucket the cheaper way, measured; default all and "
+        "auto-regtopk (dense always)",
     )
     step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")
     step.add_argument("--seed", type=int, default=0)

@@ -76,6 +76,16 @@ from benchmarks.wire import (
 from hvd_compress.compressors.base import check_ratio
 
 DEFAULT_RATES = ("1gbit", "10gbit")
+#: ``auto-<name>`` rows: ``Auto(<name>)`` measures each bucket both ways, then sends it the cheaper way.
+AUTO_PREFIX = "auto-"
+#: Every row the benchmark knows; the default runs all of them.
+ROWS = COMPRESSORS + ("auto-regtopk",)
+#: Steps ``Auto`` needs before its choice holds (one untimed and ``warmup`` timed measurements, then the
+#: decision); its rows get at least this many untimed steps.
+AUTO_WARMUP = 3
+AUTO_STEADY_AFTER = AUTO_WARMUP + 2
+#: Auto's goals (issue 16), printed, never asserted: (rate, compared with, bound on Auto's step ratio).
+AUTO_GOALS = (("10gbit", "dense", 1.03), ("1gbit", "best fixed compressor", 1.05))
 MODULE = "benchmarks.step"
 #: (rate, ratio, compressors, minimum speedup): the issue's target, printed, never asserted.
 TARGET = ("1gbit", 0.01, SPARSE, 5.0)
@@ -240,6 +250,10 @@ def time_codec(compressor: Any, clock: Clock) -> None:
 def make_compressor(name: str, ratio: float) -> Any:
     from hvd_compress.compressors import Compression
 
+    if name.startswith(AUTO_PREFIX):
+        from hvd_compress import Auto
+
+        return Auto(Compression.by_name(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_WARMUP, log=False)
     return Compression.by_name(name, ratio)
 
 
@@ -276,7 +290,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
     model = StandInModel(shapes, grads, config["compute_ms"] / 1e3)
     clock = model.clock
     compressor = make_compressor(name, config["ratio"])
-    time_codec(compressor, clock)
+    time_codec(getattr(compressor, "inner", compressor), clock)  # Auto: its compressor's codec
     comm = CountingCommunicator(base)
     params = [p for _, p in model.named]
     opt = DistributedOptimizer(
@@ -287,7 +301,8 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
         communicator=comm,
     )
     steps, tx_start, check = [], None, None
-    warmup, total = config["warmup"], config["warmup"] + config["steps"]
+    warmup = max(config["warmup"], AUTO_STEADY_AFTER) if name.startswith(AUTO_PREFIX) else config["warmup"]
+    total = warmup + config["steps"]
     for i in range(total):
         if i == warmup:
             comm.reset()
@@ -323,6 +338,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
         "tx_bytes": None if tx_start is None or tx_end is None else (tx_end - tx_start) / n,
         "collectives": {kind: count / n for kind, count in comm.calls.items()},
         "dense_check": check,
+        "decisions": getattr(compressor.stats, "decisions", None),
     }
 
 
@@ -367,13 +383,14 @@ def _rows(link: cluster.Link, names: Sequence[str], ranks: List[Dict[str, Any]],
                 "rate": link.rate or "none",
                 "bits_per_second": link.bits_per_second,
                 "compressor": name,
-                "ratio": ratio if name in SPARSE else None,
+                "ratio": ratio if name.replace(AUTO_PREFIX, "") in SPARSE else None,
                 **_median_step(per_rank),
                 "payload_bytes": statistics.mean(c["payload_bytes"] for c in per_rank),
                 "traffic_bytes": statistics.mean(c["traffic_bytes"] for c in per_rank),
                 "tx_bytes": None if None in tx or not link.emulated else statistics.mean(tx),
                 "collectives": per_rank[0]["collectives"],
                 "dense_check": per_rank[0]["dense_check"],
+                **_auto_choices(per_rank[0].get("decisions")),
             }
         )
     dense = next(r for r in rows if r["compressor"] == "none")
@@ -388,6 +405,31 @@ def _rows(link: cluster.Link, names: Sequence[str], ranks: List[Dict[str, Any]],
     return rows
 
 
+def _auto_choices(decisions: Optional[Dict[str, Dict[str, Any]]]) -> Dict[str, Any]:
+    """An Auto row's choices: buckets sent dense and compressed, and each bucket's decision."""
+    if decisions is None:
+        return {}
+    choices = [d["choice"] for d in decisions.values()]
+    return {"auto_dense_buckets": choices.count("dense"), "auto_compressed_buckets": choices.count("compressed"),
+            "auto_decisions": decisions}
+
+
+def auto_goals(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Auto's step against dense (fast link) and against the best fixed compressor (slow link)."""
+    goals = []
+    for rate, against, bound in AUTO_GOALS:
+        here = [r for r in rows if r["rate"] == rate]
+        fixed = [r for r in here if r["compressor"] != "none" and not r["compressor"].startswith(AUTO_PREFIX)]
+        base = ([r for r in here if r["compressor"] == "none"] if against == "dense"
+                else sorted(fixed, key=lambda r: r["step_s"])[:1])
+        for row in (r for r in here if r["compressor"].startswith(AUTO_PREFIX)):
+            if base:
+                ratio = row["step_s"] / base[0]["step_s"]
+                goals.append({"rate": rate, "compressor": row["compressor"], "against": base[0]["compressor"],
+                              "step_ratio": ratio, "bound": bound, "met": ratio <= bound})
+    return goals
+
+
 def run(
     ranks: int = 4,
     rates: Sequence[Optional[str]] = DEFAULT_RATES,
@@ -396,7 +438,7 @@ def run(
     warmup: int = 2,
     scale: float = 1.0,
     compute_ms: float = 50.0,
-    compressors: Sequence[str] = COMPRESSORS,
+    compressors: Sequence[str] = ROWS,
     delay: str = "0.1ms",
     bucket_mb: float = 25.0,
     seed: int = 0,
@@ -423,7 +465,8 @@ def run(
         seed=seed,
     )
     settings = _settings(ranks, rates, delay, config)
-    bar = report.progress_bar(len(rates) * len(names) * (steps + warmup), "bench step", "step", progress)
+    per_rate = sum(steps + (max(warmup, AUTO_STEADY_AFTER) if n.startswith(AUTO_PREFIX) else warmup) for n in names)
+    bar = report.progress_bar(len(rates) * per_rate, "bench step", "step", progress)
     rows: List[Dict[str, Any]] = []
     links: List[Dict[str, Any]] = []
     started = time.perf_counter()
@@ -446,6 +489,7 @@ def run(
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "targets": targets(rows),
+        "auto_goals": auto_goals(rows),
     }
     return publish(results, out, "step", write_plot if plot else None, print_table, stdout)
 
@@ -463,10 +507,11 @@ def _check(ranks, rates, steps, warmup, compute_ms, compressors, delay) -> List[
         if rate is not None:
             cluster.parse_rate(rate)
     cluster.parse_delay(delay)
-    unknown = [c for c in compressors if c not in COMPRESSORS]
+    unknown = [c for c in compressors if c.replace(AUTO_PREFIX, "", 1) not in COMPRESSORS]
     if unknown or not compressors:
         raise ValueError(
-            f"hvd_compress: compressors must be among {', '.join(COMPRESSORS)}, got {compressors}"
+            f"hvd_compress: compressors must be among {', '.join(COMPRESSORS)} or auto-<one of them>, "
+            f"got {compressors}"
         )
     names = list(dict.fromkeys(compressors))
     return names if "none" in names else ["none"] + names  # the dense baseline is always measured
@@ -563,6 +608,16 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
                 f"  {t['compressor']:<10} {t['measured_speedup']:.2f}x  target >= {t['target']:g}x  "
                 f"{'ok' if t['met'] else 'MISSED'}"
             )
+    for g in results.get("auto_goals", []):
+        say(
+            f"Auto goal ({cluster.format_rate(cluster.parse_rate(g['rate']))}): {g['compressor']} step / "
+            f"{g['against']} step = {g['step_ratio']:.3f}, goal <= {g['bound']:g}: "
+            f"{'ok' if g['met'] else 'MISSED'}"
+        )
+    for r in results["rows"]:
+        if "auto_decisions" in r:
+            say(f"  {r['compressor']} at {r['rate']}: {r['auto_dense_buckets']} buckets dense, "
+                f"{r['auto_compressed_buckets']} compressed")
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:

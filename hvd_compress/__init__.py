@@ -4,6 +4,10 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
     from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
 
+``Auto(compressor)`` measures, per bucket, the compressed exchange against a dense
+allreduce on the real link and sends each bucket the cheaper way
+(:mod:`hvd_compress.comm.auto`).
+
 Every compressor has a communication-free ``encode(tensor, name) -> payload`` and
 ``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
 :mod:`hvd_compress.kernels.reference` is the specification every framework
@@ -20,6 +24,8 @@ from hvd_compress.compressors import (
     TernGrad,
     TopK,
 )
+from hvd_compress.comm.auto import Auto
+
 
 # Registers the adapter that runs Horovod's compress/decompress for every compressor.
 from hvd_compress.comm import horovod as _horovod_adapter  # noqa: E402,F401
@@ -27,6 +33,7 @@ from hvd_compress.comm import horovod as _horovod_adapter  # noqa: E402,F401
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "TopK",
     "GaussianK",
     "RegTopK",

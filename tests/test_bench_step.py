@@ -82,7 +82,9 @@ def _check(path, rates, names):
         assert row["exchange_s"] == pytest.approx(row["compress_s"] + row["communicate_s"])
         dense = rows[(rate, "none")]
         assert row["speedup"] == pytest.approx(dense["step_s"] / row["step_s"])
-        if name != "none":
+        if name.startswith(step.AUTO_PREFIX):  # Auto: sent each bucket one way or the other
+            assert row["auto_dense_buckets"] + row["auto_compressed_buckets"] == len(row["auto_decisions"]) >= 1
+        elif name != "none":
             assert row["payload_bytes"] < dense["payload_bytes"]
             assert row["traffic_bytes"] < dense["traffic_bytes"]
     for rate in rates:
@@ -97,7 +99,8 @@ def test_localhost_every_compressor(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     args = ["step", "--link", "none", *TINY, "--steps", "2", "--warmup", "1", "--out", str(tmp_path)]
     assert main(args) == 0
-    results, rows = _check(tmp_path, ["none"], list(wire.COMPRESSORS))
+    results, rows = _check(tmp_path, ["none"], list(step.ROWS))
+    assert {g["compressor"] for g in results["auto_goals"]} <= {"auto-regtopk"}
     assert results["links"][0]["shaping"] == "none"
     assert all(r["tx_bytes"] is None and r["link_time_s"] is None for r in rows.values())
     assert rows[("none", "fp16")]["payload_vs_dense"] < 0.6

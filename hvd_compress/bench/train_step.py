@@ -74,7 +74,11 @@ from hvd_compress.bench import report
 from hvd_compress.bench.host_reads import count_host_reads
 
 MODELS = ("resnet50", "gpt2", "mlp")
-COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
+#: ``auto-regtopk``: ``Auto(RegTopK)``, each bucket the cheaper way after measuring (world size 1: dense).
+COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad", "auto-regtopk")
+AUTO_PREFIX = "auto-"
+#: Untimed steps an ``auto-`` row needs: one untimed and three timed measurements, then the decision.
+AUTO_STEADY_AFTER = 5
 SPARSE = ("topk", "gaussiank", "regtopk")
 BASELINE = "ddp"
 #: Routes without one of our compressors: (route, what it exchanges).
@@ -231,6 +235,10 @@ class Environment:
 def make_compressor(name: str, ratio: float) -> Any:
     from hvd_compress.compressors import Compression
 
+    if name.startswith(AUTO_PREFIX):
+        from hvd_compress import Auto
+
+        return Auto(Compression.by_name(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_STEADY_AFTER - 2, log=False)
     return Compression.by_name(name, ratio)
 
 
@@ -263,7 +271,7 @@ def _step_fn(env: Environment, model: Any, opt: Any) -> Callable[[], None]:
 def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable[[], None], Dict[str, Any]]:
     """The step function of a row and what to record about it (``communicator``, ``min_warmup``)."""
     model = env.workload.build()
-    info: Dict[str, Any] = {"min_warmup": 0}
+    info: Dict[str, Any] = {"min_warmup": AUTO_STEADY_AFTER if compressor.startswith(AUTO_PREFIX) else 0}
     if route == "local":
         return _step_fn(env, model, _sgd(model.parameters())), info
     if route == "ours-dropin":

@@ -44,6 +44,13 @@ def elements(tensor: Any) -> int:
     return math.prod(int(n) for n in tensor.shape)
 
 
+def open_exchange(compressor: Any, comm: Any, key: str) -> Any:
+    """The exchange of bucket ``key``: the compressor's own where it chooses per bucket
+    (``make_exchange``: :class:`~hvd_compress.comm.auto.Auto`), else a :class:`BucketExchange`."""
+    make = getattr(compressor, "make_exchange", None)
+    return make(comm, key) if make is not None else BucketExchange(compressor, comm, key)
+
+
 class BucketExchange:
     """One bucket's payloads and the collectives that move them."""
 

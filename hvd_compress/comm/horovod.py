@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
-from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.compressors.base import Compressor
 
 
@@ -104,7 +104,7 @@ def compress(compressor: Any, tensor: Any):
 
         return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
     name = _calls(compressor).next_name()
-    exchange = BucketExchange(compressor, _communicator(), name)
+    exchange = open_exchange(compressor, _communicator(), name)
     exchange.add(name, tensor)
     if exchange.only_dense:
         return tensor, _Context()

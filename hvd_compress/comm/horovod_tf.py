@@ -33,7 +33,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import tensorflow as tf
 
 from hvd_compress.comm.communicator import HorovodCommunicator
-from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.exchange import open_exchange
 
 
 class HorovodTensorFlowCommunicator(HorovodCommunicator):
@@ -73,7 +73,7 @@ def eagerly(
 
 def exchange(compressor: Any, comm: Any, key: str, named: Sequence[tuple], average: bool = True) -> List[Any]:
     """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange."""
-    bucket = BucketExchange(compressor, comm, key)
+    bucket = open_exchange(compressor, comm, key)
     for name, tensor in named:
         bucket.add(name, tensor)
     bucket.launch()

@@ -191,7 +191,9 @@ class CompressionStatsCallback(_CompressorCallback):
       error-feedback residuals ``r_t`` of every tensor ``t`` at the end of the
       epoch (what has been computed but not yet sent); only for compressors
       with error feedback (Top-k, Gaussian-k, RegTop-k; TernGrad with
-      ``error_feedback=True``), absent otherwise.
+      ``error_feedback=True``), absent otherwise;
+    - ``compression_dense_buckets``, ``compression_compressed_buckets``: with
+      :class:`~hvd_compress.comm.auto.Auto`, the buckets it decided to send dense and compressed.
 
     ``compressor_or_optimizer``: the compressor, an optimizer of
     :func:`hvd_compress.keras.DistributedOptimizer`, or ``None`` for
@@ -217,6 +219,9 @@ class CompressionStatsCallback(_CompressorCallback):
         }
         if keeps_residuals(self.compressor):
             entries["compression_residual_norm"] = residual_norm(self.compressor)
+        if hasattr(stats, "decisions"):  # Auto: buckets sent dense and compressed
+            entries["compression_dense_buckets"] = int(stats.dense_buckets)
+            entries["compression_compressed_buckets"] = int(stats.compressed_buckets)
         return entries
 
 

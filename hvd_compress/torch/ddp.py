@@ -29,7 +29,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.exchange import open_exchange
 from hvd_compress.comm.torch_dist import TorchDistCommunicator
 from hvd_compress.compressors import as_compressor
 
@@ -100,7 +100,7 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
     comm = state.communicator()
     named = state.names(bucket)
     gradients = bucket.gradients()
-    exchange = BucketExchange(state.compressor, comm, f"ddp.bucket{bucket.index()}")
+    exchange = open_exchange(state.compressor, comm, f"ddp.bucket{bucket.index()}")
     for position, name in named:
         exchange.add(name, gradients[position])
     exchange.launch()

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.compressors import Compressor, as_compressor
 
 
@@ -121,7 +121,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch(bucket)
 
     def _launch(self, bucket: int) -> None:
-        exchange = BucketExchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
+        exchange = open_exchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
         for name in self._buckets[bucket]:
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)

@@ -1,0 +1,409 @@
+"""``Auto(compressor)``: measure each bucket's exchange both ways on the real link, send it the cheaper way.
+
+Compression pays only where the bytes it saves cost more than its encoder,
+decoder and extra collectives (Agarwal et al., "On the Utility of Gradient
+Compression in Distributed Training Systems", MLSys 2022): on a fast link a
+dense allreduce is often faster. ``Auto`` decides per bucket, measured:
+
+1. *measure* (the first ``warmup + 1`` exchanges of a bucket; the first is not
+   timed, it builds plans): the bucket travels compressed (so the maths is the
+   inner compressor's), and the step times
+
+   - ``compressed_ms`` = encode + collectives (launch, then waiting for every
+     handle) + decode (``finish``);
+   - ``dense_ms`` = one extra allreduce-Sum of the bucket's concatenated
+     gradients over the same communicator (its result is discarded).
+
+   Clocks: CUDA events on CUDA tensors, ``time.perf_counter`` otherwise; the
+   events are read only when deciding. Steady steps record nothing.
+2. *decide* (the next exchange of the bucket): each rank's median of its
+   samples, reduced across ranks by an allreduce-Max of ``[dense, compressed]``
+   (one host read), so every rank holds the same two numbers and makes the same
+   choice::
+
+       compressed  if  compressed_ms < (1 - margin) * dense_ms,  else dense
+
+   (ties go dense: dense is exact). Rank 0 prints one line when a bucket's
+   choice is made or changes.
+3. *steady*: the bucket travels the chosen way; after ``decide_every`` more
+   exchanges it is measured again (``0``: the choice is kept).
+
+Switching keeps every gradient: a bucket that goes dense travels through
+:class:`DenseView`, whose plans send each tensor's error-feedback residual
+with its first dense gradient (the fused path's dense-kind flush,
+:meth:`~hvd_compress.comm.fused.FusedBucket.adopt`; the per-tensor path adds it
+in :meth:`DenseView._encode`), so ``sum of what was sent + residual == sum of
+gradients`` holds across the switch. Going dense drops the tensor's other
+state: RegTop-k's posterior restarts at ``D = 1e8`` (plain Top-k for the first
+step back), TernGrad's random stream is not advanced while dense. A bucket
+that goes back to compressed starts with a zero residual.
+
+Pinning: ``pin="dense"`` or ``"compressed"`` (or the environment variable
+``HVD_COMPRESS_AUTO_PIN``) skips measuring; ``HVD_COMPRESS_AUTO_DECIDE_EVERY``
+overrides ``decide_every``; :meth:`Auto.remeasure` measures every bucket again
+(call it on every rank at the same step). Decisions and measurements are in
+:meth:`Auto.state_dict` and in ``stats.decisions``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.compressors.base import Compressor, WireStats
+from hvd_compress.wire import DensePayload
+from hvd_compress.compressors.validation import check_count
+from hvd_compress.kernels import ops_for
+
+DENSE, COMPRESSED = "dense", "compressed"
+PIN_ENV, DECIDE_EVERY_ENV = "HVD_COMPRESS_AUTO_PIN", "HVD_COMPRESS_AUTO_DECIDE_EVERY"
+
+
+def decide(dense_ms: float, compressed_ms: float, margin: float = 0.0) -> str:
+    """``"compressed"`` if it is faster than dense by more than ``margin`` (a fraction), else ``"dense"``."""
+    return COMPRESSED if compressed_ms < (1.0 - margin) * dense_ms else DENSE
+
+
+# --------------------------------------------------------------------- clocks
+class WallClock:
+    """The default clock: a CUDA event recorded on the current stream for CUDA tensors (read, with one
+    synchronisation, only when deciding), ``time.perf_counter()`` otherwise. Each mark follows the
+    waits for the collectives it closes."""
+
+    def mark(self, like: Any) -> Any:
+        if getattr(like, "is_cuda", False):
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: Any, stop: Any) -> float:
+        if hasattr(stop, "elapsed_time"):
+            stop.synchronize()  # only when deciding
+            return float(start.elapsed_time(stop))
+        return (stop - start) * 1e3
+
+
+@dataclass
+class BucketChoice:
+    """One bucket's measurements and choice (what checkpoints carry)."""
+
+    choice: Optional[str] = None
+    dense_ms: Optional[float] = None  # reduced over ranks (max of the ranks' medians)
+    compressed_ms: Optional[float] = None
+    exchanges: int = 0  # exchanges of this bucket so far
+    decided_at: int = 0
+    measured: int = 0  # exchanges of the current measurement (the first is not timed)
+    remeasure: bool = False  # measure again from the next exchange
+    samples: List[Tuple[Any, Any, Any, Any, Any, Any]] = field(default_factory=list)
+
+    def decision(self) -> Dict[str, Any]:
+        """The last decision: choice, the reduced timings and the exchange it was made at."""
+        return {"choice": self.choice, "dense_ms": self.dense_ms, "compressed_ms": self.compressed_ms,
+                "decided_at": self.decided_at}
+
+    def public(self) -> Dict[str, Any]:
+        return {**self.decision(), "exchanges": self.exchanges, "remeasure": self.remeasure}
+
+
+class AutoStats(WireStats):
+    """:class:`WireStats` plus ``decisions``: ``{bucket: {"choice", "dense_ms", "compressed_ms", ...}}``
+    (kept across ``reset()``)."""
+
+    def __init__(self, stats: WireStats) -> None:
+        super().__init__(stats.bytes_sent, stats.dense_bytes, stats.values_sent, stats.numel)
+        self.decisions: Dict[str, Dict[str, Any]] = {}
+
+    @property
+    def dense_buckets(self) -> int:
+        return sum(d["choice"] == DENSE for d in self.decisions.values())
+
+    @property
+    def compressed_buckets(self) -> int:
+        return sum(d["choice"] == COMPRESSED for d in self.decisions.values())
+
+
+# ---------------------------------------------------------------- dense view
+class DenseView(Compressor):
+    """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),
+    its statistics, its fused plans (a switch rebuilds the bucket's plan and moves state)."""
+
+    payload_kind = "dense"
+    fused = True
+
+    def __init__(self, inner: Compressor) -> None:  # no Compressor.__init__: the state is the inner's
+        self.inner = inner
+        self.seed = inner.seed
+        self._generators: Dict[str, Any] = {}
+        self._saved_generators: Dict[str, Any] = {}
+
+    memory = property(lambda self: self.inner.memory)
+    stats = property(lambda self: self.inner.stats)
+    _buckets = property(lambda self: self.inner._buckets)
+    rank = property(lambda self: self.inner.rank)
+    size = property(lambda self: self.inner.size)
+
+    def bind(self, rank: int, size: int) -> "DenseView":
+        self.inner.bind(rank, size)
+        return self
+
+    def config(self) -> Dict[str, Any]:
+        return {"type": "Dense", "of": repr(self.inner)}
+
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        residual = self.memory.peek(name, "residual")
+        if residual is not None:
+            flat = flat + ops.cast(ops.reshape(residual, (-1,)), flat.dtype)
+        self.memory.reset(name)
+        return DensePayload(values=flat, dtype=flat.dtype)
+
+
+# ------------------------------------------------------------------ measuring
+class WaitOnce:
+    """A communicator whose ``wait`` remembers results: a measurement waits for every handle right
+    after ``launch`` (to time the collectives) and ``finish`` then finds them done."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.results: Dict[int, Tuple[Any, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    def wait(self, handle: Any) -> Any:
+        key = id(handle)
+        if key not in self.results:
+            self.results[key] = (handle, self.comm.wait(handle))  # handle kept: its id stays unique
+        return self.results[key][1]
+
+
+class AutoExchange:
+    """One bucket's exchange for :class:`Auto` (``add``/``only_dense``/``launch``/``in_flight``/``finish``,
+    as :class:`~hvd_compress.comm.exchange.BucketExchange`). The bucket's way is settled when the
+    route first asks (``only_dense`` or ``launch``), after its tensors are added."""
+
+    def __init__(self, auto: "Auto", comm: Any, key: str) -> None:
+        self.auto, self.key = auto, key
+        self.state = auto.choices.setdefault(key, BucketChoice())
+        self.mode = auto.mode(self.state)
+        self.comm = WaitOnce(comm) if self.mode == "measure" else comm
+        self.added: List[Tuple[str, Any]] = []
+        self.marks: List[Any] = []
+        self.exchange: Optional[BucketExchange] = None
+
+    def add(self, name: str, tensor: Any) -> None:
+        self.added.append((name, tensor))
+
+    def _resolved(self) -> BucketExchange:
+        if self.exchange is None:
+            if self.mode == "decide":
+                self.mode = self.auto.settle(self.key, self.added, self.comm)
+            dense = self.mode == DENSE
+            self.exchange = BucketExchange(self.auto.dense if dense else self.auto.inner, self.comm,
+                                           self.key + ".dense" if dense else self.key)
+            for name, tensor in self.added:
+                self.exchange.add(name, tensor)
+        return self.exchange
+
+    @property
+    def only_dense(self) -> bool:
+        return self._resolved().only_dense
+
+    def launch(self) -> None:
+        exchange, state = self._resolved(), self.state
+        state.exchanges += 1
+        if self.mode != "measure":
+            exchange.launch()
+            return
+        state.measured, state.remeasure = state.measured + 1, False
+        timed = state.measured > 1  # the first exchange of a measurement builds plans
+        clock, comm, like = self.auto.clock, self.comm, self.added[0][1]
+        mark = (lambda: clock.mark(like)) if timed else (lambda: None)
+        start = mark()
+        exchange.launch()
+        for handle in exchange.in_flight():
+            comm.wait(handle)
+        launched = mark()
+        ops = exchange.ops
+        flat = ops.concat([ops.reshape(t, (-1,)) for _, t in self.added])
+        comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
+        self.marks = [start, launched, launched, mark()] if timed else []
+
+    def in_flight(self) -> List[Any]:
+        return self._resolved().in_flight()
+
+    def finish(self, average: bool = True) -> Dict[str, Any]:
+        exchange = self._resolved()
+        if not self.marks:
+            return exchange.finish(average)
+        clock, like = self.auto.clock, self.added[0][1]
+        before = clock.mark(like)
+        results = exchange.finish(average)
+        start, launched, dense_start, dense_stop = self.marks
+        self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop))
+        return results
+
+
+class Auto(Compressor):
+    """Per bucket, the cheaper of ``compressor`` and a dense allreduce, measured (see the module docstring).
+
+    ``warmup``: timed exchanges per measurement (after one untimed); ``decide_every``: exchanges
+    between measurements (0: decide once); ``margin``: how much faster compressed must be (0.05 =
+    5%); ``pin``: ``"dense"`` or ``"compressed"`` to skip measuring; ``log``: print a line on rank 0
+    per decision change (``True``), call ``log(line)``, or ``False``; ``clock``: an object with
+    ``mark(like)`` and ``elapsed_ms(start, stop)`` (default: CUDA events or ``perf_counter``).
+    """
+
+    def __init__(self, compressor: Compressor, warmup: int = 3, decide_every: int = 0, margin: float = 0.0,
+                 pin: Optional[str] = None, log: Any = True, clock: Any = None) -> None:
+        if not isinstance(compressor, Compressor) or isinstance(compressor, Auto):
+            raise TypeError(f"hvd_compress: Auto(compressor) needs an hvd_compress compressor such as "
+                            f"RegTopK(0.01), got {compressor!r}")
+        self.inner = compressor
+        self.dense = DenseView(compressor)
+        self.warmup = max(1, check_count(warmup, "Auto warmup"))
+        env_every = os.environ.get(DECIDE_EVERY_ENV)
+        self.decide_every = check_count(int(env_every) if env_every else decide_every, "Auto decide_every")
+        if not 0.0 <= float(margin) < 1.0:
+            raise ValueError(f"hvd_compress: Auto margin must be in [0, 1), got {margin!r}")
+        self.margin = float(margin)
+        pin = os.environ.get(PIN_ENV) or pin
+        if pin not in (None, DENSE, COMPRESSED):
+            raise ValueError(f"hvd_compress: Auto pin (or {PIN_ENV}) must be 'dense' or 'compressed', got {pin!r}")
+        self.pin = pin
+        self.log = log
+        self.clock = clock or WallClock()
+        self.choices: Dict[str, BucketChoice] = {}
+        if not isinstance(compressor.stats, AutoStats):
+            compressor.stats = AutoStats(compressor.stats)
+        self._generators, self._saved_generators = {}, {}
+
+    # the inner compressor's state and capabilities
+    memory = property(lambda self: self.inner.memory)
+    stats = property(lambda self: self.inner.stats)
+    _buckets = property(lambda self: self.inner._buckets)
+    rank = property(lambda self: self.inner.rank)
+    size = property(lambda self: self.inner.size)
+    seed = property(lambda self: self.inner.seed)
+    payload_kind = property(lambda self: self.inner.payload_kind)
+    fused = property(lambda self: self.inner.fused)
+    dense_wire_dtype = property(lambda self: self.inner.dense_wire_dtype)
+    dense_below = property(lambda self: getattr(self.inner, "dense_below", 0))
+    error_feedback = property(lambda self: getattr(self.inner, "error_feedback", False))
+
+    @property
+    def ratio(self) -> float:
+        """The inner compressor's density (density schedules set it here)."""
+        return self.inner.ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        self.inner.ratio = value
+
+    def bind(self, rank: int, size: int) -> "Auto":
+        self.inner.bind(rank, size)
+        return self
+
+    def config(self) -> Dict[str, Any]:
+        return {"type": "Auto", "compressor": repr(self.inner), "warmup": self.warmup,
+                "decide_every": self.decide_every, "margin": self.margin, "pin": self.pin}
+
+    # Simulator and per-tensor use: the inner compressor's encode and decode
+    def encode(self, tensor: Any, name: str, **options: Any) -> Any:
+        return self.inner.encode(tensor, name, **options)
+
+    def decode(self, payloads, shape, average: bool = True, name: Optional[str] = None):
+        return self.inner.decode(payloads, shape, average=average, name=name)
+
+    def fused_kind(self, numel: int) -> str:
+        return self.inner.fused_kind(numel)
+
+    def residual(self, name: str):
+        return self.inner.residual(name)
+
+    def reset(self, name: Optional[str] = None) -> None:
+        self.inner.reset(name)
+
+    def make_exchange(self, comm: Any, key: str) -> AutoExchange:
+        """The exchange of bucket ``key`` (called by :func:`~hvd_compress.comm.exchange.open_exchange`)."""
+        self.inner.bind(comm.rank, comm.size)
+        return AutoExchange(self, comm, key)
+
+    # ------------------------------------------------------------------ deciding
+    def mode(self, state: BucketChoice) -> str:
+        """How the bucket's next exchange runs: ``dense``, ``compressed``, ``measure`` or ``decide``."""
+        if self.pin is not None:
+            return self.pin
+        if state.choice is not None and state.measured == 0:
+            due = self.decide_every and state.exchanges - state.decided_at >= self.decide_every
+            if not (due or state.remeasure):
+                return state.choice
+            state.samples = []
+        return "decide" if len(state.samples) >= self.warmup else "measure"
+
+    def medians(self, state: BucketChoice) -> Tuple[float, float]:
+        """This rank's median ``(dense_ms, compressed_ms)`` over the bucket's samples (reads the clocks)."""
+        elapsed = self.clock.elapsed_ms
+        dense = statistics.median(elapsed(s[4], s[5]) for s in state.samples)
+        compressed = statistics.median(elapsed(s[0], s[1]) + elapsed(s[2], s[3]) for s in state.samples)
+        return dense, compressed
+
+    def settle(self, key: str, added: List[Tuple[str, Any]], comm: Any,
+               mine: Optional[Tuple[float, float]] = None) -> str:
+        """Reduce this rank's ``[dense_ms, compressed_ms]`` (default: :meth:`medians`) across ranks (max),
+        record the bucket's choice and return it; the same on every rank."""
+        state = self.choices.setdefault(key, BucketChoice())
+        like = added[0][1]
+        ops = ops_for(like)
+        local = ops.as_float32(list(mine or self.medians(state)), like=like)
+        dense, compressed = ops.to_list(comm.wait(comm.allreduce_async(local, comm.MAX, f"{key}.auto")))
+        choice = decide(dense, compressed, self.margin)
+        previous = state.choice
+        state.choice, state.dense_ms, state.compressed_ms = choice, float(dense), float(compressed)
+        state.decided_at, state.measured, state.samples = state.exchanges, 0, []
+        self.stats.decisions[key] = state.decision()
+        if choice != previous and comm.rank == 0 and self.log:
+            line = (f"hvd_compress: Auto: {key}: dense {dense:.2f} ms, {self.inner!r} {compressed:.2f} ms "
+                    f"-> {choice}")
+            self.log(line) if callable(self.log) else print(line, file=sys.stderr, flush=True)
+        return choice
+
+    def remeasure(self) -> None:
+        """Measure every bucket again from its next exchange (call on every rank at the same step)."""
+        for state in self.choices.values():
+            state.remeasure, state.measured, state.samples = True, 0, []
+
+    # --------------------------------------------------------------- checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner compressor's state plus every bucket's choice and measurements."""
+        return {"config": self.config(), "inner": self.inner.state_dict(),
+                "decisions": {key: state.public() for key, state in self.choices.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        saved = state.get("config", {}).get("type")
+        if saved != "Auto":
+            raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
+        self.inner.load_state_dict(state["inner"])
+        self.choices = {}
+        for key, entry in state.get("decisions", {}).items():
+            self.choices[key] = BucketChoice(**entry)
+            if entry.get("choice") is not None:
+                self.stats.decisions[key] = self.choices[key].decision()
+
+    def __repr__(self) -> str:
+        return f"Auto({self.inner!r}, warmup={self.warmup}, decide_every={self.decide_every})"

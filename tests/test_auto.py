@@ -1,0 +1,234 @@
+"""``Auto``: the decision (injected timings, ties, ranks that disagree), switching without losing
+anything, checkpoints, pinning, and steady steps free of host reads (thread ranks, torch CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_compress import Auto, RegTopK, TernGrad, TopK  # noqa: E402
+from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from hvd_compress.comm.auto import BucketChoice, decide  # noqa: E402
+from hvd_compress.comm.exchange import open_exchange  # noqa: E402
+from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+
+SHAPES = {"w1": (64, 32), "w2": (48, 40), "b": (8,)}
+STEPS = 9
+
+
+class FakeClock:
+    """Injected timings: each timed exchange marks start, launched (= dense start), dense stop, then
+    before and after ``finish``; ``dense_ms`` is the dense interval, ``compressed_ms`` the other two."""
+
+    def __init__(self, dense_ms: float, compressed_ms: float) -> None:
+        self.dense_ms, self.compressed_ms, self.count = dense_ms, compressed_ms, 0
+
+    def mark(self, like):
+        self.count += 1
+        return (self.count - 1) % 5
+
+    def elapsed_ms(self, start, stop):
+        return self.dense_ms if (start, stop) == (1, 2) else self.compressed_ms / 2
+
+
+def gradient(rank: int, step: int, name: str) -> torch.Tensor:
+    seed = 1000 * rank + 10 * step + sorted(SHAPES).index(name)
+    return torch.randn(SHAPES[name], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def exchange_steps(auto: Auto, comm, steps, on_step=None, average=False):
+    """``steps`` exchanges of one bucket; what they delivered (sums over ranks, or averages), summed."""
+    delivered = {n: torch.zeros(s, dtype=torch.float64) for n, s in SHAPES.items()}
+    for step in steps:
+        if on_step is not None:
+            on_step(step, auto)
+        exchange = open_exchange(auto, comm, "bucket")
+        for name in SHAPES:
+            exchange.add(name, gradient(comm.rank, step, name))
+        exchange.launch()
+        for name, total in exchange.finish(average=average).items():
+            delivered[name] += total
+    return delivered
+
+
+# ------------------------------------------------------------------ decision
+@pytest.mark.parametrize(
+    "dense, compressed, margin, expected",
+    [(10.0, 4.0, 0.0, "compressed"), (4.0, 10.0, 0.0, "dense"), (5.0, 5.0, 0.0, "dense"),
+     (10.0, 9.6, 0.05, "dense"), (10.0, 9.4, 0.05, "compressed")],
+)
+def test_decide_both_ways_ties_go_dense(dense, compressed, margin, expected):
+    assert decide(dense, compressed, margin) == expected
+
+
+@pytest.mark.parametrize(
+    "per_rank, expected",
+    [([(1.0, 2.0), (3.0, 0.5)], ("compressed", 3.0, 2.0)),  # rank 0 alone would pick dense
+     ([(2.0, 1.0), (1.0, 3.0)], ("dense", 2.0, 3.0)),  # rank 0 alone would pick compressed
+     ([(2.0, 2.0), (2.0, 2.0)], ("dense", 2.0, 2.0))],
+)
+def test_ranks_whose_clocks_disagree_make_the_same_choice(per_rank, expected):
+    def work(comm):
+        auto = Auto(TopK(0.1), log=False)
+        like = [("g", torch.zeros(4))]
+        choice = auto.settle("bucket", like, comm, mine=per_rank[comm.rank])
+        state = auto.choices["bucket"]
+        return choice, state.dense_ms, state.compressed_ms
+
+    assert run_ranks(2, work) == [expected, expected]
+
+
+@pytest.mark.parametrize("dense_ms, compressed_ms, expected", [(1.0, 5.0, "dense"), (5.0, 1.0, "compressed")])
+def test_measured_bucket_goes_the_cheaper_way_and_logs_once(dense_ms, compressed_ms, expected):
+    lines = []
+
+    def work(comm):
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(dense_ms, compressed_ms),
+                    log=lines.append)
+        exchange_steps(auto, comm, range(STEPS))
+        return auto.stats.decisions["bucket"]
+
+    decisions = run_ranks(2, work)
+    assert decisions[0] == decisions[1]
+    assert decisions[0]["choice"] == expected
+    assert (decisions[0]["dense_ms"], decisions[0]["compressed_ms"]) == (dense_ms, compressed_ms)
+    assert len(lines) == 1 and lines[0].endswith(f"-> {expected}") and "bucket" in lines[0]
+
+
+# -------------------------------------------------------------- conservation
+@pytest.mark.parametrize("make", [TopK, RegTopK])
+def test_switching_loses_nothing(make):
+    """sent + residual == produced across compressed -> dense -> compressed (re-measured) switches;
+    the first dense exchange flushes every residual."""
+
+    def work(comm):
+        auto = Auto(make(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
+        modes, residuals = [], []
+
+        def watch(step, auto):
+            if step == 9:  # now compressed is faster: measure again
+                auto.clock = FakeClock(5.0, 1.0)
+                auto.remeasure()
+            modes.append(auto.mode(auto.choices.setdefault("bucket", BucketChoice())))
+            residuals.append([auto.residual(n) for n in SHAPES])
+
+        delivered = exchange_steps(auto, comm, range(16), watch)
+        final = {n: auto.residual(n) for n in SHAPES}
+        return delivered, final, modes, residuals
+
+    results = run_ranks(2, work)
+    modes = results[0][2]
+    assert modes == results[1][2]
+    assert modes[:4] == ["measure"] * 3 + ["decide"] and modes[4:9] == ["dense"] * 5
+    assert modes[9:13] == ["measure"] * 3 + ["decide"] and modes[13:] == ["compressed"] * 3
+    for _, _, _, residuals in results:
+        assert all(r is None for step in range(5, 10) for r in residuals[step])  # flushed at step 4
+    produced = {n: sum(gradient(r, s, n) for r in range(2) for s in range(16)) for n in SHAPES}
+    for name in SHAPES:
+        left = sum(res[1][name].reshape(SHAPES[name]) for res in results if res[1][name] is not None)
+        torch.testing.assert_close(results[0][0][name] + left, produced[name], rtol=0, atol=1e-10)
+        torch.testing.assert_close(results[1][0][name], results[0][0][name], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- checkpoints
+def test_checkpoint_carries_decisions_measurements_and_residuals():
+    def work(comm):
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(5.0, 1.0), log=False)
+        exchange_steps(auto, comm, range(5))
+        state = auto.state_dict()
+        fresh = Auto(TopK(0.1, dense_below=16), warmup=2, log=False)
+        fresh.load_state_dict(state)
+        return auto, fresh
+
+    for auto, fresh in run_ranks(2, work):
+        assert fresh.choices["bucket"].public() == auto.choices["bucket"].public()
+        assert fresh.stats.decisions == auto.stats.decisions
+        assert fresh.mode(fresh.choices["bucket"]) == "compressed"  # no new measurement after resuming
+        for name in ("w1", "w2"):
+            torch.testing.assert_close(fresh.residual(name), auto.residual(name), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="hvd_compress: checkpoint holds TopK"):
+        Auto(TopK(0.1)).load_state_dict(TopK(0.1).state_dict())
+
+
+# ------------------------------------------------------------------- pinning
+@pytest.mark.parametrize("make", [lambda: TopK(0.1, dense_below=16), lambda: RegTopK(0.1, dense_below=16),
+                                  lambda: TernGrad(seed=3)])
+def test_pinned_compressed_equals_the_simulator(make):
+    def work(comm):
+        auto = Auto(make(), pin="compressed", log=False)
+        return exchange_steps(auto, comm, range(4), average=True), auto.choices
+
+    results = run_ranks(2, work)
+    sim = Simulator(2, make())
+    expected = {n: torch.zeros(s, dtype=torch.float64) for n, s in SHAPES.items()}
+    for step in range(4):
+        out = sim.step({n: [gradient(r, step, n) for r in range(2)] for n in SHAPES})
+        for n in SHAPES:
+            expected[n] += torch.as_tensor(out[n])
+    for name in SHAPES:
+        torch.testing.assert_close(results[0][0][name], expected[name], rtol=0, atol=1e-12)
+        torch.testing.assert_close(results[1][0][name], expected[name], rtol=0, atol=1e-12)
+
+
+def test_pinned_dense_by_environment_is_the_plain_sum(monkeypatch):
+    monkeypatch.setenv("HVD_COMPRESS_AUTO_PIN", "dense")
+
+    def work(comm):
+        return exchange_steps(Auto(TopK(0.1), log=False), comm, range(3))
+
+    delivered = run_ranks(2, work)[0]
+    for name in SHAPES:
+        expected = sum(gradient(r, s, name) for r in range(2) for s in range(3))
+        torch.testing.assert_close(delivered[name], expected, rtol=0, atol=1e-12)
+
+
+def test_bad_arguments_are_clear_errors(monkeypatch):
+    with pytest.raises(TypeError, match="hvd_compress: Auto"):
+        Auto("topk")
+    with pytest.raises(ValueError, match="hvd_compress: Auto pin"):
+        Auto(TopK(0.1), pin="sometimes")
+    with pytest.raises(ValueError, match="hvd_compress: Auto margin"):
+        Auto(TopK(0.1), margin=1.5)
+    monkeypatch.setenv("HVD_COMPRESS_AUTO_DECIDE_EVERY", "7")
+    assert Auto(TopK(0.1)).decide_every == 7
+
+
+# -------------------------------------------------------------- host reads
+@pytest.mark.parametrize("dense_ms, compressed_ms", [(1.0, 5.0), (5.0, 1.0)])
+def test_steady_steps_read_nothing_back(dense_ms, compressed_ms):
+    def work(comm):
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(dense_ms, compressed_ms), log=False)
+        exchange_steps(auto, comm, range(6))
+        with count_host_reads() as reads:
+            exchange_steps(auto, comm, range(6, 9))
+        # numpy views of CPU tensors (Top-k's CPU selection) copy nothing and wait for nothing
+        return {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
+
+    assert run_ranks(2, work) == [{}, {}]
+
+
+def test_tensorflow_per_tensor_path_flushes_into_dense():
+    """TensorFlow tensors take the per-tensor path: going dense sends the residual with the gradient."""
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    def grad(rank, step):
+        return np.random.default_rng(10 * step + rank).normal(size=(64, 32))
+
+    def work(comm):
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
+        delivered = np.zeros((64, 32))
+        for step in range(7):
+            exchange = open_exchange(auto, comm, "bucket")
+            exchange.add("w", tf.constant(grad(comm.rank, step)))
+            exchange.launch()
+            delivered += exchange.finish(average=False)["w"].numpy()
+        return delivered, auto.residual("w"), auto.stats.decisions["bucket"]["choice"]
+
+    results = run_ranks(2, work)
+    produced = sum(grad(r, s) for r in range(2) for s in range(7))
+    for delivered, residual, choice in results:
+        assert choice == "dense" and residual is None
+        np.testing.assert_allclose(delivered, produced, rtol=0, atol=1e-12)
