@@ -17,9 +17,10 @@ was set before TensorFlow was imported, which makes it Keras 2 (the
   optimizer (Horovod's own Keras integration imports there but never averages
   gradients); names not defined here are ``horovod.tensorflow``'s (``init``,
   ``rank``, ``size``, ``allreduce`` ...).
-- Keras 2: Horovod's ``DistributedOptimizer`` with our exchange
-  (:func:`hvd_compress.keras.keras2.distributed_optimizer`); names not defined
-  here are ``horovod.tensorflow.keras``'s.
+- Keras 2: Horovod's ``DistributedOptimizer`` whose ``_allreduce_grads`` is
+  our exchange; its compression state is a checkpoint dependency of the
+  optimizer (``tf.train.Checkpoint(optimizer=opt)`` saves the residuals); names
+  not defined here are ``horovod.tensorflow.keras``'s.
 
 :func:`broadcast_variables` takes Keras 3 variables too (custom training loops).
 """
@@ -69,7 +70,8 @@ def _tf_variable(variable: Any) -> Any:
 
 
 from hvd_compress.keras import callbacks  # noqa: E402,F401  (after broadcast_variables, which it uses)
-from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: E402,F401
+from hvd_compress.tensorflow import exchange_for  # noqa: E402
+from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: E402
 
 
 def _is_keras3_optimizer(optimizer: Any) -> bool:
@@ -101,12 +103,15 @@ def DistributedOptimizer(
             "optimizer of tf.keras, or choose the Keras before importing TensorFlow: "
             "TF_USE_LEGACY_KERAS=1 for Keras 2 (tf_keras), unset or 0 for Keras 3"
         )
-    if not KERAS3:
-        from hvd_compress.keras.keras2 import distributed_optimizer
+    compression = Compression.none if compression is None else compression
+    if not KERAS3:  # Horovod's optimizer; its compression state a checkpoint dependency
+        import horovod.tensorflow.keras as horovod_keras
 
-        return distributed_optimizer(
-            optimizer, compression, op, gradient_predivide_factor, communicator, **horovod_kwargs
-        )
+        distributed = horovod_keras.DistributedOptimizer(optimizer, **horovod_kwargs)
+        distributed._allreduce_grads = exchange_for(compression, op, gradient_predivide_factor, communicator)
+        distributed.compression = compression
+        distributed._track_trackable(CompressionCheckpoint(compression), name="hvd_compress", overwrite=True)
+        return distributed
     unsupported = sorted(set(horovod_kwargs) - {"name"})
     if unsupported:
         raise TypeError(
