@@ -136,6 +136,21 @@ def test_tf_train_checkpoint_restores_the_compression_state(keras3, tmp_path):
         np.testing.assert_array_equal(fresh.compression.distortion(name), opt.compression.distortion(name))
 
 
+def test_bad_arguments_are_refused(keras3):
+    import keras
+
+    with pytest.raises(TypeError, match="compression must be one of our compressors"):
+        distributed(keras3, "topk")
+    with pytest.raises(TypeError, match="wraps a keras.optimizers.Optimizer"):
+        keras3.DistributedOptimizer(object())
+    with pytest.raises(ValueError, match="op must be hvd.Average or hvd.Sum"):
+        distributed(keras3, None, op="max")
+    opt = distributed(keras3, None)
+    opt.build([keras.Variable(np.zeros(3, np.float32))])
+    with pytest.raises(ValueError, match="Unknown variable"):
+        opt.apply([tf.ones(3)], [keras.Variable(np.zeros(3, np.float32))])
+
+
 def test_xla_is_refused_with_instructions(keras3):
     import keras
 

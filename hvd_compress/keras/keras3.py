@@ -138,8 +138,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
             self.built = True
+        self._check_variables_are_known(trainable_variables)
         _refuse_xla()
-        averaged = self._exchange(list(grads), trainable_variables, names=self.tensor_names(trainable_variables))
+        names = self.tensor_names(trainable_variables)
+        averaged = self._exchange(list(grads), trainable_variables, names=names)
         self.inner_optimizer.apply(averaged, trainable_variables)
 
     def tensor_names(self, variables) -> list:
