@@ -37,14 +37,7 @@ from hvd_compress import Compression  # noqa: F401
 
 def uses_keras3() -> bool:
     """Whether TensorFlow's ``tf.keras`` is Keras 3 (else Keras 2, ``tf_keras``)."""
-    try:
-        name = tf.keras.__name__
-    except ImportError:  # tf.keras fails to load Keras 3 on some other backends (numpy)
-        from hvd_compress.keras.keras3 import check_backend  # checks the backend when imported
-
-        check_backend()
-        raise
-    if name.startswith("tf_keras"):
+    if tf.keras.__name__.startswith("tf_keras"):
         return False
     return not str(getattr(tf.keras, "__version__", "3")).startswith("2.")
 
