@@ -7,8 +7,8 @@
 #  - .venv/bin first on PATH, so spawned horovodrun/mpirun/mpicc are the venv's;
 #  - as root, the variables Open MPI needs to run as root;
 #  - Open MPI 5 allowed to oversubscribe (more ranks than the 2 cores of CI);
-#  - TF_USE_LEGACY_KERAS=1 unless set: horovod.tensorflow.keras only averages gradients
-#    with tf_keras (Keras 2); under Keras 3 it imports but silently skips the allreduce.
+#  - TF_USE_LEGACY_KERAS=1 unless set: stock horovod.tensorflow.keras only averages gradients
+#    with tf_keras (Keras 2); the hvd_compress.keras tests start their Keras 3 ranks with 0.
 SHELL := /bin/bash
 VENV := $(CURDIR)/.venv
 PYTEST_ARGS ?=

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from tests.distributed.launch import ROOT, require
+from tests.distributed.launch import require
 
 require("tensorflow")
 
@@ -56,15 +52,6 @@ def test_none_gradients_pass_through():
     out = exchange([None, grad])
     assert out[0] is None
     assert out[1].shape == grad.shape
-
-
-def test_keras_3_is_refused_with_instructions():
-    env = {**os.environ, "TF_USE_LEGACY_KERAS": "0", "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", "import hvd_compress.keras"], env=env, capture_output=True, text=True
-    )
-    assert done.returncode != 0
-    assert "needs Keras 2" in done.stderr and "TF_USE_LEGACY_KERAS=1" in done.stderr
 
 
 def test_predivide_and_unknown_op_are_refused():

@@ -1,49 +1,51 @@
-"""Drop-in replacement for ``horovod.tensorflow.keras`` with compressed, fused gradient exchange.
+"""Drop-in replacement for ``horovod.tensorflow.keras`` with compressed, fused gradient exchange,
+under Keras 3 (TensorFlow backend) and Keras 2 (``tf_keras``)::
 
-    import os; os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")   # before TensorFlow is imported
     import hvd_compress.keras as hvd
     hvd.init()
-    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
                                    compression=hvd.Compression.regtopk(0.01))
-    model.compile(optimizer=opt, loss=...)
+    model.compile(optimizer=opt, loss=..., jit_compile=False)
     model.fit(..., callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                               hvd.callbacks.CompressionStatsCallback(opt)])
 
-Horovod's Keras integration works with Keras 2 only (the ``tf_keras`` package;
-``TF_USE_LEGACY_KERAS=1`` makes ``tf.keras`` that one). Under Keras 3 it
-imports but never averages gradients, so this module refuses to load there.
-Everything not defined here is ``horovod.tensorflow.keras``'s own.
+The Keras is TensorFlow's ``tf.keras``: Keras 3 unless ``TF_USE_LEGACY_KERAS=1``
+was set before TensorFlow was imported, which makes it Keras 2 (the
+``tf_keras`` package). The optimizer given must be of that Keras.
+
+- Keras 3: :class:`hvd_compress.keras.keras3.DistributedOptimizer` wraps the
+  optimizer (Horovod's own Keras integration imports there but never averages
+  gradients); names not defined here are ``horovod.tensorflow``'s (``init``,
+  ``rank``, ``size``, ``allreduce`` ...).
+- Keras 2: Horovod's ``DistributedOptimizer`` whose ``_allreduce_grads`` is
+  our exchange; its compression state is a checkpoint dependency of the
+  optimizer (``tf.train.Checkpoint(optimizer=opt)`` saves the residuals); names
+  not defined here are ``horovod.tensorflow.keras``'s.
+
+:func:`broadcast_variables` takes Keras 3 variables too (custom training loops).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401
 from hvd_compress.compressors import as_compressor
+from hvd_compress.keras.versions import KERAS, KERAS3, broadcast_variables, uses_keras3  # noqa: F401
 
-
-def check_keras() -> None:
-    """``ImportError`` unless ``tf.keras`` is Keras 2 (tf_keras), the one Horovod supports."""
-    import tensorflow as tf
-
-    if tf.keras.__name__.startswith("tf_keras"):
-        return
-    version = str(getattr(tf.keras, "__version__", "unknown"))
-    if not version.startswith("2."):
-        raise ImportError(
-            f"hvd_compress.keras needs Keras 2 but tf.keras is Keras {version}: Horovod's Keras "
-            "integration silently skips the gradient allreduce under Keras 3. Install tf_keras "
-            "(pip install tf_keras) and set TF_USE_LEGACY_KERAS=1 before importing TensorFlow, "
-            "or use hvd_compress.tensorflow.DistributedGradientTape in a custom training loop"
-        )
-
-
-check_keras()
+if KERAS3:
+    from hvd_compress.keras import keras3  # noqa: E402  (ImportError unless the backend is TensorFlow)
 
 from hvd_compress.keras import callbacks  # noqa: E402,F401
 from hvd_compress.tensorflow import exchange_for  # noqa: E402
 from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: E402
+
+
+def _is_keras3_optimizer(optimizer: Any) -> bool:
+    keras = sys.modules.get("keras")  # imported already wherever a Keras 3 optimizer exists
+    version = str(getattr(keras, "__version__", ""))
+    return version.startswith("3") and isinstance(optimizer, keras.optimizers.Optimizer)
 
 
 def DistributedOptimizer(
@@ -54,23 +56,46 @@ def DistributedOptimizer(
     communicator: Optional[Any] = None,
     **horovod_kwargs: Any,
 ) -> Any:
-    """``horovod.tensorflow.keras.DistributedOptimizer`` whose gradients travel compressed and fused.
+    """``optimizer`` whose gradients are averaged over ranks, compressed and fused.
 
-    The compressor is ``optimizer.compression``; its state is a checkpoint
-    dependency of the optimizer (``tf.train.Checkpoint(optimizer=opt)`` saves
-    and restores residuals).
+    ``compression``: one of our compressors (default none), then available as
+    ``opt.compression``; ``op``: ``hvd.Average`` (default) or ``hvd.Sum``;
+    ``communicator``: default Horovod's. Keras 2 passes other keyword
+    arguments to Horovod's ``DistributedOptimizer``; Keras 3 accepts ``name``.
     """
-    import horovod.tensorflow.keras as hvd_keras
-
+    if KERAS3 != _is_keras3_optimizer(optimizer):
+        kind = "a Keras 3" if _is_keras3_optimizer(optimizer) else "not a Keras 3"
+        raise TypeError(
+            f"hvd_compress: DistributedOptimizer got {type(optimizer).__module__}."
+            f"{type(optimizer).__name__}, {kind} optimizer, but tf.keras is {KERAS}. Pass an "
+            "optimizer of tf.keras, or choose the Keras before importing TensorFlow: "
+            "TF_USE_LEGACY_KERAS=1 for Keras 2 (tf_keras), unset or 0 for Keras 3"
+        )
     compression = as_compressor(compression)
-    distributed = hvd_keras.DistributedOptimizer(optimizer, **horovod_kwargs)
-    distributed._allreduce_grads = exchange_for(compression, op, gradient_predivide_factor, communicator)
-    distributed.compression = compression
-    distributed._track_trackable(CompressionCheckpoint(compression), name="hvd_compress", overwrite=True)
-    return distributed
+    if not KERAS3:  # Horovod's optimizer; its compression state a checkpoint dependency
+        import horovod.tensorflow.keras as horovod_keras
+
+        distributed = horovod_keras.DistributedOptimizer(optimizer, **horovod_kwargs)
+        distributed._allreduce_grads = exchange_for(compression, op, gradient_predivide_factor, communicator)
+        distributed.compression = compression
+        distributed._track_trackable(CompressionCheckpoint(compression), name="hvd_compress", overwrite=True)
+        return distributed
+    unsupported = sorted(set(horovod_kwargs) - {"name"})
+    if unsupported:
+        raise TypeError(
+            f"hvd_compress: DistributedOptimizer under Keras 3 does not take {', '.join(unsupported)} "
+            "(Horovod's Keras 2 options); set gradient_accumulation_steps, clipping... on the "
+            "wrapped optimizer"
+        )
+    return keras3.DistributedOptimizer(
+        optimizer, compression, op, gradient_predivide_factor, communicator, **horovod_kwargs
+    )
 
 
 def __getattr__(name: str) -> Any:
-    import horovod.tensorflow.keras as horovod_keras
+    if KERAS3:
+        import horovod.tensorflow as horovod_module
+    else:
+        import horovod.tensorflow.keras as horovod_module
 
-    return getattr(horovod_keras, name)
+    return getattr(horovod_module, name)

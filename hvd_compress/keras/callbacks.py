@@ -1,11 +1,16 @@
 """Keras callbacks: Horovod's, plus compression statistics and a density warm-up.
 
-``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
-``LearningRateWarmupCallback`` and ``LearningRateScheduleCallback`` are
-``horovod.tensorflow.keras.callbacks``'s own, the last three given
-``tf.keras``'s backend: Horovod 0.28 hands them ``keras.backend``, which
-under TensorFlow >= 2.16 is Keras 3's and lacks the ``constant``,
-``get_value`` and ``set_value`` they call. This module adds
+``MetricAverageCallback``, ``LearningRateWarmupCallback`` and
+``LearningRateScheduleCallback`` are ``horovod.tensorflow.keras.callbacks``'s
+own, given a backend that has the ``constant``, ``get_value`` and
+``set_value`` they call (Horovod 0.28 hands them ``keras.backend``, which
+under TensorFlow >= 2.16 is Keras 3's and lacks them): ``tf.keras.backend``
+under Keras 2, TensorFlow's operations under Keras 3.
+``BroadcastGlobalVariablesCallback`` is Horovod's under Keras 2 (it
+broadcasts after the first batch, once Keras 2 has made the optimizer's
+slots); under Keras 3 it is ours and broadcasts the model's and the
+optimizer's variables at ``on_train_begin``, before the first step (``fit``
+has built both by then). This module adds
 
 - :class:`CompressionStatsCallback`: per epoch, the bytes this rank put on the
   wire against dense gradients, the density achieved and the norm of the
@@ -42,9 +47,9 @@ from typing import Any, Dict, Optional
 import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.keras import callbacks as horovod_callbacks
-from horovod.tensorflow.keras.callbacks import BroadcastGlobalVariablesCallback
 
 from hvd_compress.compressors.base import Compressor, check_ratio
+from hvd_compress.keras.versions import KERAS3, broadcast_variables
 
 __all__ = [
     "BroadcastGlobalVariablesCallback",
@@ -56,24 +61,71 @@ __all__ = [
 ]
 
 
-class _Keras2Backend:
-    """Gives a Horovod callback ``tf.keras.backend`` (tf_keras) in place of ``keras.backend``."""
+class _TensorFlowBackend:
+    """What Horovod's callbacks call on a Keras backend, done with TensorFlow (for Keras 3)."""
+
+    @staticmethod
+    def constant(value: Any, name: Optional[str] = None) -> tf.Tensor:
+        return tf.constant(value)
+
+    @staticmethod
+    def get_value(variable: Any) -> Any:
+        return variable.numpy() if hasattr(variable, "numpy") else variable
+
+    @staticmethod
+    def set_value(variable: Any, value: Any) -> None:
+        variable.assign(value)
+
+
+class _HorovodBackend:
+    """Gives a Horovod callback a backend with ``constant``/``get_value``/``set_value``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.backend = tf.keras.backend
+        self.backend = _TensorFlowBackend if KERAS3 else tf.keras.backend
 
 
-class MetricAverageCallback(_Keras2Backend, horovod_callbacks.MetricAverageCallback):
+class _Keras3Broadcast(tf.keras.callbacks.Callback):
+    """Broadcasts the model's and the optimizer's variables from ``root_rank`` before training.
+
+    ``local_variables``: variables (or one) that stay as they are on each rank.
+    """
+
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        local = [] if local_variables is None else local_variables
+        self._local = {id(v) for v in (local if isinstance(local, (list, tuple)) else [local])}
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.broadcast_done:
+            return
+        optimizer = getattr(self.model, "optimizer", None)
+        variables = list(self.model.variables) + list(getattr(optimizer, "variables", []))
+        with tf.device(self.device):
+            broadcast_variables([v for v in variables if id(v) not in self._local], self.root_rank)
+        self.broadcast_done = True
+
+
+if KERAS3:
+    BroadcastGlobalVariablesCallback = _Keras3Broadcast
+else:
+    BroadcastGlobalVariablesCallback = horovod_callbacks.BroadcastGlobalVariablesCallback
+
+
+class MetricAverageCallback(_HorovodBackend, horovod_callbacks.MetricAverageCallback):
     __doc__ = horovod_callbacks.MetricAverageCallback.__doc__
 
 
-class _MomentumCheck(_Keras2Backend):
+class _MomentumCheck(_HorovodBackend):
     """Turns momentum correction off, with a warning, where the momentum is a Python number.
 
-    Keras 2's current optimizers (``tf.keras.optimizers.SGD``) keep ``momentum``
-    as a float read when the train step is traced, so it cannot be changed
-    per step (the ``tf.keras.optimizers.legacy`` ones keep a variable).
+    Keras 3's optimizers and Keras 2's current ones (``tf.keras.optimizers.SGD``)
+    keep ``momentum`` as a float read when the train step is traced, so it
+    cannot be changed per step (Keras 2's ``tf.keras.optimizers.legacy`` ones
+    keep a variable).
     """
 
     def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
@@ -82,7 +134,8 @@ class _MomentumCheck(_Keras2Backend):
             warnings.warn(
                 f"hvd_compress: {type(self).__name__}: the optimizer's momentum is the number "
                 f"{momentum!r}, fixed in the traced train step; momentum correction is off "
-                "(use a tf.keras.optimizers.legacy optimizer for it, or pass momentum_correction=False)",
+                "(use a Keras 2 tf.keras.optimizers.legacy optimizer for it, or pass "
+                "momentum_correction=False)",
                 stacklevel=2,
             )
         if isinstance(momentum, numbers.Real):  # a number (0 too) cannot be corrected

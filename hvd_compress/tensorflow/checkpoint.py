@@ -31,6 +31,18 @@ def _to_tensor(value: Any) -> Any:
     return tf.convert_to_tensor(value) if isinstance(value, np.ndarray) and value.dtype != object else value
 
 
+def state_bytes(compressor: Any) -> bytes:
+    """``compressor.state_dict()`` pickled, its TensorFlow tensors as numpy arrays."""
+    return pickle.dumps(tf.nest.map_structure(_to_numpy, compressor.state_dict()))
+
+
+def load_state_bytes(compressor: Any, data: bytes) -> None:
+    """Restore what :func:`state_bytes` saved into ``compressor`` (unpickles: trusted data only)."""
+    state = pickle.loads(data)
+    tensors = tf.nest.map_structure(_to_tensor, state["tensors"])
+    compressor.load_state_dict({**state, "tensors": tensors})
+
+
 class CompressionCheckpoint(trackable.Trackable):
     """A ``tf.train.Checkpoint`` dependency holding ``compressor``'s state."""
 
@@ -38,11 +50,8 @@ class CompressionCheckpoint(trackable.Trackable):
         self.compressor = compressor
 
     def _serialize_to_tensors(self):
-        state = tf.nest.map_structure(_to_numpy, self.compressor.state_dict())
-        return {"state": tf.constant(pickle.dumps(state))}
+        return {"state": tf.constant(state_bytes(self.compressor))}
 
     def _restore_from_tensors(self, restored_tensors):
-        state = pickle.loads(restored_tensors["state"].numpy())
-        tensors = tf.nest.map_structure(_to_tensor, state["tensors"])
-        self.compressor.load_state_dict({**state, "tensors": tensors})
+        load_state_bytes(self.compressor, restored_tensors["state"].numpy())
         return tf.no_op()

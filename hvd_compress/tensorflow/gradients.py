@@ -45,8 +45,15 @@ class GradientExchange:
             self.communicator = HorovodTensorFlowCommunicator()
         return self.communicator
 
-    def __call__(self, grads: Sequence[Any], variables: Sequence[Any], use_generic_names: bool = False):
-        names = variable_names(variables)
+    def __call__(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any],
+        use_generic_names: bool = False,
+        names: Optional[Sequence[str]] = None,
+    ):
+        """``names``: the tensors' names (residuals are kept under them); default the variables'."""
+        names = variable_names(variables) if names is None else list(names)
         present = [(name, tf.convert_to_tensor(grad)) for name, grad in zip(names, grads) if grad is not None]
         if not present:
             return list(grads)
