@@ -36,7 +36,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from hypothesis import Phase, assume, note
+from hypothesis import assume, note
 from hypothesis import strategies as st
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK, kernels
@@ -44,7 +44,6 @@ from hvd_compress.compressors import reference as R
 from hvd_compress.compressors.payload import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
 from tests.helpers import (
-    ALL_COMPRESSORS,
     SPARSIFIERS,
     distortions,
     exact_k,
@@ -52,7 +51,6 @@ from tests.helpers import (
     index_sets,
     permille,
     ternary_codes,
-    training_runs,
 )
 from tests.kernels.frameworks import FLOATS, FLOATS_32_64, NAMES, framework
 from tests.kernels.frameworks import given_per_framework as given
@@ -181,7 +179,8 @@ def test_regtopk_scores_match_reference(K, dtype, data, mu):
         return
     for mode, got in K.run(scores, K.tensor(a), K.tensor(d)).items():
         assert got.dtype == K.dtype(np.float64), mode
-        np.testing.assert_allclose(K.numpy(got), want, rtol=4 * np.finfo(np.float64).eps, atol=0, err_msg=mode)
+        rtol = 4 * np.finfo(np.float64).eps
+        np.testing.assert_allclose(K.numpy(got), want, rtol=rtol, atol=0, err_msg=mode)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -190,7 +189,8 @@ def test_regtopk_select_matches_reference(K, dtype, data, mu):
     a = data.draw(float_arrays(dtype), label="a")
     d = data.draw(distortions(a.shape[0], dtype), label="D")
     k = data.draw(st.integers(1, a.shape[0]), label="k")
-    K.check(lambda x, y: K.ops.regtopk_select(x, y, mu, k), [K.tensor(a), K.tensor(d)], R.regtopk_select(a, d, mu, k))
+    want = R.regtopk_select(a, d, mu, k)
+    K.check(lambda x, y: K.ops.regtopk_select(x, y, mu, k), [K.tensor(a), K.tensor(d)], want)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -223,7 +223,8 @@ def test_regtopk_posterior_and_distortion_match_reference(K, dtype, data):
         idx, values = K.ops.regtopk_posterior(*x)
         return idx, values, K.ops.regtopk_distortion(*x, numel), K.ops.regtopk_expand(idx, values, numel)
 
-    K.check(kernels_of, [K.tensor(total), K.tensor(indices), K.tensor(sent)], (*posterior, distortion, distortion))
+    args = [K.tensor(total), K.tensor(indices), K.tensor(sent)]
+    K.check(kernels_of, args, (*posterior, distortion, distortion))
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -370,9 +371,8 @@ def test_sparse_sum_adds_in_rank_order(K, dtype):
     values = [np.array(v, dtype) for v in ([1e20, 1.0], [1.0, 1e20], [-1e20, -1e20])]
     want = R.sparse_sum(indices, values, 2)
     assert want.tolist() == [0.0, 0.0]
-    K.check(
-        lambda i, v: K.ops.sparse_sum(i, v, 2), [[K.tensor(i) for i in indices], [K.tensor(v) for v in values]], want
-    )
+    args = [[K.tensor(i) for i in indices], [K.tensor(v) for v in values]]
+    K.check(lambda i, v: K.ops.sparse_sum(i, v, 2), args, want)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -385,7 +385,8 @@ def test_gaussiank_threshold_within_float_tolerance(K, dtype, data, p):
     for mode, got in runs.items():
         assert isinstance(got, float) if mode == "eager" else got.dtype == K.dtype(np.float64), mode
     want = R.gaussiank_threshold(a, ratio)
-    scale = float(np.max(np.abs(a.astype(np.float64)))) * (1 + R.normal_tail_quantile(ratio))  # bounds |mu| + sigma q
+    mag = float(np.max(np.abs(a.astype(np.float64))))
+    scale = mag * (1 + R.normal_tail_quantile(ratio))  # bounds |mu| + sigma * q
     for got in runs.values():
         assert abs(float(got) - want) <= K.reduction_rtol[dtype] * scale, (got, want, scale)
 
@@ -411,7 +412,8 @@ def test_gaussiank_select_follows_the_reference_count_rule(K, dtype, data, p):
     with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: thr_k):
         same_rule = R.gaussiank_select(a, ratio)
     assert same_rule.dtype == np.int32
-    K.check(lambda t: K.ops.gaussiank_select(t, ratio), [K.tensor(a)], same_rule, "reference from the kernel threshold")
+    select = lambda t: K.ops.gaussiank_select(t, ratio)  # noqa: E731
+    K.check(select, [K.tensor(a)], same_rule, "reference from the kernel threshold")
     # its own threshold: equal sets unless some |a_j| sits between the two thresholds
     want = R.gaussiank_select(a, ratio)
     ambiguous = _ambiguous(a, thr_k, thr_ref)
@@ -440,7 +442,7 @@ def test_gaussiank_trims_an_overshooting_superset(K):
 @given("few", data=st.data(), c=st.sampled_from([2.5, 1.0, 0.1]))
 def test_terngrad_clip_within_float_tolerance(K, dtype, data, c):
     g = data.draw(float_arrays(dtype), label="g")
-    assume(np.unique(g).shape[0] > 1)  # constant tensors: see test_terngrad_clip_leaves_a_constant_tensor_unchanged
+    assume(np.unique(g).shape[0] > 1)  # constant tensors: see the test after the next
     want = R.terngrad_clip(g, c).astype(np.float64)
     bound = c * float(np.std(g, dtype=np.float64))
     rtol = K.reduction_rtol[dtype]
@@ -530,7 +532,7 @@ def test_kernel_outputs_keep_dtype_and_device(K, dtype):
     a = np.random.default_rng(3).standard_normal(1500).astype(dtype)
     want = _kernel_calls(R, a, R.uniform(R.generator(0, 0, a), a))
     t = K.tensor(a)
-    stream = K.ops.generator(0, 0, t)  # created eagerly: a graph may create a variable on its first trace only
+    stream = K.ops.generator(0, 0, t)  # eagerly: a graph may create a variable on its first trace only
     uniform = K.ops.uniform(stream, t)
     assert K.device_of(stream) == K.device_of(uniform) == K.device_of(t) and uniform.dtype == t.dtype
     for mode, got in K.run(lambda x, u: _kernel_calls(K.ops, x, u), t, uniform).items():
@@ -575,18 +577,6 @@ FACTORIES = {
 }
 
 SHAPES = {"w": (30, 50), "b": (7,)}
-
-
-@pytest.fixture
-def numpy_draws(K, monkeypatch):
-    """The kernels drawing numpy's stream (``default_rng([seed, rank])``): TernGrad then sees
-    the reference's uniforms, so the whole path is bit-exact."""
-    monkeypatch.setattr(K.ops, "generator", lambda seed, rank, like: np.random.default_rng([seed, rank]))
-    monkeypatch.setattr(
-        K.ops,
-        "uniform",
-        lambda rng, like: K.ops.cast(K.tensor(rng.random(like.shape[0], dtype=np.float32)), like.dtype),
-    )
 
 
 def run_ranks(make, grads, convert):
@@ -639,7 +629,7 @@ def test_compressors_on_framework_equal_compressors_on_numpy(K, kind, dtype, num
     (:func:`test_terngrad_clip_within_float_tolerance`); so is Gaussian-k's threshold where a
     framework reduces float16 in float16 (torch), which leaves that case out."""
     if kind == "gaussiank" and dtype == np.float16 and K.reduction_rtol[np.float16] > 2.0**-20:
-        pytest.skip(f"{K} reduces float16 in float16: Gaussian-k's threshold is the reference's within rounding")
+        pytest.skip(f"{K} reduces float16 in float16: Gaussian-k's threshold equals within rounding only")
     rng = np.random.default_rng(5)
     grads = [
         {
@@ -681,22 +671,6 @@ def test_compressors_reject_integer_and_nonfinite_tensors(K, kind):
             compressor.encode(K.tensor(np.full(5, 7e4, np.float32)), "w")
 
 
-@pytest.mark.parametrize("kind", sorted(ALL_COMPRESSORS))
-@pytest.mark.parametrize("dtype", FLOATS_32_64)
-def test_compressors_keep_tensors_on_their_device(K, kind, dtype):
-    sim = Simulator(3, ALL_COMPRESSORS[kind](), seed=1)
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-        grads = [K.tensor(rng.standard_normal((6, 50)).astype(dtype)) for _ in range(3)]
-        out = sim.step({"w": grads})["w"]
-        assert K.is_tensor(out)
-        assert K.device_of(out) == K.device_of(grads[0]) and out.dtype == K.dtype(dtype) and out.shape == (6, 50)
-        for residual in sim.residuals("w"):
-            if residual is not None:
-                assert K.device_of(residual) == K.device_of(grads[0]) and residual.dtype == K.dtype(dtype)
-                assert residual.shape == (6, 50)
-
-
 # --------------------------------------------------------------------------- #
 # 4. Simulator: framework tensors vs numpy arrays
 # --------------------------------------------------------------------------- #
@@ -731,43 +705,6 @@ E2E_DENSE = {"none": lambda p: NoneCompressor(), "fp16": lambda p: FP16()}
 E2E = {**SPARSIFIERS, **E2E_DENSE}
 
 
-@pytest.mark.parametrize("dtype", FLOATS_32_64)
-@pytest.mark.parametrize("kind", sorted(E2E))
-@given(
-    "few",
-    options=dict(phases=[Phase.explicit, Phase.reuse, Phase.generate]),  # seeded data: shrinking is moot
-    seed=st.integers(0, 2**32 - 1),
-    n_ranks=st.integers(1, 4),
-    p=st.integers(1, 300),
-    numel=st.sampled_from([(40, 50), (3000,), (1500,)]),
-)
-def test_simulator_on_framework_equals_numpy_on_large_tensors(K, kind, dtype, seed, n_ranks, p, numel):
-    """Gradients of a few thousand entries whose scale drifts, 4 steps (RegTop-k's D in use)."""
-    rng = np.random.default_rng(seed)
-    size = int(np.prod(numel))
-    grads = np.stack([rng.standard_normal((n_ranks, size)) * (1 + step) for step in range(4)])
-    sim_k, sim_np, outputs = run_both(K, E2E[kind](p / 1000), grads.astype(dtype), numel)
-    assert_simulators_agree(K, sim_k, sim_np, outputs)
-    if kind == "regtopk":
-        assert any(np.any(d < R.NO_DISTORTION) for d in (c.distortion("w") for c in sim_np.compressors))
-
-
-@pytest.mark.parametrize(
-    "compressor",
-    [
-        NoneCompressor(),
-        FP16(),
-        TopK(0.05, dense_below=0),
-        GaussianK(0.05, dense_below=0),
-        RegTopK(0.05, mu=4.0, dense_below=0),
-    ],
-    ids=repr,
-)
-def test_simulator_on_framework_equals_numpy_for_float16(K, compressor):
-    grads = np.random.default_rng(0).standard_normal((3, 4, 700)).astype(np.float16)
-    assert_simulators_agree(K, *run_both(K, compressor, grads))
-
-
 @pytest.mark.parametrize("kind", ["none", "topk"])
 def test_average_over_3_ranks_is_bit_exact(K, kind):
     """``Compressor.decode`` and ``BucketExchange`` divide by N as a true division on every device
@@ -789,51 +726,13 @@ def test_terngrad_codes_are_ternary_and_sign_consistent(K, dtype, seed, numel, c
     payload = TernGrad(clip=clip, dense_below=0, seed=seed).encode(g, "w")
     assert isinstance(payload, TernaryPayload)
     codes = payload.codes
-    assert codes.dtype == K.dtype(np.int8) and K.device_of(codes) == K.device_of(g) and codes.shape == (numel,)
+    assert codes.dtype == K.dtype(np.int8) and K.device_of(codes) == K.device_of(g)
+    assert codes.shape == (numel,)
     codes = K.numpy(codes)
     assert set(np.unique(codes).tolist()) <= {-1, 0, 1}
     assert np.all((codes == 0) | (np.sign(g_np).astype(np.int8) == codes))
     clipped = K.ops.terngrad_clip(g, clip) if clip else g
     assert payload.scale == pytest.approx(float(K.ops.terngrad_scale(clipped)))
-
-
-@pytest.mark.parametrize("scalar_sharing", [True, False])
-@pytest.mark.parametrize("n_ranks,numel", [(1, 1000), (2, 999), (3, 1001), (4, 2000), (8, 1000), (16, 333)])
-def test_terngrad_decode_is_scale_times_code_sum_over_n(K, n_ranks, numel, scalar_sharing):
-    """Both wire formats (packed int32 allreduce, 2-bit allgather) and per-rank scales."""
-    rng = np.random.default_rng(n_ranks * numel)
-    grads = [K.tensor((rng.standard_normal(numel) * (r + 1)).astype(np.float32)) for r in range(n_ranks)]
-    compressors = [
-        TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2).bind(r, n_ranks) for r in range(n_ranks)
-    ]
-    shared = max(c.local_scale(g, "w") for c, g in zip(compressors, grads)) if scalar_sharing else None
-    payloads = [c.encode(g, "w", scale=shared) for c, g in zip(compressors, grads)]
-    out = compressors[0].decode(payloads, (numel,))
-    assert out.dtype == K.dtype(np.float32)
-    if scalar_sharing:
-        code_sum = np.sum([K.numpy(p.codes).astype(np.int32) for p in payloads], axis=0)
-        want = (code_sum.astype(np.float32) * np.float32(shared)) / np.float32(n_ranks)
-    else:
-        scaled = [K.numpy(p.codes).astype(np.float32) * np.float32(p.scale) for p in payloads]
-        want = scaled[0]
-        for term in scaled[1:]:  # rank order
-            want = want + term
-        want = want / np.float32(n_ranks)
-    K.assert_same(out, want)  # the same float32 operations in the same order: exact
-    sim = Simulator(n_ranks, TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2))
-    K.assert_same(sim.step({"w": grads})["w"], want, "Simulator")
-
-
-def test_terngrad_equals_numpy_given_the_same_uniforms(K, numpy_draws):
-    """With the kernels drawing numpy's stream, the whole TernGrad path (scalar sharing,
-    error feedback, packing, decode) is bit-exact against numpy."""
-    grads = np.random.default_rng(4).standard_normal((4, 5, 1200)).astype(np.float32)
-    for compressor in (
-        TernGrad(clip=None, dense_below=0),
-        TernGrad(clip=None, dense_below=0, error_feedback=True),
-        TernGrad(clip=None, dense_below=0, scalar_sharing=False, error_feedback=True),
-    ):
-        assert_simulators_agree(K, *run_both(K, compressor, grads))
 
 
 def test_terngrad_stream_is_in_the_checkpoint(K):
@@ -852,40 +751,3 @@ def test_terngrad_stream_is_in_the_checkpoint(K):
     restored.load_state_dict(state)
     K.assert_same(restored.encode(g, "w").codes, expected)
     assert not np.array_equal(K.numpy(TernGrad(dense_below=0, seed=5).encode(g, "w").codes), expected)
-
-
-N_RANKS = 3
-
-
-def framework_grads(K, step: int):
-    rng = np.random.default_rng(100 + step)
-    return {
-        "conv.weight": [K.tensor(rng.standard_normal((8, 25)).astype(np.float32) * (1 + 0.1 * step)) for _ in range(N_RANKS)],
-        "fc.bias": [K.tensor(rng.standard_normal(7).astype(np.float32)) for _ in range(N_RANKS)],
-    }
-
-
-def test_terngrad_simulator_generators_are_in_the_checkpoint(K):
-    """A Simulator's checkpoint holds every rank's stream; restored, step 3 is the same
-    (the restore-and-continue round trip of every compressor: tests/test_state.py)."""
-
-    def run(sim, steps):
-        return [sim.step(framework_grads(K, step)) for step in steps]
-
-    sim = Simulator(N_RANKS, TernGrad(dense_below=0), seed=5)
-    run(sim, range(1, 3))
-    state = pickle.loads(pickle.dumps(sim.state_dict()))
-    generators = state["ranks"][0]["generators"]
-    assert set(generators) == {K.ops.__name__}
-    assert isinstance(generators[K.ops.__name__], K.generator_state_type)
-    expected = run(sim, [3])
-
-    restored = Simulator(N_RANKS, TernGrad(dense_below=0), seed=5)
-    fresh = run(Simulator(N_RANKS, TernGrad(dense_below=0), seed=5), [3])
-    restored.load_state_dict(state)
-    for out_got, out_want in zip(run(restored, [3]), expected, strict=True):
-        assert out_got.keys() == out_want.keys()
-        for name in out_want:
-            K.assert_same(out_got[name], K.numpy(out_want[name]), name)
-    # guard: without the restored stream the same step differs
-    assert not np.array_equal(K.numpy(fresh[0]["conv.weight"]), K.numpy(expected[0]["conv.weight"]))
