@@ -1,7 +1,17 @@
-"""Fixtures of the kernel tests; ``K`` (the kernel module under test) is each test module's own."""
+"""Fixtures of the kernel tests: ``K``, the kernel module under test, and ``numpy_draws``."""
 
 import numpy as np
 import pytest
+
+from tests.kernels.frameworks import NAMES, framework
+
+
+@pytest.fixture(scope="session", params=NAMES)
+def K(request):
+    """The kernel module under test (``frameworks.py``); a module narrows it with an indirect
+    ``parametrize("K", ...)``. Session-scoped: pytest then runs every test of one framework
+    before the next, in all modules (torch's and TF's thread pools do not take turns)."""
+    return framework(request.param)
 
 
 @pytest.fixture

@@ -52,14 +52,8 @@ from tests.helpers import (
     permille,
     ternary_codes,
 )
-from tests.kernels.frameworks import FLOATS, FLOATS_32_64, NAMES, framework
+from tests.kernels.frameworks import FLOATS, FLOATS_32_64
 from tests.kernels.frameworks import given_per_framework as given
-
-
-@pytest.fixture(params=NAMES)
-def K(request):
-    """The kernel module under test (``tests/kernels/frameworks.py``)."""
-    return framework(request.param)
 
 
 mus = st.sampled_from([4.0, 5.0, 0.7, 4.3, 37.5])
