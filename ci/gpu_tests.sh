@@ -9,7 +9,7 @@
 # PYTHON=/path/to/python with one (the repo then goes on PYTHONPATH), and Horovod built with NCCL for
 # the Horovod tests (HOROVOD_GPU_OPERATIONS=NCCL make setup, see ci/multinode.md); then runs, with
 # HVD_COMPRESS_DEVICE=cuda exported:
-#   tests/test_torch_kernels.py   every kernel and Simulator comparison on CPU and on CUDA
+#   tests/kernels -k "not tf"   every kernel and Simulator comparison on CPU and on CUDA
 #                                 (HVD_COMPRESS_DEVICE=cuda makes the CUDA cases fail, not skip,
 #                                 without a usable GPU)
 #   tests/test_cuda_training.py   the drop-in optimizer on CUDA: 3 thread ranks, NCCL (world size 1),
@@ -41,6 +41,7 @@ export PATH="$ROOT/.venv/bin:$PATH" TF_USE_LEGACY_KERAS="${TF_USE_LEGACY_KERAS:-
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 if [[ "$(id -u)" == 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 cd "$ROOT"
+"$PY" -m pytest -q -ra tests/kernels -k "not tf" "$@"   # -k would also filter the files below
 exec "$PY" -m pytest -q -ra \
-  tests/test_torch_kernels.py tests/test_cuda_training.py tests/test_thread_ranks.py \
+  tests/test_cuda_training.py tests/test_thread_ranks.py \
   tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py "$@"

@@ -1,0 +1,26 @@
+"""Fixtures of the kernel tests: ``K``, the kernel module under test, and ``numpy_draws``."""
+
+import numpy as np
+import pytest
+
+from tests.kernels.frameworks import NAMES, framework
+
+
+@pytest.fixture(scope="session", params=NAMES)
+def K(request):
+    """The kernel module under test (``frameworks.py``); a module narrows it with an indirect
+    ``parametrize("K", ...)``. Session-scoped: pytest then runs every test of one framework
+    before the next, in all modules (torch's and TF's thread pools do not take turns)."""
+    return framework(request.param)
+
+
+@pytest.fixture
+def numpy_draws(K, monkeypatch):
+    """The kernels drawing numpy's stream (``default_rng([seed, rank])``): TernGrad then sees
+    the reference's uniforms, so the whole path is bit-exact."""
+    monkeypatch.setattr(K.ops, "generator", lambda seed, rank, like: np.random.default_rng([seed, rank]))
+    monkeypatch.setattr(
+        K.ops,
+        "uniform",
+        lambda rng, like: K.ops.cast(K.tensor(rng.random(like.shape[0], dtype=np.float32)), like.dtype),
+    )
