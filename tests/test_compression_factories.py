@@ -43,3 +43,14 @@ def test_a_class_that_needs_arguments_says_so():
         as_compressor(TopK)
     with pytest.raises(TypeError, match="hvd_compress compressor"):
         as_compressor("topk")
+
+
+def test_compressor_keyword_is_the_old_name_of_compression():
+    from hvd_compress.compressors import old_keyword
+
+    made = TopK(0.1)
+    assert old_keyword(made, None, "f") is made
+    with pytest.warns(DeprecationWarning, match=r"f\(compression=...\)"):
+        assert old_keyword(None, made, "f") is made
+    with pytest.raises(TypeError, match="both compression= and compressor="):
+        old_keyword(made, made, "f")

@@ -6,6 +6,7 @@ that makes a new compressor with its own state: ``Compression.topk(0.01)``,
 uncalled, as Horovod users write them (:class:`DenseFactory`).
 """
 
+import warnings
 from typing import Any, Type
 
 
@@ -65,6 +66,18 @@ def as_compressor(value: Any, route: str = "compression") -> Compressor:
     )
 
 
+def old_keyword(compression: Any, compressor: Any, where: str) -> Any:
+    """``compression=``, the one public name for the compressor; ``compressor=`` still works, with a warning."""
+    if compressor is None:
+        return compression
+    if compression is not None:
+        raise TypeError(f"hvd_compress: {where} got both compression= and compressor=; pass compression= only")
+    warnings.warn(
+        f"hvd_compress: {where}(compressor=...) is now {where}(compression=...)", DeprecationWarning, stacklevel=3
+    )
+    return compressor
+
+
 class Compression:
     """Namespace of compressors, like ``horovod.torch.Compression``."""
 
@@ -106,4 +119,5 @@ __all__ = [
     "Compression",
     "DenseFactory",
     "as_compressor",
+    "old_keyword",
 ]

@@ -73,6 +73,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import numpy as np
 
 from hvd_compress.comm.mpi import install_abort_on_error, report_error
+from hvd_compress.compressors import old_keyword
 
 __all__ = ["async_sgd", "clip_lambda", "AsyncSGDResult", "WorkerTimeoutError", "worker_rng"]
 
@@ -232,12 +233,13 @@ def async_sgd(
     comm: Any = None,
     loss_fn: Optional[Callable[[np.ndarray], float]] = None,
     loss_every: int = 1,
-    compressor: Union[None, Any, Callable[[int], Any]] = None,
+    compression: Union[None, Any, Callable[[int], Any]] = None,
     delay_schedule: Optional[Callable[[int, int], float]] = None,
     deterministic: bool = False,
     timeout: float = 60.0,
     seed: int = 0,
     abort_on_error: bool = True,
+    compressor: Any = None,
 ) -> Optional[AsyncSGDResult]:
     """Asynchronous SGD with optional clipping; call on every rank. Returns the result on rank 0, ``None`` elsewhere.
 
@@ -245,14 +247,15 @@ def async_sgd(
     workers may pass ``None``). ``steps``: server updates. ``lr``: eta.
     ``clip``: lambda (``None``: no clipping). ``grad_fn(x, rng) -> g`` runs on
     the workers (``rng``: :func:`worker_rng`). ``loss_fn(x)`` runs on the
-    server every ``loss_every`` updates. ``compressor``: a compressor (every
+    server every ``loss_every`` updates. ``compression``: a compressor (every
     worker uses its own copy: same seed) or a factory ``worker -> Compressor``
     (``worker`` 0 is the server's, used to decode). ``delay_schedule(worker,
     iteration) -> seconds``: injected sleep before a worker sends its
     ``iteration``-th gradient (0-based). ``deterministic``: virtual-clock order
     (round-robin without a schedule) instead of arrival order. ``timeout``:
     seconds without a gradient from a worker before it is declared dead (must
-    exceed its compute time plus injected delay).
+    exceed its compute time plus injected delay). ``compressor``: the old name of
+    ``compression`` (deprecated).
     """
     from mpi4py import MPI
 
@@ -285,6 +288,7 @@ def async_sgd(
                 _abort(comm, error)
             raise error
         mine[0], mine[1] = x0.size, _dtype_code(x0.dtype)
+    compressor = old_keyword(compression, compressor, "async_sgd")
     local = _compressor_for(compressor, rank)
     mine[2] = 0 if local is None else local.config_hash()
     everyone = np.empty((size, mine.size), dtype=np.int64)

@@ -44,10 +44,10 @@ def load_state_bytes(compressor: Any, data: bytes) -> None:
 
 
 class CompressionCheckpoint(trackable.Trackable):
-    """A ``tf.train.Checkpoint`` dependency holding ``compressor``'s state."""
+    """A ``tf.train.Checkpoint`` dependency holding ``compression``'s state."""
 
-    def __init__(self, compressor: Any) -> None:
-        self.compressor = compressor
+    def __init__(self, compression: Any) -> None:
+        self.compressor = compression
 
     def _serialize_to_tensors(self):
         return {"state": tf.constant(state_bytes(self.compressor))}

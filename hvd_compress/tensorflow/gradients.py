@@ -34,8 +34,8 @@ def variable_names(variables: Sequence[Any]) -> List[str]:
 class GradientExchange:
     """``exchange(grads, variables)``: every gradient averaged (or summed) over ranks, compressed."""
 
-    def __init__(self, compressor: Any, communicator: Optional[Any] = None, average: bool = True) -> None:
-        self.compressor = compressor
+    def __init__(self, compression: Any, communicator: Optional[Any] = None, average: bool = True) -> None:
+        self.compressor = compression
         self.communicator = communicator
         self.average = average
 

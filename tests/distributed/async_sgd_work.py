@@ -122,7 +122,7 @@ def main() -> None:
                 args.lr,
                 clip,
                 loss_fn=problem.loss,
-                compressor=_compressor(compress),
+                compression=_compressor(compress),
                 delay_schedule=schedule,
                 deterministic=order == "det",
                 timeout=30.0,
