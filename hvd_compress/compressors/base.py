@@ -190,14 +190,16 @@ class Compressor:
         return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface
-    def compress(self, tensor: Any):
+    def compress(self, tensor: Any, name: Optional[str] = None):
         """Horovod ``Compressor.compress``: starts this compressor's own collectives.
 
         See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
+        ``name`` identifies the tensor (the same on every rank); by default the
+        parameter name the calling Horovod optimizer uses.
         """
         from hvd_compress.comm import horovod
 
-        return horovod.compress(self, tensor)
+        return horovod.compress(self, tensor, name)
 
     def decompress(self, tensor: Any, ctx: Any):
         """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""

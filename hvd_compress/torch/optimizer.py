@@ -7,7 +7,12 @@ gradients each), identical on every rank. A hook on each parameter counts its
 gradient in; when a bucket is complete its tensors are encoded and its fused
 collectives start (:class:`~hvd_compress.comm.exchange.BucketExchange`) while
 backward goes on. ``synchronize()`` (called by ``step()``) launches what is
-left, waits, and writes the averaged gradients back.
+left, waits, and writes the averaged gradients back. Parameters that backward
+did not reach (unused layers, branches not taken, on some ranks or all) send
+zeros, as with Horovod. Buckets launch as soon as they are complete without
+waiting for other ranks (TernGrad's codes, which need the shared scale, are
+sent at ``synchronize()``); over transports that match collectives by order
+they launch in bucket order (a bucket waits for the buckets before it).
 
 Error-feedback residuals are keyed by parameter name and saved in
 ``optimizer.state_dict()`` under ``"hvd_compress"``, so a checkpoint resumes
@@ -101,6 +106,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {n: self._passes for n in self._params}
         self._synchronized = False
         self._should_synchronize = True
+        # Buckets go in bucket order when the transport matches collectives by order: a bucket
+        # holding a gradient that backward did not produce on some rank (a branch not taken)
+        # is complete at different times on different ranks. Otherwise they go as they are
+        # complete and wait for no other rank there (launch(complete=False)).
+        self._in_order = communicator.matches_by_order
         for p in self._params.values():
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -117,8 +127,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket = self._bucket_of[name]
         self._ready[bucket].add(name)
-        if len(self._ready[bucket]) == len(self._buckets[bucket]):
-            self._launch(bucket)
+        if not self._in_order:
+            if len(self._ready[bucket]) == len(self._buckets[bucket]):
+                self._launch(bucket)
+            return
+        while (  # launch complete buckets in bucket order, the same on every rank
+            len(self._in_flight) < len(self._buckets)
+            and len(self._ready[len(self._in_flight)]) == len(self._buckets[len(self._in_flight)])
+        ):
+            self._launch(len(self._in_flight))
 
     def _launch(self, bucket: int) -> None:
         exchange = BucketExchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
@@ -126,7 +143,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
-        exchange.launch()
+        exchange.launch(complete=self._in_order)
         self._in_flight[bucket] = exchange
 
     # ------------------------------------------------------------ public API
@@ -135,6 +152,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in range(len(self._buckets)):
             if bucket not in self._in_flight:
                 self._launch(bucket)
+        for exchange in self._in_flight.values():  # before any finish: ranks may differ in launch order
+            exchange.complete()
         grads, results = [], []
         for bucket in range(len(self._buckets)):
             for name, result in self._in_flight.pop(bucket).finish(self._average).items():

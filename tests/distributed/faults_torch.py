@@ -1,0 +1,140 @@
+"""Fault cases for the PyTorch routes over Horovod, several per launch (``tests/test_faults.py``).
+
+``python -m tests.distributed.faults_torch --out PREFIX CASE...`` under
+``horovodrun --gloo`` or ``mpirun``: each case runs on every rank and each rank
+writes ``PREFIX.<rank>.json``, ``{case: {"ok": metrics} or {"error": message}}``.
+A case that fails on one rank fails on all (that is what the suite checks), so
+the next case starts from a clean slate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import traceback
+from pathlib import Path
+from typing import Callable, Dict
+
+import torch
+
+from hvd_compress import TernGrad, TopK
+
+LR = 0.1
+CASES: Dict[str, Callable[[], dict]] = {}
+
+
+def case(fn: Callable[[], dict]) -> Callable[[], dict]:
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def hvd():
+    import horovod.torch
+
+    return horovod.torch
+
+
+def data(steps: int, width: int = 16, seed: int = 0):
+    generator = torch.Generator().manual_seed(1000 * seed + hvd().rank())
+    return [torch.randn(8, width, generator=generator) for _ in range(steps)]
+
+
+class Branchy(torch.nn.Module):
+    """``a`` and ``out`` are used everywhere, ``b`` on rank 0 only, ``c`` and ``d`` nowhere (different shapes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # Rank-dependent allocations: the parameters' ids, and so the order of Horovod's set of
+        # gradients to fill in, differ between ranks (as they do between real processes)
+        self._shift = [torch.empty(1) for _ in range(3 * hvd().rank())]
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.c, self.d = torch.nn.Linear(16, 40), torch.nn.Linear(16, 24)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if hvd().rank() == 0:
+            h = h + torch.tanh(self.b(h))
+        return self.out(h)
+
+
+def optimizer(model: torch.nn.Module, compression, route: str, **options):
+    import hvd_compress.torch as dropin
+
+    wrap = dropin.DistributedOptimizer if route == "dropin" else hvd().DistributedOptimizer
+    return wrap(torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters(),
+                compression=compression, **options)
+
+
+def replicas_agree(model: torch.nn.Module) -> bool:
+    """Every rank holds the same parameters (compared through an allgather of their bytes)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return all(torch.equal(other, flat) for other in hvd().allgather_object(flat))
+
+
+def train_unused(route: str, steps: int = 4, compression=None, **options) -> Dict[str, torch.Tensor]:
+    model = Branchy()
+    compression = TopK(0.1, dense_below=0) if compression is None else compression
+    opt = optimizer(model, compression, route, **options)
+    for x in data(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    assert replicas_agree(model), "replicas diverged"
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@case
+def unused_parameters() -> dict:
+    """Stock horovod.torch (plain and grouped) with parameters unused everywhere and on one rank only:
+    the same training as the drop-in optimizer, which names every gradient by its parameter."""
+    initial = {n: p.detach().clone() for n, p in Branchy().named_parameters()}
+    reference = train_unused("dropin")
+    differences = {}
+    for label, options in (("stock", {}), ("stock_grouped", {"groups": 2})):
+        trained = train_unused("stock", **options)
+        differences[label] = max(float((trained[n] - reference[n]).abs().max()) for n in reference)
+    unused_moved = {"topk": max(float((reference[n] - initial[n]).abs().max()) for n in initial if n[0] in "cd")}
+    for route in ("stock", "dropin"):  # TernGrad waits for the shared scale while encoding
+        trained = train_unused(route, compression=TernGrad(dense_below=0))
+        unused_moved[f"terngrad_{route}"] = max(
+            float((trained[n] - initial[n]).abs().max()) for n in initial if n[0] in "cd"
+        )
+    b_moved = float((reference["b.weight"] - initial["b.weight"]).abs().max())
+    return {"difference": differences, "unused_moved": unused_moved, "b_moved": b_moved}
+
+
+@case
+def transposed_parameter() -> dict:
+    """A parameter of the same size but transposed on rank 1: the same clear error on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 12 if hvd().rank() == 0 else 8, bias=False)
+    if hvd().rank() == 1:
+        model.weight = torch.nn.Parameter(torch.randn(12, 8).t().contiguous())  # (8, 12)
+    opt = optimizer(model, TopK(0.1, dense_below=0), "stock")
+    opt.zero_grad()
+    x = torch.randn(4, 8 if hvd().rank() == 0 else 12)
+    model(x).square().sum().backward()
+    opt.step()
+    return {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    args = parser.parse_args()
+    hvd().init()
+    results = {}
+    for name in args.cases:
+        try:
+            results[name] = {"ok": CASES[name]()}
+        except Exception as error:  # noqa: BLE001 - recorded for the test to judge
+            results[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
+        Path(f"{args.out}.{hvd().rank()}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Fault injection over Horovod (Gloo and MPI): each case trains correctly or ends with the same
+clear error on every rank, under a timeout. The cases live in ``tests/distributed/faults_torch.py``
+and run several per launch to keep the suite fast."""
+
+import json
+
+import pytest
+
+from tests.distributed.launch import output, require_horovod_torch, require_mpi, run_to_the_end
+
+require_horovod_torch()
+
+CASES = ["unused_parameters", "transposed_parameter"]  # the error case last: it ends mid-step
+
+
+def results(kind, tmp_path):
+    if kind == "mpirun":
+        require_mpi()
+    prefix = tmp_path / "faults"
+    done, _ = run_to_the_end(kind, 2, "tests.distributed.faults_torch", "--out", str(prefix), *CASES, limit=150)
+    assert done.returncode == 0, output(done)
+    return [json.loads((tmp_path / f"faults.{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module", params=["horovodrun", "mpirun"])
+def ranks(request, tmp_path_factory):
+    return results(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_unused_parameters_are_named_by_parameter_on_stock_horovod(ranks):
+    """A layer unused on one rank, two unused everywhere (different shapes, filled in by Horovod in
+    a different order on each rank): stock horovod.torch, plain and grouped, trains exactly as the
+    drop-in optimizer; unused parameters stay put (Top-k and TernGrad, stock and drop-in)."""
+    for rank, result in enumerate(ranks):
+        case = result["unused_parameters"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert ok["difference"] == {"stock": 0.0, "stock_grouped": 0.0}
+        assert ok["unused_moved"] == {"topk": 0.0, "terngrad_stock": 0.0, "terngrad_dropin": 0.0}
+        assert ok["b_moved"] > 0  # the layer used on rank 0 only trains with the average
+
+
+def test_transposed_parameter_fails_with_the_same_error_on_every_rank(ranks):
+    errors = [result["transposed_parameter"].get("error", "") for result in ranks]
+    for error in errors:
+        assert "hvd_compress: ranks disagree on 'hvd_compress.weight'" in error, errors
+    assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
+    assert "weight[12, 8]" in errors[0] and "weight[8, 12]" in errors[1]
