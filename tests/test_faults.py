@@ -10,7 +10,8 @@ from tests.distributed.launch import output, require_horovod_torch, require_mpi,
 
 require_horovod_torch()
 
-CASES = ["unused_parameters", "transposed_parameter"]  # the error case last: it ends mid-step
+# error cases last: each ends mid-step (every rank raises at the same point)
+CASES = ["unused_parameters", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
 
 
 def results(kind, tmp_path):
@@ -46,3 +47,11 @@ def test_transposed_parameter_fails_with_the_same_error_on_every_rank(ranks):
         assert "hvd_compress: ranks disagree on 'hvd_compress.weight'" in error, errors
     assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
     assert "weight[12, 8]" in errors[0] and "weight[8, 12]" in errors[1]
+
+
+def test_rank0_checkpoint_loaded_on_every_rank_stops_every_rank(ranks):
+    errors = [result["rank0_checkpoint_on_every_rank"].get("error", "") for result in ranks]
+    for error in errors:
+        assert "hvd_compress: ranks disagree on" in error and "state loaded from another rank" in error, errors
+    assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
+    assert "loaded from rank 0's checkpoint" in errors[1] and "loaded from" not in errors[0].split("runs")[1]

@@ -197,8 +197,9 @@ class BucketExchange:
         if any(row[:2] != self.rows[0][:2] for row in self.rows):
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
-                f"or the names, sizes and order of the gradients): [config hash, layout hash] per "
-                f"rank = {[row[:2] for row in self.rows]}; this rank runs {self.compressor!r}"
+                f"the names, shapes and order of the gradients, or compressor state loaded from another "
+                f"rank): [config hash, layout hash] per rank = {[row[:2] for row in self.rows]}; "
+                f"this rank runs {self.compressor!r}{self.compressor.state_note()}"
             )
 
     def _finish_sparse(self) -> Dict[str, Any]:

@@ -192,9 +192,10 @@ class FusedBucket:
         rows = ops.to_list(comm.wait(handle))
         if any(row != rows[0] for row in rows):
             raise ValueError(
-                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, or the "
-                f"names, shapes and order of the gradients): [config hash, layout hash] per rank = {rows}; "
-                f"this rank runs {self.compressor!r} on {self._describe()}"
+                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, the "
+                f"names, shapes and order of the gradients, or compressor state loaded from another rank): "
+                f"[config hash, layout hash] per rank = {rows}; "
+                f"this rank runs {self.compressor!r} on {self._describe()}{self.compressor.state_note()}"
             )
         self.checked = True
 

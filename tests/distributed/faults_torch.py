@@ -107,6 +107,25 @@ def unused_parameters() -> dict:
 
 
 @case
+def rank0_checkpoint_on_every_rank() -> dict:
+    """The usual ``if rank == 0: save`` and load-on-all pattern with the drop-in optimizer: every
+    rank stops at the next step with the same error (residuals are per rank)."""
+    model = Branchy()
+    opt = optimizer(model, TopK(0.1, dense_below=0), "dropin")
+    for step, x in enumerate(data(3)):
+        if step == 2:
+            buffer = io.BytesIO()
+            if hvd().rank() == 0:
+                torch.save(opt.state_dict(), buffer)
+            saved = hvd().broadcast_object(buffer.getvalue(), root_rank=0)
+            opt.load_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return {}
+
+
+@case
 def transposed_parameter() -> dict:
     """A parameter of the same size but transposed on rank 1: the same clear error on every rank."""
     torch.manual_seed(0)
@@ -134,6 +153,7 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - recorded for the test to judge
             results[name] = {"error": f"{type(error).__name__}: {error}", "trace": traceback.format_exc()}
         Path(f"{args.out}.{hvd().rank()}.json").write_text(json.dumps(results))
+        hvd().barrier()  # a rank that raised first waits for the others to reach their error
 
 
 if __name__ == "__main__":
