@@ -11,7 +11,8 @@ from tests.distributed.launch import output, require_horovod_torch, require_mpi,
 require_horovod_torch()
 
 # error cases last: each ends mid-step (every rank raises at the same point)
-CASES = ["unused_parameters", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
+CASES = ["unused_parameters", "sparse_and_empty_parameters", "rank0_checkpoint_on_every_rank",
+         "transposed_parameter"]
 
 
 def results(kind, tmp_path):
@@ -55,3 +56,12 @@ def test_rank0_checkpoint_loaded_on_every_rank_stops_every_rank(ranks):
         assert "hvd_compress: ranks disagree on" in error and "state loaded from another rank" in error, errors
     assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
     assert "loaded from rank 0's checkpoint" in errors[1] and "loaded from" not in errors[0].split("runs")[1]
+
+
+def test_sparse_and_zero_size_parameters_train_and_conserve_mass(ranks):
+    for rank, result in enumerate(ranks):
+        case = result["sparse_and_empty_parameters"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        moved = case["ok"]["moved"]
+        assert len(moved) == 5 and all(value > 0 for value in moved.values()), moved
+        assert case["ok"]["conservation"]["dropin_TopK"] < 1e-5, case["ok"]["conservation"]

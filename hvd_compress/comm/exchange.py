@@ -81,6 +81,10 @@ class BucketExchange:
     def _encode(self) -> None:
         """Per-tensor path: encode every tensor (TernGrad: measure its scale; codes come after sharing)."""
         for name, tensor in self.added:
+            if elements(tensor) == 0:  # nothing to compress: an empty dense part, as Horovod sends it
+                flat = self.ops.reshape(tensor, (-1,))
+                self.dense.append((name, DensePayload(values=flat, dtype=flat.dtype)))
+                continue
             if self.compressor.payload_kind == "ternary":
                 scale = self.compressor.local_scale(tensor, name)
                 if scale is not None:

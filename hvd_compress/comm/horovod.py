@@ -196,6 +196,8 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         from hvd_compress.comm import horovod_tf
 
         return horovod_tf.decompress(compressor, output, ctx)
+    if ctx is None:  # Horovod's own sparse allreduce (sparse gradients without sparse_as_dense)
+        return output
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
     calls = _calls(compressor)

@@ -22,6 +22,7 @@ exactly.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -111,6 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # is complete at different times on different ranks. Otherwise they go as they are
         # complete and wait for no other rank there (launch(complete=False)).
         self._in_order = communicator.matches_by_order
+        self._warned_sparse: set = set()
         for p in self._params.values():
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -142,9 +144,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for name in self._buckets[bucket]:
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if grad.is_sparse:
+                grad = self._densified(name, grad)
             exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
         exchange.launch(complete=self._in_order)
         self._in_flight[bucket] = exchange
+
+    def _densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once."""
+        if name not in self._warned_sparse:
+            self._warned_sparse.add(name)
+            warnings.warn(
+                f"hvd_compress: parameter '{name}' has a sparse gradient; it is exchanged dense "
+                f"(compressed like any other) and written back dense. Use sparse=False to silence this",
+                stacklevel=3,
+            )
+        return grad.to_dense()
 
     # ------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -160,7 +175,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 p = self._params[name]
                 if self._predivide != 1.0:
                     result = result * self._predivide
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = result.to(p.dtype)
                 else:
                     grads.append(p.grad)

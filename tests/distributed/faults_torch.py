@@ -18,7 +18,7 @@ from typing import Callable, Dict
 
 import torch
 
-from hvd_compress import TernGrad, TopK
+from hvd_compress import GaussianK, NoneCompressor, TernGrad, TopK
 
 LR = 0.1
 CASES: Dict[str, Callable[[], dict]] = {}
@@ -104,6 +104,50 @@ def unused_parameters() -> dict:
         )
     b_moved = float((reference["b.weight"] - initial["b.weight"]).abs().max())
     return {"difference": differences, "unused_moved": unused_moved, "b_moved": b_moved}
+
+
+class Odd(torch.nn.Module):
+    """A sparse-gradient embedding, a zero-size parameter and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(50, 8, sparse=True)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 3))
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embedding(tokens)).sum() + self.empty.sum()
+
+
+@case
+def sparse_and_empty_parameters() -> dict:
+    """nn.Embedding(sparse=True) and a zero-size parameter train on the stock and drop-in routes;
+    drop-in Top-k conserves gradient mass: sum over ranks of the produced gradients ==
+    N * (what reached the weights) + sum over ranks of the residuals."""
+    moved, conservation = {}, {}
+    routes = [("stock", NoneCompressor), ("stock", lambda: TopK(0.1, dense_below=0)),
+              ("dropin", NoneCompressor), ("dropin", lambda: GaussianK(0.1, dense_below=0)),
+              ("dropin", lambda: TopK(0.1, dense_below=0))]
+    for route, make in routes:
+        model, compression = Odd(), make()
+        opt = optimizer(model, compression, route)
+        before = model.embedding.weight.detach().clone()
+        tokens = torch.randint(0, 50, (6,), generator=torch.Generator().manual_seed(hvd().rank()))
+        opt.zero_grad()
+        model(tokens).backward()
+        produced = model.embedding.weight.grad.to_dense().clone()
+        opt.step()
+        assert replicas_agree(model), f"{route} {compression!r}: replicas diverged"
+        label = f"{route}_{type(compression).__name__}"
+        moved[label] = float((model.embedding.weight - before).abs().max())
+        if route == "dropin" and isinstance(compression, TopK):
+            reached = (before - model.embedding.weight.detach()) / LR * hvd().size()
+            residual = compression.residual("embedding.weight")
+            total = hvd().allreduce(produced, op=hvd().Sum)
+            kept = hvd().allreduce(residual, op=hvd().Sum)
+            conservation[label] = float((total - reached - kept).abs().max())
+    return {"moved": moved, "conservation": conservation}
 
 
 @case
