@@ -11,7 +11,7 @@ from tests.distributed.launch import output, require_horovod_torch, require_mpi,
 require_horovod_torch()
 
 # error cases last: each ends mid-step (every rank raises at the same point)
-CASES = ["unused_parameters", "sparse_and_empty_parameters", "rank0_checkpoint_on_every_rank",
+CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "rank0_checkpoint_on_every_rank",
          "transposed_parameter"]
 
 
@@ -65,3 +65,12 @@ def test_sparse_and_zero_size_parameters_train_and_conserve_mass(ranks):
         moved = case["ok"]["moved"]
         assert len(moved) == 5 and all(value > 0 for value in moved.values()), moved
         assert case["ok"]["conservation"]["dropin_TopK"] < 1e-5, case["ok"]["conservation"]
+
+
+def test_stock_route_with_every_tensor_dense_keeps_no_growing_state(ranks):
+    for rank, result in enumerate(ranks):
+        case = result["every_tensor_dense"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert ok["index"] == 0 and ok["warnings"] == ok["distinct"], ok  # each warning once
+        assert ok["names"] == [] and ok["buckets"] == 0, ok  # dense tensors keep no state

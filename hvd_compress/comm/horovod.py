@@ -196,13 +196,13 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         from hvd_compress.comm import horovod_tf
 
         return horovod_tf.decompress(compressor, output, ctx)
+    calls = _calls(compressor)
+    calls.decompressing = True  # the next compress starts a new step (fallback names restart at 0)
+    calls.complete_pending()
     if ctx is None:  # Horovod's own sparse allreduce (sparse gradients without sparse_as_dense)
         return output
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
-    calls = _calls(compressor)
-    calls.decompressing = True
-    calls.complete_pending()
     world = _communicator().size
     reduced = calls.reductions.get(ctx.name)
     if reduced is None:  # read once per tensor: Horovod applies the same op every step

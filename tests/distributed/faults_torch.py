@@ -151,6 +151,29 @@ def sparse_and_empty_parameters() -> dict:
 
 
 @case
+def every_tensor_dense() -> dict:
+    """Stock route where every compressed tensor travels dense (small, or N k >= d): no state and
+    no names pile up over the steps, and no warning repeats."""
+    import warnings
+
+    from hvd_compress.comm.horovod import _calls
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 4))
+    compression = TopK(0.5, dense_below=40)  # 512 weights: 2 * 256 >= 512; the rest below 40
+    opt = optimizer(model, compression, "stock")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in data(30, width=64):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    messages = [str(w.message) for w in caught if "hvd_compress" in str(w.message)]
+    return {"names": compression.memory.names(), "buckets": len(compression._buckets),
+            "index": _calls(compression).index, "warnings": len(messages), "distinct": len(set(messages))}
+
+
+@case
 def rank0_checkpoint_on_every_rank() -> dict:
     """The usual ``if rank == 0: save`` and load-on-all pattern with the drop-in optimizer: every
     rank stops at the next step with the same error (residuals are per rank)."""
