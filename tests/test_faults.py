@@ -11,7 +11,7 @@ from tests.distributed.launch import output, require_horovod_torch, require_mpi,
 require_horovod_torch()
 
 # error cases last: each ends mid-step (every rank raises at the same point)
-CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "rank0_checkpoint_on_every_rank",
+CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank",
          "transposed_parameter"]
 
 
@@ -74,3 +74,20 @@ def test_stock_route_with_every_tensor_dense_keeps_no_growing_state(ranks):
         ok = case["ok"]
         assert ok["index"] == 0 and ok["warnings"] == ok["distinct"], ok  # each warning once
         assert ok["names"] == [] and ok["buckets"] == 0, ok  # dense tensors keep no state
+
+
+def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):
+    """An overflow injected on rank 1 at step 2: stock and drop-in routes, Top-k and TernGrad with
+    error feedback, skip that step on every rank as the dense route does, halve the scale as it
+    does, train on afterwards, and keep every residual finite."""
+    for rank, result in enumerate(ranks):
+        case = result["grad_scaler_overflow"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        runs = case["ok"]
+        for route in ("stock", "dropin"):
+            dense = runs[f"{route}_dense"]
+            assert dense["stepped"] == [True, True, False, True, True], dense
+            for name in ("TopK", "TernGrad"):
+                run = runs[f"{route}_{name}"]
+                assert run["stepped"] == dense["stepped"] and run["scales"] == dense["scales"], (route, name, run)
+                assert run["residuals_finite"], (route, name)

@@ -212,6 +212,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "hvd_compress: zero_grad() while gradients are being exchanged; call step() or "
                 "synchronize() first"
             )
+        # A step skipped after synchronize() (GradScaler on an overflow, a user's own check)
+        # never calls step(): zero_grad() starts the next iteration all the same.
+        self._synchronized = False
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):

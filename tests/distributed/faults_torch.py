@@ -150,6 +150,46 @@ def sparse_and_empty_parameters() -> dict:
     return {"moved": moved, "conservation": conservation}
 
 
+def scaled_training(route: str, compression, inject: int, steps: int = 5) -> dict:
+    """GradScaler training with an overflow injected on rank 1 at step ``inject``: which steps
+    changed the weights, the scale after each step, and whether every residual stayed finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = optimizer(model, compression, route)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    stepped, scales = [], []
+    for step, x in enumerate(data(steps)):
+        if step == inject and hvd().rank() == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        opt.synchronize()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    residuals = [compression.residual(n) for n, _ in model.named_parameters()]
+    finite = all(r is None or bool(torch.isfinite(torch.as_tensor(r)).all()) for r in residuals)
+    assert replicas_agree(model), f"{route}: replicas diverged"
+    return {"stepped": stepped, "scales": scales, "residuals_finite": finite}
+
+
+@case
+def grad_scaler_overflow() -> dict:
+    """An injected overflow on one rank: every route skips exactly the steps dense training skips
+    (torch.amp.GradScaler), and residuals stay finite."""
+    out = {}
+    for route in ("stock", "dropin"):
+        out[f"{route}_dense"] = scaled_training(route, NoneCompressor(), inject=2)
+        for make in (lambda: TopK(0.1, dense_below=0), lambda: TernGrad(dense_below=0, error_feedback=True)):
+            compression = make()
+            out[f"{route}_{type(compression).__name__}"] = scaled_training(route, compression, inject=2)
+    return out
+
+
 @case
 def every_tensor_dense() -> dict:
     """Stock route where every compressed tensor travels dense (small, or N k >= d): no state and
