@@ -224,11 +224,13 @@ class AutoExchange:
     def only_dense(self) -> bool:
         return self._resolved().only_dense
 
-    def launch(self) -> None:
+    def launch(self, complete: bool = True) -> None:
+        """As :meth:`BucketExchange.launch`; a measuring exchange always waits for its collectives
+        (so, like deciding, it needs every rank to reach the bucket in the same order)."""
         exchange, state = self._resolved(), self.state
         state.exchanges += 1
         if self.mode != "measure":
-            exchange.launch()
+            exchange.launch(complete)
             return
         state.measured, state.remeasure = state.measured + 1, False
         timed = state.measured > 1  # the first exchange of a measurement builds plans
@@ -243,6 +245,9 @@ class AutoExchange:
         flat = ops.concat([ops.reshape(t, (-1,)) for _, t in self.added])
         comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
         self.marks = [start, launched, launched, mark()] if timed else []
+
+    def complete(self) -> None:
+        self._resolved().complete()
 
     def in_flight(self) -> List[Any]:
         return self._resolved().in_flight()

@@ -27,7 +27,8 @@ sizes are known in advance, a step reads nothing back to the host and encodes
 the whole bucket with a few kernels. The per-tensor path above serves numpy and
 TensorFlow tensors, Gaussian-k (its counts vary) and float64 Top-k off the CPU.
 Every collective of a bucket is started by ``launch`` (TernGrad waits there for
-its shared scales), so ``finish`` only waits and decodes.
+its shared scales, unless ``launch(complete=False)`` leaves that to
+``complete()``), so ``finish`` only waits and decodes.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class BucketExchange:
         self.rows: Any = None  # every rank's header, once checked
         self.ops: Any = None
         self.fused: Any = None  # the step of a fused bucket, once launched
+        self.resume: Any = None  # what launch left for complete()
 
     def add(self, name: str, tensor: Any) -> None:
         """Add one gradient of the bucket (encoded by ``launch``)."""
@@ -85,6 +87,10 @@ class BucketExchange:
     def _encode(self) -> None:
         """Per-tensor path: encode every tensor (TernGrad: measure its scale; codes come after sharing)."""
         for name, tensor in self.added:
+            if elements(tensor) == 0:  # nothing to compress: an empty dense part, as Horovod sends it
+                flat = self.ops.reshape(tensor, (-1,))
+                self.dense.append((name, DensePayload(values=flat, dtype=flat.dtype)))
+                continue
             if self.compressor.payload_kind == "ternary":
                 scale = self.compressor.local_scale(tensor, name)
                 if scale is not None:
@@ -97,14 +103,21 @@ class BucketExchange:
                 self.dense.append((name, payload))
 
     # ------------------------------------------------------------------ launch
-    def launch(self) -> None:
-        """Encode the bucket and start its collectives (asynchronous)."""
+    def launch(self, complete: bool = True) -> None:
+        """Encode the bucket and start its collectives (asynchronous).
+
+        ``complete=False``: wait for no other rank (ranks may then launch their buckets
+        in different orders); what needs another collective's result first (TernGrad's
+        codes need the shared scale; the layout check) is done by :meth:`complete`,
+        which ``finish`` calls. Call ``complete`` on every launched bucket before
+        ``finish`` on any, when ranks may finish them in different orders.
+        """
         from hvd_compress.comm import fused
 
         tensors = [t for _, t in self.added]
         if self.ops.__name__.endswith("torch_ops") and fused.supported(self.compressor, tensors):
             bucket = fused.bucket_for(self.compressor, self.key, [n for n, _ in self.added], tensors, self.comm.size)
-            self.fused = bucket.launch(tensors, self.comm)
+            self.fused = bucket.launch(tensors, self.comm, complete)
             return
         self._encode()
         ops, comm, key = self.ops, self.comm, self.key
@@ -132,12 +145,20 @@ class BucketExchange:
             scales = ops.as_float32([s for _, _, s in self.ternary], like=self.ternary[0][1])
             if self.compressor.scalar_sharing:
                 self.handles["scales"] = comm.allreduce_async(scales, comm.MAX, f"{key}.scales")
-                if self.rows is None:  # agree on the layout before waiting for the scales
-                    self._check_header()
-                self._launch_ternary_codes()
+                self.resume = self._launch_ternary_codes
             else:
                 self.handles["scales"] = comm.allgather_async(scales, f"{key}.scales")
                 self._launch_two_bit_codes()
+        if complete:
+            self.complete()
+
+    def complete(self) -> None:
+        """Send what waited for another rank's data (see :meth:`launch`)."""
+        if self.fused is not None:
+            self.fused.complete(self.comm)
+        elif self.resume is not None:
+            resume, self.resume = self.resume, None
+            resume()
 
     def _any_tensor(self) -> Any:
         if self.sparse:
@@ -156,6 +177,7 @@ class BucketExchange:
         if self.fused is not None:
             return self.fused.finish(self.comm, average)
         results: Dict[str, Any] = {}
+        self.complete()
         if self.rows is None:
             self._check_header()
         if self.dense:
@@ -185,8 +207,9 @@ class BucketExchange:
         if any(row[:2] != self.rows[0][:2] for row in self.rows):
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
-                f"or the names, sizes and order of the gradients): [config hash, layout hash] per "
-                f"rank = {[row[:2] for row in self.rows]}; this rank runs {self.compressor!r}"
+                f"the names, shapes and order of the gradients, or compressor state loaded from another "
+                f"rank): [config hash, layout hash] per rank = {[row[:2] for row in self.rows]}; "
+                f"this rank runs {self.compressor!r}{self.compressor.state_note()}"
             )
 
     def _finish_sparse(self) -> Dict[str, Any]:
@@ -207,6 +230,8 @@ class BucketExchange:
     def _launch_ternary_codes(self) -> None:
         """Shared scales: wait for their Max, encode with them, start the code sum (or 2-bit gather)."""
         ops, comm, tern = self.ops, self.comm, self.compressor
+        if self.rows is None:  # agree on the layout before waiting for the scales
+            self._check_header()
         self.shared = ops.to_list(comm.wait(self.handles["scales"]))
         self.payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, self.shared)]
         for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):

@@ -176,15 +176,26 @@ class FusedBucket:
             and self.compressor.config_hash() == self.config_hash
         )
 
-    def check(self, comm: Any) -> None:
-        """Once per layout: every rank runs the same configuration on the same layout (one host read)."""
+    def start_check(self, comm: Any) -> Any:
+        """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
         header = torch.tensor([[self.config_hash, self.signature]], dtype=torch.int64, device=self.device)
-        rows = ops.to_list(comm.wait(comm.allgather_async(header, f"{self.key}.header", [1] * self.world)))
+        return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
+
+    def check(self, comm: Any, handle: Any = None) -> None:
+        """Once per layout: every rank runs the same configuration on the same layout (one host read).
+
+        Transports that match collectives by order wait for it before anything else is
+        issued; name-matched ones (Horovod) wait in ``finish``, before decoding, so that
+        ``launch`` never blocks (ranks may launch their buckets in different orders).
+        """
+        handle = self.start_check(comm) if handle is None else handle
+        rows = ops.to_list(comm.wait(handle))
         if any(row != rows[0] for row in rows):
             raise ValueError(
-                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, or the "
-                f"names, shapes and order of the gradients): [config hash, layout hash] per rank = {rows}; "
-                f"this rank runs {self.compressor!r} on {self._describe()}"
+                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, the "
+                f"names, shapes and order of the gradients, or compressor state loaded from another rank): "
+                f"[config hash, layout hash] per rank = {rows}; "
+                f"this rank runs {self.compressor!r} on {self._describe()}{self.compressor.state_note()}"
             )
         self.checked = True
 
@@ -244,11 +255,19 @@ class FusedBucket:
             memory.set(self.names[i], "residual", r.view(self.shapes[i]))
 
     # ------------------------------------------------------------------ encode
-    def launch(self, tensors: List[torch.Tensor], comm: Any) -> "Launched":
-        """Encode the bucket and start its collectives."""
-        if not self.checked:
-            self.check(comm)
+    def launch(self, tensors: List[torch.Tensor], comm: Any, complete: bool = True) -> "Launched":
+        """Encode the bucket and start its collectives.
+
+        ``complete=False``: return without waiting for any other rank; what needs a
+        collective's result first (TernGrad's codes, drawn with the shared scale) is
+        sent by ``Launched.complete()``.
+        """
         out = Launched(self)
+        if not self.checked:
+            if comm.matches_by_order:
+                self.check(comm)
+            else:
+                out.header = self.start_check(comm)
         dense = self._dense_input(tensors)
         if dense is not None:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
@@ -259,6 +278,8 @@ class FusedBucket:
             else:
                 self._launch_ternary(g, comm, out)
         self.compressor.stats.add(*self.step_stats)
+        if complete:
+            out.complete(comm)
         return out
 
     def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -315,15 +336,25 @@ class FusedBucket:
                        out=uniform[start : start + self.numels[i]])
         uniform = uniform.to(self.dtype)
         sanitized = torch.nan_to_num(local, nan=0.0, posinf=0.0)
-        if comp.scalar_sharing:
-            shared = comm.wait(comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales"))
-            count = len(self.compressed)
-            scale, out.bad = shared[:count], shared[count:] > 0
-        else:
-            scale, out.bad = sanitized, None
-            out.handles["scales"] = comm.allgather_async(
-                torch.cat([sanitized, bad]), f"{self.key}.scales", [2 * len(self.compressed)] * self.world
-            )
+        count = len(self.compressed)
+        if comp.scalar_sharing:  # the codes need the Max over ranks: sent by Launched.complete
+            handle = comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales")
+
+            def send_codes() -> None:
+                shared = comm.wait(handle)
+                out.bad = shared[count:] > 0
+                self._send_codes(a, clipped, uniform, shared[:count], comm, out)
+
+            out.resume = send_codes
+            return
+        out.handles["scales"] = comm.allgather_async(
+            torch.cat([sanitized, bad]), f"{self.key}.scales", [2 * count] * self.world
+        )
+        self._send_codes(a, clipped, uniform, sanitized, comm, out)
+
+    def _send_codes(self, a: torch.Tensor, clipped: torch.Tensor, uniform: torch.Tensor, scale: torch.Tensor,
+                    comm: Any, out: "Launched") -> None:
+        """TernGrad codes drawn with ``scale`` (one per compressed tensor): residual, then the code collective."""
         codes = self._codes(clipped, scale.to(self.dtype), uniform)
         if self.residual is not None:
             out.residual = a.sub_(self._per_row(scale.to(self.dtype)) * codes.to(self.dtype))
@@ -362,11 +393,23 @@ class Launched:
         self.sent: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.scale: Optional[torch.Tensor] = None
         self.bad: Optional[torch.Tensor] = None
+        self.header: Any = None  # the layout check still to wait for (name-matched transports)
+        self.resume: Any = None  # what launch left to do once another rank's data is in
+
+    def complete(self, comm: Any) -> None:
+        """Check the layout if still pending, then send what waited for other ranks (TernGrad's codes)."""
+        if self.header is not None:
+            self.bucket.check(comm, self.header)
+            self.header = None
+        if self.resume is not None:
+            resume, self.resume = self.resume, None
+            resume()
 
     # ------------------------------------------------------------------ finish
     def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
         """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape."""
         b = self.bucket
+        self.complete(comm)
         results: Dict[str, torch.Tensor] = {}
         if b.dense:
             total = comm.wait(self.handles["dense"]).to(b.acc)

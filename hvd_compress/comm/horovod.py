@@ -15,19 +15,37 @@ dense gradient:
   returned to Horovod's own allreduce unchanged (unless a residual is left to
   flush after a switch to dense: then our exchange sends gradient + residual).
 
+``compress`` never waits for another rank: backward hooks and Horovod's
+filling-in of missing gradients call it in an order that may differ between
+ranks. It launches the exchange with ``complete=False``; what must wait for
+another rank (the first step's layout check, TernGrad's codes drawn with the
+shared scale) is done for every exchange of the step at the step's first
+``decompress``: Horovod's ``synchronize`` compresses every gradient before it
+decompresses any, so by then every rank has started every collective waited for.
+
 Horovod's reduction of the placeholder is the scaling it applies (1 for
 ``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
 decoded sum is divided by ``N / placeholder``; it is read on the host once per
 tensor name, the first time.
 
-Collective names: Horovod does not pass the parameter name to ``compress``.
-The i-th tensor compressed since the last ``decompress`` is named
-``hvd_compress.<i>`` (and its residual is kept under that name). Backward hooks
-fire in the same order on every rank for the same model, so the names agree;
-the header lets every rank check that the others compressed a tensor of the
-same name and size with the same configuration, and raise a clear error
-otherwise.
-The drop-in :mod:`hvd_compress.torch` knows the real names.
+Which gradient is it? Horovod's ``compress(tensor)`` is not told, and the
+order of the calls is not the same on every rank: gradients that backward did
+not produce (a branch not taken, a layer unused on one rank) are filled in with
+zeros by ``synchronize()`` in set order, which differs between processes. So
+each gradient is identified by its **parameter name**, the name Horovod itself
+gives the parameter's allreduce (``named_parameters``, else
+``allreduce.noname.<group>.<index>``): :func:`parameter_name` finds the calling
+``horovod.torch`` optimizer (``_allreduce_grad_async(self, p)`` or the grouped
+form) on the call stack and checks that ``p.grad`` is the tensor handed over.
+The residual is kept under that name, the collectives are named
+``hvd_compress.<name>.*``, and the header lets every rank check, once per
+parameter, that the others compressed a tensor of the same name and shape with
+the same configuration.
+``compress(tensor, name=...)`` names the tensor explicitly (your own calls).
+Fallback, when neither gives a name: the i-th tensor compressed since the last
+``decompress`` is ``call.<i>`` (with a warning, once): correct only
+when every rank compresses the same gradients in the same order.
+The drop-in :mod:`hvd_compress.torch` always knows the names.
 
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
@@ -37,8 +55,9 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
@@ -54,11 +73,32 @@ class _Calls:
     #: Horovod's reduction of each tensor's placeholder of ones (1: op=Average, N: op=Sum)
     reductions: Dict[str, float] = field(default_factory=dict)
 
+    #: the fallback's warning was given
+    warned: bool = False
+    #: exchanges launched since the last ``decompress``, to complete at the next one
+    pending: List[BucketExchange] = field(default_factory=list)
+
+    def complete_pending(self) -> None:
+        """Complete every exchange this step launched (see the module docstring)."""
+        pending, self.pending = self.pending, []
+        for exchange in pending:
+            exchange.complete()
+
     def next_name(self) -> str:
+        """Fallback name: ``call.<i>`` for the i-th tensor since the last ``decompress``."""
         if self.decompressing:
             self.index, self.decompressing = 0, False
         self.index += 1
-        return f"hvd_compress.{self.index - 1}"
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "hvd_compress: compress() was called outside horovod.torch's DistributedOptimizer and "
+                "without name=...; gradients are identified by call order, which is only correct when "
+                "every rank compresses the same gradients in the same order. Pass name= (the same on "
+                "every rank), or use hvd_compress.torch.DistributedOptimizer",
+                stacklevel=5,
+            )
+        return f"call.{self.index - 1}"
 
 
 @dataclass
@@ -83,12 +123,48 @@ def _framework(tensor: Any) -> str:
     return framework
 
 
+def _owns(param: Any, tensor: Any) -> bool:
+    """Whether ``tensor`` is ``param``'s gradient (or its dense form, ``sparse_as_dense``)."""
+    grad = getattr(param, "grad", None)
+    if grad is None:
+        return False
+    return grad is tensor or (grad.is_sparse and tuple(tensor.shape) == tuple(param.shape))
+
+
+def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
+    """Horovod's name of the parameter whose gradient ``tensor`` is, found on the call stack.
+
+    ``horovod.torch``'s optimizer calls ``compress`` from
+    ``_allreduce_grad_async(self, p)`` (or, with ``groups``, from a comprehension
+    over ``p`` inside ``_grouped_allreduce_grad_async(self, ps)``) and names the
+    allreduce ``self._parameter_names[p]``; the same name on every rank. ``None``
+    when no such caller holds ``tensor`` within ``depth`` frames.
+    """
+    frame = sys._getframe(1)
+    param = None
+    for _ in range(depth):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        if param is None and _owns(local.get("p"), tensor):
+            param = local["p"]
+        names = getattr(local.get("self"), "_parameter_names", None)
+        if param is not None and isinstance(names, dict):
+            return names.get(param)
+        frame = frame.f_back
+    return None
+
+
 def _calls(compressor: Any) -> _Calls:
     return compressor.__dict__.setdefault("_horovod_calls", _Calls())
 
 
-def compress(compressor: Any, tensor: Any):
-    """Horovod ``Compressor.compress``: start our collectives, return ``(placeholder, ctx)``."""
+def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
+    """Horovod ``Compressor.compress``: start our collectives, return ``(placeholder, ctx)``.
+
+    ``name``: the tensor's name, the same on every rank (default: its parameter's
+    name in the calling Horovod optimizer, see :func:`parameter_name`).
+    """
     if _framework(tensor) == "tensorflow":
         from hvd_compress.comm import horovod_tf
 
@@ -103,12 +179,15 @@ def compress(compressor: Any, tensor: Any):
         import torch
 
         return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
-    name = _calls(compressor).next_name()
-    exchange = open_exchange(compressor, _communicator(), name)
+    if name is None:
+        name = parameter_name(tensor) or _calls(compressor).next_name()
+    key = f"hvd_compress.{name}"
+    exchange = open_exchange(compressor, _communicator(), key)
     exchange.add(name, tensor)
     if exchange.only_dense:
         return tensor, _Context()
-    exchange.launch()
+    exchange.launch(complete=False)  # ranks may compress in different orders: wait for no one here
+    _calls(compressor).pending.append(exchange)
     return tensor.new_ones(1), _Context(tensor.dtype, name, exchange)
 
 
@@ -118,10 +197,13 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         from hvd_compress.comm import horovod_tf
 
         return horovod_tf.decompress(compressor, output, ctx)
+    calls = _calls(compressor)
+    calls.decompressing = True  # the next compress starts a new step (fallback names restart at 0)
+    calls.complete_pending()
+    if ctx is None:  # Horovod's own sparse allreduce (sparse gradients without sparse_as_dense)
+        return output
     if ctx.exchange is None:
         return output if ctx.dtype is None else output.to(ctx.dtype)
-    calls = _calls(compressor)
-    calls.decompressing = True
     world = _communicator().size
     reduced = calls.reductions.get(ctx.name)
     if reduced is None:  # read once per tensor: Horovod applies the same op every step

@@ -115,6 +115,7 @@ class Compressor:
         self._generators: Dict[str, Any] = {}
         self._saved_generators: Dict[str, Any] = {}
         self._buckets: Dict[str, Any] = {}  # key -> FusedBucket: plan and state of fused buckets
+        self._state_origin: Optional[tuple] = None  # (rank, world) that saved the loaded state
 
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
@@ -140,8 +141,26 @@ class Compressor:
         return {"type": type(self).__name__}
 
     def config_hash(self) -> int:
-        """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike."""
-        return header_hash(sorted(self.config().items()))
+        """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike.
+
+        A rank holding state that another rank saved (rank 0's checkpoint loaded on
+        every rank) hashes differently, so the cross-rank check stops every rank.
+        """
+        note = self.state_note()
+        return header_hash((sorted(self.config().items()), note))
+
+    def state_note(self) -> str:
+        """``""``, or why this rank's loaded state is not its own (for the cross-rank check's error)."""
+        if self._state_origin is None:
+            return ""
+        rank, world = self._state_origin
+        if rank == self.rank:
+            return ""
+        return (
+            f"; its state was loaded from rank {rank}'s checkpoint (of {world} ranks): residuals are "
+            f"per rank, so save compressor state on every rank and load each rank's own, or call "
+            f"reset() after loading to start error feedback afresh"
+        )
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -194,12 +213,14 @@ class Compressor:
     #: so that this layer never imports a higher one.
     horovod_adapter: Any = None
 
-    def compress(self, tensor: Any):
+    def compress(self, tensor: Any, name: Optional[str] = None):
         """Horovod ``Compressor.compress``: starts this compressor's own collectives.
 
         See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
+        ``name`` identifies the tensor (the same on every rank); by default the
+        parameter name the calling Horovod optimizer uses.
         """
-        return _adapter().compress(self, tensor)
+        return _adapter().compress(self, tensor, name)
 
     def decompress(self, tensor: Any, ctx: Any):
         """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
@@ -239,11 +260,14 @@ class Compressor:
             if name is None or name in bucket.names:
                 del self._buckets[key]
         self.memory.reset(name)
+        if name is None:
+            self._state_origin = None
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
         self._flush_buckets()
-        state = {"config": self.config(), "tensors": self.memory.state_dict()}
+        state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
+                 "world": self.size}
         state["generators"] = {
             **self._saved_generators,
             **{
@@ -254,14 +278,20 @@ class Compressor:
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a checkpoint of another algorithm is an error."""
-        saved = state.get("config", {}).get("type")
-        if saved != type(self).__name__:
-            raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
+        """Restore :meth:`state_dict` after checking it (see :func:`check_state`).
+
+        The state is this rank's: loading another rank's (rank 0's checkpoint on every
+        rank) stops every rank at the first exchange with an error saying so. Resumed
+        on another number of ranks, each rank keeps the residuals it saved (ranks that
+        saved none start from zero; residuals of ranks no longer present are not applied).
+        """
+        check_state(state, self)
         self._buckets = {}
         self.memory.load_state_dict(state["tensors"])
         self._generators = {}
         self._saved_generators = dict(state.get("generators", {}))
+        holds_state = bool(state["tensors"]) or bool(state.get("generators"))
+        self._state_origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 
     # ------------------------------------------------------------ for subclasses
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
@@ -282,6 +312,41 @@ def _adapter() -> Any:
             "files) before passing a compressor to Horovod"
         )
     return Compressor.horovod_adapter
+
+
+def check_state(state: Any, compressor: Compressor) -> None:
+    """A compressor checkpoint: its structure, the algorithm it came from, every array's size,
+    dtype and finiteness (a NaN residual would make Top-k send nothing for ever)."""
+    def broken(what: str) -> ValueError:
+        return ValueError(f"hvd_compress: the compressor checkpoint is incomplete or corrupted: {what}; "
+                          f"save it again with state_dict()")
+
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "tensors" not in state:
+        raise broken(f"expected a dict with 'config' and 'tensors', got {type(state).__name__} "
+                     f"{sorted(state) if isinstance(state, dict) else ''}")
+    saved = state["config"].get("type")
+    if saved != type(compressor).__name__:
+        raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {compressor!r}")
+    if not isinstance(state["tensors"], dict):
+        raise broken("'tensors' is not a dict")
+    for name, entry in state["tensors"].items():
+        if not isinstance(entry, dict) or "shape" not in entry:
+            raise broken(f"tensor '{name}' has no shape")
+        numel = math.prod(int(n) for n in entry["shape"])
+        residual = entry.get("residual")
+        if residual is None:
+            continue
+        ops = kernels.ops_for(residual, name)
+        flat = ops.reshape(residual, (-1,))
+        if flat.shape[0] != numel:
+            raise broken(f"the residual of '{name}' has {flat.shape[0]} elements, its shape "
+                         f"{tuple(entry['shape'])} {numel}")
+        if not ops.is_floating(flat):
+            raise broken(f"the residual of '{name}' has dtype {flat.dtype}")
+        bad = ops.count_nonfinite(flat)
+        if bad:
+            raise ValueError(f"hvd_compress: the checkpoint's residual of '{name}' holds {bad} NaN/Inf; "
+                             f"resume from an earlier checkpoint, or without the compressor state")
 
 
 def payload_tensor(payload: Any) -> Any:

@@ -7,7 +7,12 @@ gradients each), identical on every rank. A hook on each parameter counts its
 gradient in; when a bucket is complete its tensors are encoded and its fused
 collectives start (:class:`~hvd_compress.comm.exchange.BucketExchange`) while
 backward goes on. ``synchronize()`` (called by ``step()``) launches what is
-left, waits, and writes the averaged gradients back.
+left, waits, and writes the averaged gradients back. Parameters that backward
+did not reach (unused layers, branches not taken, on some ranks or all) send
+zeros, as with Horovod. Buckets launch as soon as they are complete without
+waiting for other ranks (TernGrad's codes, which need the shared scale, are
+sent at ``synchronize()``); over transports that match collectives by order
+they launch in bucket order (a bucket waits for the buckets before it).
 
 Error-feedback residuals are keyed by parameter name and saved in
 ``optimizer.state_dict()`` under ``"hvd_compress"``, so a checkpoint resumes
@@ -17,6 +22,7 @@ exactly.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -101,6 +107,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._delay = {n: self._passes for n in self._params}
         self._synchronized = False
         self._should_synchronize = True
+        # Buckets go in bucket order when the transport matches collectives by order: a bucket
+        # holding a gradient that backward did not produce on some rank (a branch not taken)
+        # is complete at different times on different ranks. Otherwise they go as they are
+        # complete and wait for no other rank there (launch(complete=False)).
+        self._in_order = communicator.matches_by_order
+        self._warned_sparse: set = set()
         for p in self._params.values():
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -117,17 +129,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         bucket = self._bucket_of[name]
         self._ready[bucket].add(name)
-        if len(self._ready[bucket]) == len(self._buckets[bucket]):
-            self._launch(bucket)
+        if not self._in_order:
+            if len(self._ready[bucket]) == len(self._buckets[bucket]):
+                self._launch(bucket)
+            return
+        while (  # launch complete buckets in bucket order, the same on every rank
+            len(self._in_flight) < len(self._buckets)
+            and len(self._ready[len(self._in_flight)]) == len(self._buckets[len(self._in_flight)])
+        ):
+            self._launch(len(self._in_flight))
 
     def _launch(self, bucket: int) -> None:
         exchange = open_exchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
         for name in self._buckets[bucket]:
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if grad.is_sparse:
+                grad = self._densified(name, grad)
             exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
-        exchange.launch()
+        exchange.launch(complete=self._in_order)
         self._in_flight[bucket] = exchange
+
+    def _densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once."""
+        if name not in self._warned_sparse:
+            self._warned_sparse.add(name)
+            warnings.warn(
+                f"hvd_compress: parameter '{name}' has a sparse gradient; it is exchanged dense "
+                f"(compressed like any other) and written back dense. Use sparse=False to silence this",
+                stacklevel=3,
+            )
+        return grad.to_dense()
 
     # ------------------------------------------------------------ public API
     def synchronize(self) -> None:
@@ -135,13 +167,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bucket in range(len(self._buckets)):
             if bucket not in self._in_flight:
                 self._launch(bucket)
+        for exchange in self._in_flight.values():  # before any finish: ranks may differ in launch order
+            exchange.complete()
         grads, results = [], []
         for bucket in range(len(self._buckets)):
             for name, result in self._in_flight.pop(bucket).finish(self._average).items():
                 p = self._params[name]
                 if self._predivide != 1.0:
                     result = result * self._predivide
-                if p.grad is None:
+                if p.grad is None or p.grad.is_sparse:
                     p.grad = result.to(p.dtype)
                 else:
                     grads.append(p.grad)
@@ -178,6 +212,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 "hvd_compress: zero_grad() while gradients are being exchanged; call step() or "
                 "synchronize() first"
             )
+        # A step skipped after synchronize() (GradScaler on an overflow, a user's own check)
+        # never calls step(): zero_grad() starts the next iteration all the same.
+        self._synchronized = False
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):

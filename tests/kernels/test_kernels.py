@@ -1,4 +1,4 @@
-"""The framework kernels against the numpy oracle (``compressors.reference``), once for every
+"""The framework kernels against the numpy oracle (``kernels.reference``), once for every
 kernel module: torch on CPU and on CUDA, TensorFlow eagerly and traced (``frameworks.py``).
 
 Every function of the kernel module that shares a name with the reference gets the same

@@ -1,0 +1,93 @@
+"""Fault injection over Horovod (Gloo and MPI): each case trains correctly or ends with the same
+clear error on every rank, under a timeout. The cases live in ``tests/distributed/faults_torch.py``
+and run several per launch to keep the suite fast."""
+
+import json
+
+import pytest
+
+from tests.distributed.launch import output, require_horovod_torch, require_mpi, run_to_the_end
+
+require_horovod_torch()
+
+# error cases last: each ends mid-step (every rank raises at the same point)
+CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank",
+         "transposed_parameter"]
+
+
+def results(kind, tmp_path):
+    if kind == "mpirun":
+        require_mpi()
+    prefix = tmp_path / "faults"
+    done, _ = run_to_the_end(kind, 2, "tests.distributed.faults_torch", "--out", str(prefix), *CASES, limit=150)
+    assert done.returncode == 0, output(done)
+    return [json.loads((tmp_path / f"faults.{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module", params=["horovodrun", "mpirun"])
+def ranks(request, tmp_path_factory):
+    return results(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_unused_parameters_are_named_by_parameter_on_stock_horovod(ranks):
+    """A layer unused on one rank, two unused everywhere (different shapes, filled in by Horovod in
+    a different order on each rank): stock horovod.torch, plain and grouped, trains exactly as the
+    drop-in optimizer; unused parameters stay put (Top-k and TernGrad, stock and drop-in)."""
+    for rank, result in enumerate(ranks):
+        case = result["unused_parameters"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert ok["difference"] == {"stock": 0.0, "stock_grouped": 0.0}
+        assert ok["unused_moved"] == {"topk": 0.0, "terngrad_stock": 0.0, "terngrad_dropin": 0.0}
+        assert ok["b_moved"] > 0  # the layer used on rank 0 only trains with the average
+
+
+def test_transposed_parameter_fails_with_the_same_error_on_every_rank(ranks):
+    errors = [result["transposed_parameter"].get("error", "") for result in ranks]
+    for error in errors:
+        assert "hvd_compress: ranks disagree on 'hvd_compress.weight'" in error, errors
+    assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
+    assert "weight[12, 8]" in errors[0] and "weight[8, 12]" in errors[1]
+
+
+def test_rank0_checkpoint_loaded_on_every_rank_stops_every_rank(ranks):
+    errors = [result["rank0_checkpoint_on_every_rank"].get("error", "") for result in ranks]
+    for error in errors:
+        assert "hvd_compress: ranks disagree on" in error and "state loaded from another rank" in error, errors
+    assert len({error.split("; this rank runs")[0] for error in errors}) == 1, errors
+    assert "loaded from rank 0's checkpoint" in errors[1] and "loaded from" not in errors[0].split("runs")[1]
+
+
+def test_sparse_and_zero_size_parameters_train_and_conserve_mass(ranks):
+    for rank, result in enumerate(ranks):
+        case = result["sparse_and_empty_parameters"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        moved = case["ok"]["moved"]
+        assert len(moved) == 5 and all(value > 0 for value in moved.values()), moved
+        assert case["ok"]["conservation"]["dropin_TopK"] < 1e-5, case["ok"]["conservation"]
+
+
+def test_stock_route_with_every_tensor_dense_keeps_no_growing_state(ranks):
+    for rank, result in enumerate(ranks):
+        case = result["every_tensor_dense"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert ok["index"] == 0 and ok["warnings"] == ok["distinct"], ok  # each warning once
+        assert ok["names"] == [] and ok["buckets"] == 0, ok  # dense tensors keep no state
+
+
+def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):
+    """An overflow injected on rank 1 at step 2: stock and drop-in routes, Top-k and TernGrad with
+    error feedback, skip that step on every rank as the dense route does, halve the scale as it
+    does, train on afterwards, and keep every residual finite."""
+    for rank, result in enumerate(ranks):
+        case = result["grad_scaler_overflow"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        runs = case["ok"]
+        for route in ("stock", "dropin"):
+            dense = runs[f"{route}_dense"]
+            assert dense["stepped"] == [True, True, False, True, True], dense
+            for name in ("TopK", "TernGrad"):
+                run = runs[f"{route}_{name}"]
+                assert run["stepped"] == dense["stepped"] and run["scales"] == dense["scales"], (route, name, run)
+                assert run["residuals_finite"], (route, name)
