@@ -147,6 +147,7 @@ class DenseView(Compressor):
     memory = property(lambda self: self.inner.memory)
     stats = property(lambda self: self.inner.stats)
     _buckets = property(lambda self: self.inner._buckets)
+    _state_origin = property(lambda self: self.inner._state_origin)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
 
@@ -302,6 +303,7 @@ class Auto(Compressor):
     memory = property(lambda self: self.inner.memory)
     stats = property(lambda self: self.inner.stats)
     _buckets = property(lambda self: self.inner._buckets)
+    _state_origin = property(lambda self: self.inner._state_origin)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
     seed = property(lambda self: self.inner.seed)
