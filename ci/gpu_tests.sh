@@ -12,9 +12,9 @@
 #   tests/kernels -k "not tf"   every kernel and Simulator comparison on CPU and on CUDA
 #                                 (HVD_COMPRESS_DEVICE=cuda makes the CUDA cases fail, not skip,
 #                                 without a usable GPU)
-#   tests/test_cuda_training.py   the drop-in optimizer on CUDA: 3 thread ranks, NCCL (world size 1),
+#   tests/routes/test_cuda_training.py   the drop-in optimizer on CUDA: 3 thread ranks, NCCL (world size 1),
 #                                 and MPI (mpirun -np 2, both ranks on GPU 0) against the Simulator
-#   tests/test_thread_ranks.py tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py
+#   tests/comm/test_thread_ranks.py tests/distributed/test_horovod_torch.py tests/distributed/test_mpi.py tests/distributed/test_ddp_hook.py
 #                                 thread-rank and multi-process runs: they ignore HVD_COMPRESS_DEVICE
 #                                 and run on CPU
 set -euo pipefail
@@ -43,5 +43,5 @@ if [[ "$(id -u)" == 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS
 cd "$ROOT"
 "$PY" -m pytest -q -ra tests/kernels -k "not tf" "$@"   # -k would also filter the files below
 exec "$PY" -m pytest -q -ra \
-  tests/test_cuda_training.py tests/test_thread_ranks.py \
-  tests/test_horovod_torch.py tests/test_mpi.py tests/test_ddp_hook.py "$@"
+  tests/routes/test_cuda_training.py tests/comm/test_thread_ranks.py \
+  tests/distributed/test_horovod_torch.py tests/distributed/test_mpi.py tests/distributed/test_ddp_hook.py "$@"

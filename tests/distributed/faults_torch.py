@@ -1,4 +1,4 @@
-"""Fault cases for the PyTorch routes over Horovod, several per launch (``tests/test_faults.py``).
+"""Fault cases for the PyTorch routes over Horovod, several per launch (``tests/distributed/test_faults.py``).
 
 ``python -m tests.distributed.faults_torch --out PREFIX CASE...`` under
 ``horovodrun --gloo`` or ``mpirun``: each case runs on every rank and each rank

@@ -1,7 +1,7 @@
 """``hvd_compress.keras`` on 2 ranks under Keras 3 or Keras 2: ``fit`` with every callback, a
 checkpoint round trip in the middle, and a custom training loop.
 
-Run by tests/test_keras3.py under ``horovodrun --gloo`` with ``--keras 3``
+Run by tests/routes/test_keras3.py under ``horovodrun --gloo`` with ``--keras 3``
 (``TF_USE_LEGACY_KERAS=0`` in the ranks' environment) or ``--keras 2``
 (``TF_USE_LEGACY_KERAS=1``). Phases, RegTop-k at 1%:
 

@@ -137,7 +137,7 @@ def framework_grads(K, step: int):
 
 def test_terngrad_simulator_generators_are_in_the_checkpoint(K):
     """A Simulator's checkpoint holds every rank's stream; restored, step 3 is the same
-    (the restore-and-continue round trip of every compressor: tests/test_state.py)."""
+    (the restore-and-continue round trip of every compressor: tests/compressors/test_state.py)."""
 
     def run(sim, steps):
         return [sim.step(framework_grads(K, step)) for step in steps]

@@ -138,7 +138,7 @@ def test_op_sum_equals_average_of_scaled_loss(tmp_path):
 @pytest.mark.parametrize(
     "compression, extra, message",
     # A NaN gradient raises on the per-tensor path (Gaussian-k); the fused path (Top-k) carries it
-    # to every rank's result instead, as a dense allreduce does (tests/test_fused.py).
+    # to every rank's result instead, as a dense allreduce does (tests/comm/test_fused.py).
     [("topk", ("--rank1-ratio", "0.2"), "ranks disagree"), ("gaussiank", ("--rank1-nan",), "NaN/Inf")],
     ids=["mismatched-ratio", "nan-gradient"],
 )

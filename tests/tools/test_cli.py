@@ -42,7 +42,7 @@ def test_python_m_benchmarks_lists_the_studies():
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--help"], cwd=root, capture_output=True, text=True, timeout=120
     )

@@ -7,12 +7,12 @@ slack): the traffic really crosses the shaped veth link. Skipped when not root,
 without ``ip``/``tc``, or when namespaces cannot be created (CI containers often
 forbid it).
 
-The same file is the worker (``python tests/test_netns.py worker RANK WORLD MODE``);
+The same file is the worker (``python tests/studies/test_netns.py worker RANK WORLD MODE``);
 mode ``bench`` times a dense allreduce of ResNet-18's 11.7M fp32 against the
 allgather of its 1% sparse payload (fp32 values + int32 indices)::
 
     ci/netns_cluster.sh up 2 1gbit 0.1ms
-    for r in 0 1; do ci/netns_cluster.sh run $r .venv/bin/python tests/test_netns.py worker $r 2 bench & done; wait
+    for r in 0 1; do ci/netns_cluster.sh run $r .venv/bin/python tests/studies/test_netns.py worker $r 2 bench & done; wait
     ci/netns_cluster.sh down
 """
 
@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "ci" / "netns_cluster.sh"
 RATE_BITS = 1e9  # the "1gbit" below
 BYTES = 10 * 2**20  # the timed transfer

@@ -18,7 +18,7 @@
   the one GPU, CUDA tensors through MPI (staged through host memory unless the MPI
   library is CUDA-aware): equal to the Simulator of two ranks on CUDA (every
   compressor but FP16, see :data:`MPI_NAMES`). This module
-  is the MPI worker too (``python -m tests.test_cuda_training --mpi-worker OUT``).
+  is the MPI worker too (``python -m tests.routes.test_cuda_training --mpi-worker OUT``).
 
 Skipped without CUDA; with ``HVD_COMPRESS_DEVICE=cuda`` (``ci/gpu_tests.sh``) a
 missing GPU fails instead, and ``HVD_COMPRESS_DEVICE=cpu`` skips them.
@@ -173,7 +173,7 @@ def test_mpi_optimizer_with_cuda_tensors_on_2_ranks(tmp_path):
 
     launch.require_mpi()
     out = tmp_path / "mpi.npz"
-    done = launch.run("mpirun", 2, "tests.test_cuda_training", "--mpi-worker", str(out), timeout=180)
+    done = launch.run("mpirun", 2, "tests.routes.test_cuda_training", "--mpi-worker", str(out), timeout=180)
     assert done.returncode == 0, launch.output(done)
     result = np.load(out)
     assert int(result["size"]) == 2
@@ -221,5 +221,5 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] != ["--mpi-worker"] or len(sys.argv) != 3:
-        raise SystemExit("usage: python -m tests.test_cuda_training --mpi-worker OUT.npz")
+        raise SystemExit("usage: python -m tests.routes.test_cuda_training --mpi-worker OUT.npz")
     mpi_worker(sys.argv[2])

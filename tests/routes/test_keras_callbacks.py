@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed import launch
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # these fits use Keras 2; tests/test_keras3.py runs Keras 3
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # these fits use Keras 2; tests/routes/test_keras3.py runs Keras 3
 try:
     import tensorflow as tf
 

@@ -9,7 +9,7 @@ this failed at once with exit 66, "Executable: none"). The other multi-process t
 Two ranks train RegTop-k a few steps (tests/distributed/torch_horovod.py); the result must
 equal the Simulator's, and both ranks must report that they ran under Horovod's MPI
 controller (``mpirun --tag-output`` prefixes ``[1,<rank>]``; Gloo's would be ``[<rank>]``).
-Run as ``python -m tests.test_horovodrun_plain ARGS`` (what the ranks do), this module says
+Run as ``python -m tests.distributed.test_horovodrun_plain ARGS`` (what the ranks do), this module says
 which controller it got, then runs the workload with ARGS.
 """
 
