@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hvd_compress.bench.demo import synthetic_digits
 from hvd_compress.bench import publish, single_threaded_blas
 from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor
@@ -51,18 +52,6 @@ EPOCHS = 5
 
 
 # --------------------------------------------------------------------- data
-def synthetic_digits(n: int, seed: int = 0, noise: float = 0.8):
-    """``n`` noisy 1x8x8 images of ten smooth class templates, and their labels (torch)."""
-    import torch
-    import torch.nn.functional as F
-
-    templates = F.avg_pool2d(torch.randn(10, 1, 10, 10, generator=torch.Generator().manual_seed(1234)), 3, 1)
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    images = templates[labels] + noise * torch.randn(n, 1, 8, 8, generator=generator)
-    return images, labels
-
-
 @dataclass
 class ImageData:
     train_x: Any

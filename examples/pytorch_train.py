@@ -3,9 +3,10 @@
     horovodrun -np 2 --gloo python examples/pytorch_train.py --compression regtopk --ratio 0.01
     mpirun -np 2 python examples/pytorch_train.py --compression terngrad --path dropin
     mpirun -np 4 python examples/pytorch_train.py --compression regtopk --path mpi
+    horovodrun -np 2 --gloo python examples/pytorch_train.py --compression regtopk --decide measure
 
 The data are synthetic 8x8 "digits": ten random smooth templates plus noise,
-generated from a fixed seed (no downloads; ``benchmarks.cnn.synthetic_digits``,
+generated from a fixed seed (no downloads; ``hvd_compress.bench.demo.synthetic_digits``,
 the data of ``python -m benchmarks cnn``); each rank trains on its own shard.
 ``--path stock`` hands our compressor to ``horovod.torch.DistributedOptimizer``;
 ``--path dropin`` uses ``hvd_compress.torch.DistributedOptimizer`` (fused buckets),
@@ -22,8 +23,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from hvd_compress import Compression
-from benchmarks.cnn import synthetic_digits
+from hvd_compress import Auto, Compression
+from hvd_compress.bench.demo import synthetic_digits
 
 
 class Net(torch.nn.Module):
@@ -47,6 +48,11 @@ def main(default_path: str = "stock") -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--decide",
+        choices=["measure", "dense", "compressed"],
+        help="wrap the compressor in Auto: measure each bucket both ways, or pin the choice",
+    )
     args = parser.parse_args()
 
     if args.path == "mpi":
@@ -66,6 +72,8 @@ def main(default_path: str = "stock") -> None:
 
     model = Net()
     compression = Compression.by_name(args.compression, args.ratio)
+    if args.decide:
+        compression = Auto(compression, pin=None if args.decide == "measure" else args.decide)
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         named_parameters=model.named_parameters(),

@@ -131,29 +131,35 @@ class AutoStats(WireStats):
 
 
 # ---------------------------------------------------------------- dense view
-class DenseView(Compressor):
-    """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),
-    its statistics, its fused plans (a switch rebuilds the bucket's plan and moves state)."""
+class InnerState(Compressor):
+    """A compressor whose state is another's, ``self.inner``: memory, statistics, fused plans,
+    rank and seed are the inner compressor's (so subclasses skip ``Compressor.__init__``)."""
 
-    payload_kind = "dense"
-    fused = True
-
-    def __init__(self, inner: Compressor) -> None:  # no Compressor.__init__: the state is the inner's
-        self.inner = inner
-        self.seed = inner.seed
-        self._generators: Dict[str, Any] = {}
-        self._saved_generators: Dict[str, Any] = {}
-
+    inner: Compressor
     memory = property(lambda self: self.inner.memory)
     stats = property(lambda self: self.inner.stats)
     _buckets = property(lambda self: self.inner._buckets)
     _state_origin = property(lambda self: self.inner._state_origin)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
+    seed = property(lambda self: self.inner.seed)
 
-    def bind(self, rank: int, size: int) -> "DenseView":
+    def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)
         return self
+
+
+class DenseView(InnerState):
+    """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),
+    its statistics, its fused plans (a switch rebuilds the bucket's plan and moves state)."""
+
+    payload_kind = "dense"
+    fused = True
+
+    def __init__(self, inner: Compressor) -> None:
+        self.inner = inner
+        self._generators: Dict[str, Any] = {}
+        self._saved_generators: Dict[str, Any] = {}
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Dense", "of": repr(self.inner)}
@@ -265,7 +271,7 @@ class AutoExchange:
         return results
 
 
-class Auto(Compressor):
+class Auto(InnerState):
     """Per bucket, the cheaper of ``compressor`` and a dense allreduce, measured (see the module docstring).
 
     ``warmup``: timed exchanges per measurement (after one untimed); ``decide_every``: exchanges
@@ -299,14 +305,7 @@ class Auto(Compressor):
             compressor.stats = AutoStats(compressor.stats)
         self._generators, self._saved_generators = {}, {}
 
-    # the inner compressor's state and capabilities
-    memory = property(lambda self: self.inner.memory)
-    stats = property(lambda self: self.inner.stats)
-    _buckets = property(lambda self: self.inner._buckets)
-    _state_origin = property(lambda self: self.inner._state_origin)
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-    seed = property(lambda self: self.inner.seed)
+    # the inner compressor's capabilities (its state: InnerState)
     payload_kind = property(lambda self: self.inner.payload_kind)
     fused = property(lambda self: self.inner.fused)
     dense_wire_dtype = property(lambda self: self.inner.dense_wire_dtype)
@@ -321,10 +320,6 @@ class Auto(Compressor):
     @ratio.setter
     def ratio(self, value: float) -> None:
         self.inner.ratio = value
-
-    def bind(self, rank: int, size: int) -> "Auto":
-        self.inner.bind(rank, size)
-        return self
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Auto", "compressor": repr(self.inner), "warmup": self.warmup,

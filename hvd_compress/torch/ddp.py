@@ -1,6 +1,6 @@
 """Our compressors as a ``torch.distributed`` DDP communication hook (no Horovod needed).
 
-    state = hvd_compress.torch.CompressionState(compressor=RegTopK(0.01), process_group=None,
+    state = hvd_compress.torch.CompressionState(compression=RegTopK(0.01), process_group=None,
                                                 named_parameters=model.named_parameters())
     model.register_comm_hook(state, hvd_compress.torch.ddp_hook)
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hvd_compress.comm.exchange import open_exchange
 from hvd_compress.comm.torch_dist import TorchDistCommunicator
-from hvd_compress.compressors import as_compressor
+from hvd_compress.compressors import as_compressor, old_keyword
 
 
 class CompressionState:
@@ -46,11 +46,14 @@ class CompressionState:
 
     def __init__(
         self,
-        compressor: Any,
+        compression: Any = None,
         process_group: Optional[Any] = None,
         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+        *,
+        compressor: Any = None,
     ) -> None:
-        self.compressor = as_compressor(compressor, "CompressionState's compressor")
+        compression = old_keyword(compression, compressor, "CompressionState")
+        self.compressor = as_compressor(compression, "CompressionState's compression")
         self.process_group = process_group
         named = [] if named_parameters is None else list(named_parameters)
         self._names: Dict[int, str] = {id(p): n for n, p in named}
