@@ -7,7 +7,9 @@
   torch.distributed (:mod:`~hvd_compress.comm.torch_dist`) and thread ranks
   (:mod:`~hvd_compress.comm.threads`);
 - :mod:`~hvd_compress.comm.horovod` and :mod:`~hvd_compress.comm.horovod_tf`: our
-  compressors as Horovod ``Compressor`` objects (``compression=`` in stock Horovod).
+  compressors as Horovod ``Compressor`` objects (``compression=`` in stock Horovod);
+- :mod:`~hvd_compress.comm.auto`: ``Auto``, per bucket the compressed exchange or a dense
+  allreduce, whichever the link makes faster.
 
 Formats on the wire are defined in :mod:`hvd_compress.wire`.
 """
