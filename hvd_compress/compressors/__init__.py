@@ -23,21 +23,29 @@ class DenseFactory:
 
     Passed uncalled, as Horovod's own ``hvd.Compression.none`` is, it still works:
     our routes call it (:func:`as_compressor`), and stock Horovod's calls of
-    ``compress``/``decompress`` run a fresh compressor each (no state is shared
-    between optimizers; the wire statistics of such calls are not kept).
+    ``compress``/``decompress`` go to one private compressor of the factory, made
+    on first use (a dense compressor keeps no per-tensor state, and no one can
+    reach its wire statistics, so nothing observable is shared between optimizers;
+    making one per call would cost each gradient of each step an allocation).
     """
 
     def __init__(self, name: str, cls: Type[Compressor]) -> None:
         self.name, self.cls = name, cls
+        self._protocol: Any = None
 
     def __call__(self, **options: Any) -> Compressor:
         return self.cls(**options)
 
+    def _for_horovod(self) -> Compressor:
+        if self._protocol is None:
+            self._protocol = self.cls()
+        return self._protocol
+
     def compress(self, tensor: Any):
-        return self.cls().compress(tensor)
+        return self._for_horovod().compress(tensor)
 
     def decompress(self, tensor: Any, ctx: Any):
-        return self.cls().decompress(tensor, ctx)
+        return self._for_horovod().decompress(tensor, ctx)
 
     def __repr__(self) -> str:
         return f"Compression.{self.name}"
