@@ -13,7 +13,9 @@ compressor configuration, world size) and holds
   is one ``(rows, n)`` matrix;
 - every size on the wire: ``k = ceil(ratio n)`` per tensor, so each rank sends
   exactly ``K = sum k`` values and indices and no count is exchanged;
-- the state: the compressed part's error-feedback residual as one flat buffer,
+- the state: the compressed part's error-feedback residual as one flat buffer
+  (in at least float32: a float16 gradient's residual cannot overflow; values
+  travel in the gradient's dtype, saturated, the rest stays in the residual),
   RegTop-k's posterior as fixed-size ``(indices, D)`` vectors.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
@@ -217,9 +219,9 @@ class FusedBucket:
             r = memory.peek(name, "residual")
             if feedback:
                 residuals.append(
-                    r.reshape(-1).to(self.dtype)
+                    r.reshape(-1).to(self.acc)
                     if r is not None
-                    else torch.zeros(self.numels[i], dtype=self.dtype, device=self.device)
+                    else torch.zeros(self.numels[i], dtype=self.acc, device=self.device)
                 )
             idx = memory.peek(name, "posterior_indices")
             if idx is not None:
@@ -233,7 +235,7 @@ class FusedBucket:
             name = self.names[i]
             r = memory.peek(name, "residual")
             if r is not None and r.numel() == self.numels[i]:
-                self.flush_into_dense[i] = r.reshape(-1).to(self.dtype)
+                self.flush_into_dense[i] = r.reshape(-1).to(self.acc)
                 comp.warn_dense(name, self.numels[i])
             memory.reset(name)
         for i in self.compressed:
@@ -288,20 +290,29 @@ class FusedBucket:
         parts = []
         for i in self.dense:
             flat = tensors[i].reshape(-1)
-            parts.append(flat + self.flush_into_dense.pop(i) if i in self.flush_into_dense else flat)
+            if i in self.flush_into_dense:  # once, after a switch to dense (see flush)
+                flat = ops.saturate(flat + self.flush_into_dense.pop(i), self.dtype)
+            parts.append(flat)
         flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
         wire_dtype = self.compressor.dense_wire_dtype
         return flat if wire_dtype is None else ops.cast(flat, getattr(torch, wire_dtype))
 
+    def _compensated(self, g: torch.Tensor) -> torch.Tensor:
+        """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
+        if self.residual is None:
+            return g
+        return g.add_(self.residual) if g.dtype == self.acc else torch.add(g, self.residual)
+
     def _launch_sparse(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
-        a = g.add_(self.residual) if self.residual is not None else g  # g is the bucket's own copy
+        a = self._compensated(g)
         scores = comp.bucket_scores(a, self.posterior, ops)
         idx = torch.cat([(ops.topk_rows(grp.view(scores), grp.k) + grp.row_base).reshape(-1) for grp in self.groups])
-        values = a.index_select(0, idx)
         flags = torch.cat([grp.view(a).sum(dim=1, dtype=torch.float32) for grp in self.groups]).mul_(0)
         if self.residual is not None:
-            out.residual = a.index_fill_(0, idx, 0)
+            values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
+        else:
+            values = a.index_select(0, idx)
         out.sent = (idx, values)
         rows = [self.k_total + len(self.compressed)] * self.world
         out.handles["values"] = comm.allgather_async(
@@ -313,7 +324,7 @@ class FusedBucket:
 
     def _launch_ternary(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
-        a = g.add_(self.residual) if self.residual is not None else g
+        a = self._compensated(g)
         clipped = a if comp.clip is None else torch.empty_like(a)
         scales = []
         for grp in self.groups:
@@ -321,7 +332,7 @@ class FusedBucket:
             if comp.clip is not None:
                 std = torch.std(rows, dim=1, correction=0)
                 low, high = torch.aminmax(rows, dim=1)
-                bound = (std.double() * comp.clip).to(self.dtype)
+                bound = (std.double() * comp.clip).to(a.dtype)
                 bound = torch.where((bound == 0) | (low == high), torch.inf, bound)[:, None]
                 torch.clamp(rows, -bound, bound, out=grp.view(clipped))
             low, high = torch.aminmax(grp.view(clipped), dim=1)
@@ -355,9 +366,9 @@ class FusedBucket:
     def _send_codes(self, a: torch.Tensor, clipped: torch.Tensor, uniform: torch.Tensor, scale: torch.Tensor,
                     comm: Any, out: "Launched") -> None:
         """TernGrad codes drawn with ``scale`` (one per compressed tensor): residual, then the code collective."""
-        codes = self._codes(clipped, scale.to(self.dtype), uniform)
+        codes = self._codes(clipped, scale.to(a.dtype), uniform)
         if self.residual is not None:
-            out.residual = a.sub_(self._per_row(scale.to(self.dtype)) * codes.to(self.dtype))
+            out.residual = a.sub_(self._per_row(scale.to(a.dtype)) * codes.to(a.dtype))
         out.scale = scale
         if self.wire_format == "allreduce":
             lanes = ops.pack_ternary(codes, self.world)

@@ -294,6 +294,17 @@ class Compressor:
         self._state_origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 
     # ------------------------------------------------------------ for subclasses
+    def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        """``a = g + r``, the gradient plus its error-feedback residual, in the residual's dtype.
+
+        Residuals live in at least float32 (:func:`~hvd_compress.kernels.reference.accumulation_dtype`):
+        a float16 gradient's residual would overflow past 65504 where the gradient does not.
+        What is sent goes back to the gradient's dtype (``wire_dtype`` of the split).
+        """
+        acc = ops.accumulation_dtype(flat.dtype)
+        residual = self.memory.get(name, "residual", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
+        return ops.cast(flat, acc) + ops.cast(residual, acc)
+
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         raise NotImplementedError
 

@@ -4,7 +4,9 @@ Per tensor and step (docs/design.md, "Error feedback")::
 
     a = g + r;  S = select(a);  send a[S];  r = a with a[S] set to 0
 
-so the sum over steps of ``g`` equals the sum of what was sent plus ``r``.
+so the sum over steps of ``g`` equals the sum of what was sent plus ``r``. ``r`` and
+``a`` are kept in at least float32; a float16/bfloat16 gradient's values travel in
+its own dtype, saturated, and ``r[S]`` keeps the rounding (and anything beyond range).
 Tensors smaller than ``dense_below`` elements (biases, norms) are sent dense.
 """
 
@@ -104,20 +106,21 @@ class Sparsifier(Compressor):
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
         self.memory.track(name, shape)
-        a = flat
-        if self.error_feedback:
-            a = flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
+        a = self._compensated(flat, name, shape, ops) if self.error_feedback else flat
         if self.dense_is_cheaper(flat.shape[0]):
-            return self._send_dense(a, name, ops)
+            return self._send_dense(a, flat.dtype, name, ops)
         indices = self._select(a, name, shape, ops)
-        values, residual = ops.error_feedback_split(a, indices, in_place=self.error_feedback)
+        values, residual = ops.error_feedback_split(
+            a, indices, in_place=self.error_feedback, wire_dtype=flat.dtype
+        )
         if self.error_feedback:
             self.memory.set(name, "residual", residual)
         self._sent(name, indices, values)
         return SparsePayload(values=values, indices=indices, numel=flat.shape[0])
 
-    def _send_dense(self, a: Any, name: str, ops: Any) -> DensePayload:
-        """All of ``a`` (gradient + residual): nothing is left in the residual."""
+    def _send_dense(self, a: Any, dtype: Any, name: str, ops: Any) -> DensePayload:
+        """All of ``a`` (gradient + residual) in the gradient's ``dtype``: the residual keeps only
+        what that dtype cannot carry (nothing, unless ``a`` is beyond its range)."""
         if name not in self._warned_dense:
             self._warned_dense.add(name)
             warnings.warn(
@@ -126,10 +129,11 @@ class Sparsifier(Compressor):
                 "payloads would move more bytes than a dense allreduce",
                 stacklevel=4,
             )
+        sent = ops.saturate(a, dtype)
         if self.error_feedback:
-            self.memory.set(name, "residual", ops.zeros_like(a))
+            self.memory.set(name, "residual", a - ops.cast(sent, a.dtype))
         self._sent(name, None, None)
-        return DensePayload(values=a, dtype=a.dtype)
+        return DensePayload(values=sent, dtype=dtype)
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
         """Indices ``S`` to send of the error-compensated gradient ``a``."""

@@ -72,9 +72,7 @@ class TernGrad(Compressor):
 
     # ------------------------------------------------------------------ steps
     def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        if not self.error_feedback:
-            return flat
-        return flat + self.memory.get(name, "residual", shape, lambda: ops.zeros_like(flat))
+        return super()._compensated(flat, name, shape, ops) if self.error_feedback else flat
 
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)

@@ -125,7 +125,7 @@ def set_generator_state(rng: np.random.Generator, state) -> None:
 # Error feedback
 # --------------------------------------------------------------------------- #
 def error_feedback_split(
-    a: np.ndarray, indices: np.ndarray, in_place: bool = False
+    a: np.ndarray, indices: np.ndarray, in_place: bool = False, wire_dtype=None
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Send ``a[S]`` and keep the rest: returns ``(values, residual)``.
 
@@ -133,11 +133,29 @@ def error_feedback_split(
     plus ``residual`` equals ``a`` exactly (error feedback, Seide et al. 2014;
     Stich et al. 2018). ``in_place``: ``a`` is a buffer of the caller's and becomes
     the residual (no copy).
+
+    ``wire_dtype`` narrower than ``a`` (a float16 or bfloat16 gradient whose ``a = g + r``
+    accumulates in float32): ``values = saturate(a[S], wire_dtype)`` and the residual
+    keeps what the wire cannot carry, ``r[S] = a[S] - values``, so the identity above
+    still holds and no finite ``a`` ever sends Inf.
     """
     values = a[indices]
     residual = a if in_place else a.copy()
-    residual[indices] = 0
-    return values, residual
+    if wire_dtype is None or np.dtype(wire_dtype) == a.dtype:
+        residual[indices] = 0
+        return values, residual
+    sent = saturate(values, wire_dtype)
+    residual[indices] = values - sent.astype(a.dtype)
+    return sent, residual
+
+
+def saturate(a: np.ndarray, dtype) -> np.ndarray:
+    """``a`` rounded to ``dtype``, values beyond its finite range clipped to it (NaN stays NaN)."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    largest = np.finfo(dtype).max
+    return np.clip(a, -largest, largest).astype(dtype)
 
 
 # --------------------------------------------------------------------------- #

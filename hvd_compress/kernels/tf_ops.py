@@ -191,10 +191,23 @@ def dense_sum(values: Sequence) -> tf.Tensor:
 
 
 # -------------------------------------------------------------- error feedback
-def error_feedback_split(a, indices, in_place: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+def error_feedback_split(a, indices, in_place: bool = False, wire_dtype=None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Gather ``a[S]``, scatter zeros (or, for a narrower ``wire_dtype``, ``a[S] - values``)."""
     values = tf.gather(a, indices)
-    residual = tf.tensor_scatter_nd_update(a, tf.reshape(indices, [-1, 1]), tf.zeros_like(values))
-    return values, residual
+    positions = tf.reshape(indices, [-1, 1])
+    if wire_dtype is None or tf.as_dtype(wire_dtype) == a.dtype:
+        return values, tf.tensor_scatter_nd_update(a, positions, tf.zeros_like(values))
+    sent = saturate(values, wire_dtype)
+    return sent, tf.tensor_scatter_nd_update(a, positions, values - tf.cast(sent, a.dtype))
+
+
+def saturate(a, dtype) -> tf.Tensor:
+    """``a`` rounded to ``dtype``, values beyond its finite range clipped to it."""
+    dtype = tf.as_dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    largest = float(dtype.max)
+    return cast(tf.clip_by_value(a, -largest, largest), dtype)
 
 
 # ----------------------------------------------------------------------- Top-k
@@ -321,7 +334,9 @@ def terngrad_codes(g, scale, uniform) -> tf.Tensor:
     """``scale`` is rounded once to ``g``'s dtype, as numpy does; ``scale == 0`` gives zeros
     (with ``scale >= max|g|``: then ``|g| / scale`` is never divided by zero)."""
     scale = _float64(scale)
-    keep = (uniform < _divide(tf.abs(g), cast(scale, g.dtype))) & tf.not_equal(scale, 0.0)
+    ratio = _divide(tf.abs(g), cast(scale, g.dtype))
+    uniform = tf.cast(uniform, _result_type(uniform.dtype, g.dtype))  # float16 draws, float32 g: as numpy
+    keep = (uniform < ratio) & tf.not_equal(scale, 0.0)
     sign = tf.cast(tf.sign(g), tf.int8)
     return tf.where(keep, sign, tf.zeros_like(sign))
 

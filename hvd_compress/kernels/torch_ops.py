@@ -9,7 +9,7 @@ count, TernGrad's scale) and the sizes of ``nonzero``.
 
 from __future__ import annotations
 
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -188,14 +188,26 @@ def dense_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
 
 # -------------------------------------------------------------- error feedback
 def error_feedback_split(
-    a: torch.Tensor, indices: torch.Tensor, in_place: bool = False
+    a: torch.Tensor, indices: torch.Tensor, in_place: bool = False, wire_dtype: Optional[torch.dtype] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``index_select`` and ``index_fill_``: the gather and scatter of ``a[S]``, ``a[S] = 0`` without
-    the generality (and the cost) of advanced indexing."""
+    the generality (and the cost) of advanced indexing. A narrower ``wire_dtype``: the values
+    saturate to it and ``a[S] - values`` stays in the residual (see the reference)."""
     idx = indices.long()
     values = a.index_select(0, idx)
     residual = a if in_place else _empty(a.shape[0], a.dtype, a.device).copy_(a)
-    return values, residual.index_fill_(0, idx, 0)
+    if wire_dtype is None or wire_dtype == a.dtype:
+        return values, residual.index_fill_(0, idx, 0)
+    sent = saturate(values, wire_dtype)
+    return sent, residual.index_copy_(0, idx, values.sub_(sent.to(a.dtype)))
+
+
+def saturate(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a`` rounded to ``dtype``, values beyond its finite range clipped to it (NaN stays NaN)."""
+    if a.dtype == dtype:
+        return a
+    largest = torch.finfo(dtype).max
+    return a.clamp(-largest, largest).to(dtype)
 
 
 # ----------------------------------------------------------------------- Top-k

@@ -230,6 +230,24 @@ def test_error_feedback_split_matches_reference(K, dtype, data):
     K.check(K.ops.error_feedback_split, [K.tensor(a), K.tensor(indices)], R.error_feedback_split(a, indices))
 
 
+@given("few", data=st.data(), spread=st.sampled_from([1.0, 1e3, 1e6]))
+def test_error_feedback_split_to_float16_saturates_and_keeps_the_rest(K, data, spread):
+    """float32 ``a`` (a float16 gradient plus its float32 residual) sent as float16: the values
+    saturate at 65504 and ``r[S] = a[S] - values``: exact below 65504, rounded once in float32 above."""
+    a = data.draw(float_arrays(np.float32), label="a") * np.float32(spread)
+    indices = data.draw(index_sets(a.shape[0]), label="indices")
+    want = R.error_feedback_split(a, indices, wire_dtype=np.float16)
+    assert want[0].dtype == np.float16 and np.all(np.isfinite(want[0]))
+    np.testing.assert_allclose(want[0].astype(np.float32) + want[1][indices], a[indices], rtol=2**-23, atol=0)
+    in_range = np.abs(a[indices]) <= 65504
+    np.testing.assert_array_equal((want[0].astype(np.float32) + want[1][indices])[in_range], a[indices][in_range])
+    K.check(
+        lambda x, i: K.ops.error_feedback_split(x, i, wire_dtype=K.ops.float16),
+        [K.tensor(a), K.tensor(indices)],
+        want,
+    )
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @given("few", data=st.data(), factor=st.sampled_from([1.0, 1.0, 1.37, 3.1e1, 1 + 2**-30]))
 def test_terngrad_codes_match_reference_given_the_same_uniforms(K, dtype, data, factor):
