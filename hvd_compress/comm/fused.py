@@ -71,9 +71,6 @@ def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
         t.dtype != first.dtype or t.device != first.device for t in tensors
     ):
         return False
-    # Exact top-k keys hold float32 scores; float64 selections run per tensor off the CPU.
-    if compressor.payload_kind == "sparse" and first.dtype == torch.float64 and first.device.type != "cpu":
-        return False
     return True
 
 

@@ -243,11 +243,14 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64, ``(rows, k)``.
 
     Exactly ``k`` per row, ascending, ties to the lower index, and no host
-    synchronisation on an accelerator (:func:`topk_rows_keyed`). On CPU each row
-    goes through :func:`topk_indices` (numpy's selection is faster there; a row whose
-    ``k``-th score is NaN, where the reference selects nothing, takes the keyed path).
+    synchronisation on an accelerator (:func:`topk_rows_keyed`; float64, which float32
+    keys cannot hold, :func:`topk_rows_exact`). On CPU each row goes through
+    :func:`topk_indices` (numpy's selection is faster there; a row whose ``k``-th score
+    is NaN, where the reference selects nothing, takes the keyed path).
     """
-    if scores.device.type != "cpu" or scores.dtype not in (torch.float32, torch.float64):
+    if scores.device.type != "cpu":
+        return topk_rows_exact(scores, k) if scores.dtype == torch.float64 else topk_rows_keyed(scores, k)
+    if scores.dtype not in (torch.float32, torch.float64):
         return topk_rows_keyed(scores, k)
     rows = []
     for row in scores:
@@ -271,6 +274,32 @@ def topk_rows_keyed(scores: torch.Tensor, k: int) -> torch.Tensor:
     keys += torch.arange(n - 1, -1, -1, dtype=torch.int64, device=scores.device)
     top = torch.topk(keys, k, dim=1, sorted=False).values
     return torch.sort((n - 1) - (top & 0xFFFFFFFF), dim=1).values
+
+
+def topk_rows_exact(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of every row by value, then tie rank: any float dtype, fixed sizes, no host synchronisation.
+
+    With ``s`` the scores, NaN read as +Inf, and ``v`` the k-th largest ``s`` of the row
+    (``torch.topk``'s values are exact, ties included), the selection is ``s > v`` and the
+    first ``k - count(s > v)`` ties ``s == v``, NaN ties ranked before +Inf ones (NaN ranks
+    above +Inf, as in :func:`topk_rows_keyed`), then by lower index: exactly ``k`` per row.
+    Column ``j`` of that mask goes to place ``cumsum(mask)_j - 1`` of a ``(rows, k + 1)``
+    buffer, every other column to its last place, which is dropped.
+    """
+    rows, n = scores.shape
+    if k == 0:
+        return scores.new_empty((rows, 0), dtype=torch.int64)
+    nan = torch.isnan(scores)
+    s = scores.masked_fill(nan, float("inf"))
+    v = torch.topk(s, k, dim=1, sorted=False).values.amin(1, keepdim=True)
+    above, ties = s > v, s == v
+    nan_ties = ties & nan
+    rank = torch.where(nan, nan_ties.cumsum(1), (ties & ~nan).cumsum(1) + nan_ties.sum(1, keepdim=True))
+    mask = above | (ties & (rank <= k - above.sum(1, keepdim=True)))
+    place = torch.where(mask, mask.cumsum(1) - 1, k)
+    columns = torch.arange(n, dtype=torch.int64, device=scores.device).expand(rows, n)
+    out = torch.empty((rows, k + 1), dtype=torch.int64, device=scores.device)
+    return out.scatter_(1, place, columns)[:, :k]
 
 
 # ------------------------------------------------------------------ Gaussian-k

@@ -196,7 +196,7 @@ def test_steady_state_step_reads_nothing_back(kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad", "fp16", "none"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 def test_cuda_steady_state_step_never_synchronizes(kind, dtype):
     """On a GPU: ``torch.cuda.set_sync_debug_mode("error")`` around steady-state exchanges."""
     comm = SingleProcessCommunicator()
