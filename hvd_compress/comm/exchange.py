@@ -25,7 +25,7 @@ Torch buckets of one dtype and device whose compressor has a fused form take
 :mod:`hvd_compress.comm.fused` instead: the header is exchanged once per layout,
 sizes are known in advance, a step reads nothing back to the host and encodes
 the whole bucket with a few kernels. The per-tensor path above serves numpy and
-TensorFlow tensors and Gaussian-k (its counts vary).
+TensorFlow tensors.
 Every collective of a bucket is started by ``launch`` (TernGrad waits there for
 its shared scales, unless ``launch(complete=False)`` leaves that to
 ``complete()``), so ``finish`` only waits and decodes.

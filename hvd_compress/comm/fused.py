@@ -2,7 +2,7 @@
 
 :class:`~hvd_compress.comm.exchange.BucketExchange` hands a bucket here when its
 tensors are torch tensors of one dtype and device and the compressor offers a
-fused form (``compressor.fused``: None, FP16, Top-k, RegTop-k, TernGrad).
+fused form (``compressor.fused``: None, FP16, Top-k, Gaussian-k, RegTop-k, TernGrad).
 What a step of a bucket needs to know in advance is known in advance: a
 :class:`FusedBucket` is built once per layout (names, shapes, dtype, device,
 compressor configuration, world size) and holds
@@ -24,7 +24,8 @@ layout hash]``, read on the host); afterwards a step reads nothing back:
 sparse (Top-k, RegTop-k), per bucket::
 
     a = g + r                                   one cat, one add
-    S = top-k rows of score(a)                  one top-k per size group
+    S = bucket_rows(a, score(a))                one top-k per size group (Gaussian-k:
+                                                its correction, floor(4k/3) slots)
     send a[S] ++ flags, S                       two allgathers (fixed size)
     r = a with a[S] set to 0 (flagged tensors: r unchanged)
     result = (sum over ranks, scatter-add in rank order) / N + F
@@ -75,10 +76,11 @@ def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 class Group:
-    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``."""
+    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``;
+    a sparsifier selects ``k`` of each and sends ``slots`` (``k``; Gaussian-k: ``floor(4k/3)``)."""
 
-    def __init__(self, start: int, members: List[int], n: int, k: int, device: torch.device) -> None:
-        self.start, self.members, self.rows, self.n, self.k = start, members, len(members), n, k
+    def __init__(self, start: int, members: List[int], n: int, k: int, slots: int, device: torch.device) -> None:
+        self.start, self.members, self.rows, self.n, self.k, self.slots = start, members, len(members), n, k, slots
         self.stop = start + self.rows * n
         #: offset of each row's first element, to turn row-local indices into work positions
         self.row_base = (torch.arange(self.rows, dtype=torch.int64, device=device) * n + start)[:, None]
@@ -108,20 +110,22 @@ class FusedBucket:
         sparse = compressor.payload_kind == "sparse"
         for n, members in by_size.items():
             k = compressor.k(n) if sparse else 0
-            self.groups.append(Group(start, members, n, k, self.device))
+            self.groups.append(Group(start, members, n, k, compressor.slots(n) if sparse else 0, self.device))
             start += len(members) * n
         self.compressed = [i for g in self.groups for i in g.members]  # work order
         self.n_compressed = start
+        #: slots may go unused (Gaussian-k): they send index ``n_compressed``, a spare work entry that stays 0
+        self.padded = bool(sparse and getattr(compressor, "pads_slots", False))
         self.dense = [i for i, kind in enumerate(self.kinds) if kind == "dense"]
         self.n_dense = sum(self.numels[i] for i in self.dense)
-        self.k_total = sum(g.rows * g.k for g in self.groups)
-        self.index_dtype = ops.index_dtype(max(self.n_compressed, 1))
+        self.k_total = sum(g.rows * g.slots for g in self.groups)
+        self.index_dtype = ops.index_dtype(self.n_compressed + 1)
         self.offsets: Dict[int, int] = {}
         for g in self.groups:
             for row, i in enumerate(g.members):
                 self.offsets[i] = g.start + row * g.n
         # each selected slot's compressed-tensor number (row in work order), for RegTop-k's posterior
-        ks = torch.tensor([g.k for g in self.groups for _ in g.members], dtype=torch.int64)
+        ks = torch.tensor([g.slots for g in self.groups for _ in g.members], dtype=torch.int64)
         self.slot_rows = torch.repeat_interleave(torch.arange(len(self.compressed)), ks).to(self.device)
         #: element count of each compressed tensor (work order), to spread per-tensor values
         self.lengths = torch.tensor([self.numels[i] for i in self.compressed], dtype=torch.int64,
@@ -225,6 +229,8 @@ class FusedBucket:
                 post_idx.append(idx.to(torch.int64) + self.offsets[i])
                 post_val.append(memory.peek(name, "posterior_values"))
         if feedback and residuals:
+            if self.padded:
+                residuals.append(torch.zeros(1, dtype=self.acc, device=self.device))
             self.residual = torch.cat(residuals).to(self.device)
         if post_idx:
             self.posterior = (torch.cat(post_idx).to(self.device), torch.cat(post_val).to(self.device))
@@ -271,7 +277,10 @@ class FusedBucket:
         if dense is not None:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            g = torch.cat([tensors[i].reshape(-1) for i in self.compressed])
+            parts = [tensors[i].reshape(-1) for i in self.compressed]
+            if self.padded:
+                parts.append(parts[0].new_zeros(1))
+            g = torch.cat(parts)
             if self.compressor.payload_kind == "sparse":
                 self._launch_sparse(g, comm, out)
             else:
@@ -304,7 +313,7 @@ class FusedBucket:
         comp = self.compressor
         a = self._compensated(g)
         scores = comp.bucket_scores(a, self.posterior, ops)
-        idx = torch.cat([(ops.topk_rows(grp.view(scores), grp.k) + grp.row_base).reshape(-1) for grp in self.groups])
+        idx = torch.cat([self._select(comp, grp, a, scores) for grp in self.groups])
         flags = torch.cat([grp.view(a).sum(dim=1, dtype=torch.float32) for grp in self.groups]).mul_(0)
         if self.residual is not None:
             values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
@@ -318,6 +327,14 @@ class FusedBucket:
         out.handles["indices"] = comm.allgather_async(
             idx.to(self.index_dtype), f"{self.key}.indices", [self.k_total] * self.world
         )
+
+    def _select(self, comp: Any, grp: Group, a: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """Work positions of the slots of one size group (unused slots: the spare entry)."""
+        local = comp.bucket_rows(grp.view(a), grp.view(scores), grp.k, ops)
+        chosen = local + grp.row_base
+        if self.padded:
+            chosen = torch.where(local == grp.n, self.n_compressed, chosen)
+        return chosen.reshape(-1)
 
     def _launch_ternary(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
@@ -445,7 +462,7 @@ class Launched:
         count = len(b.compressed)
         values = comm.wait(self.handles["values"]).view(b.world, b.k_total + count)
         indices = comm.wait(self.handles["indices"]).view(b.world, b.k_total)
-        total = torch.zeros(b.n_compressed, dtype=b.acc, device=b.device)
+        total = torch.zeros(b.n_compressed + b.padded, dtype=b.acc, device=b.device)
         for rank in range(b.world):  # rank order: the same sums on every rank and device
             total.index_add_(0, indices[rank].long(), values[rank, : b.k_total].to(b.acc))
         flags = values[:, b.k_total :].to(b.acc).sum(dim=0)  # 0, or NaN where any rank was non-finite

@@ -88,9 +88,18 @@ class Sparsifier(Compressor):
             return "dense"
         return "sparse"
 
+    def slots(self, numel: int) -> int:
+        """(value, index) slots a tensor of ``numel`` elements sends on the fused path: ``k``."""
+        return self.k(numel)
+
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``: Top-k's scores."""
         return a.abs()
+
+    def bucket_rows(self, a: Any, scores: Any, k: int, ops: Any) -> Any:
+        """The selection of each row of a size group (``(rows, slots)`` column indices): the ``k``
+        largest ``scores``."""
+        return ops.topk_rows(scores, k)
 
     def warn_dense(self, name: str, numel: int) -> None:
         if name not in self._warned_dense and self.dense_is_cheaper(numel):

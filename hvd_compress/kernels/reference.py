@@ -190,6 +190,16 @@ GAUSSIANK_LOW, GAUSSIANK_HIGH = 2.0 / 3.0, 4.0 / 3.0
 GAUSSIANK_SHRINK, GAUSSIANK_GROW = 0.5, 1.5
 
 
+def gaussiank_slots(k: int) -> int:
+    """The most entries :func:`gaussiank_select` returns for ``k``: ``floor(4k/3)``.
+
+    A threshold in range selects at most ``4k/3``; the fallbacks select fewer than
+    ``2k/3`` (the last threshold, when nothing overshot) or exactly ``k`` (the trim).
+    The fused path sends this many slots per tensor, so no count is exchanged.
+    """
+    return math.floor(GAUSSIANK_HIGH * k)
+
+
 def gaussiank_threshold(a: np.ndarray, ratio: float) -> float:
     """First Gaussian-k threshold: ``thr = |mu| + sigma * Phi^-1(1 - ratio / 2)``.
 

@@ -41,6 +41,7 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
     gaussiank_correct,
+    gaussiank_slots,
     normal_tail_quantile,
     num_selected,
 )

@@ -3,8 +3,10 @@
 Same names, same arguments, same results: bit-exact for Top-k, RegTop-k, the
 error-feedback split and TernGrad's codes given the same draws; reductions
 (mean, std) agree within float rounding. Tensors stay on their device; the only
-host synchronisations are the scalars the algorithms branch on (Gaussian-k's
-count, TernGrad's scale) and the sizes of ``nonzero``.
+host synchronisations of the per-tensor functions are the scalars the algorithms
+branch on (Gaussian-k's count, TernGrad's scale) and the sizes of ``nonzero``. The
+row functions of the fused path (``topk_rows``, ``gaussiank_rows``) read nothing
+back on an accelerator.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ import torch
 
 from hvd_compress.wire import ternary_field_bits
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
+    GAUSSIANK_GROW,
     GAUSSIANK_HIGH,
+    GAUSSIANK_LOW,
+    GAUSSIANK_ROUNDS,
+    GAUSSIANK_SHRINK,
     NO_DISTORTION,
     gaussiank_correct,
+    gaussiank_slots,
     normal_tail_quantile,
     num_selected,
 )
@@ -304,9 +311,65 @@ def topk_rows_exact(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------ Gaussian-k
 def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
-    std, mean = torch.std_mean(a, correction=0)
-    mean, std = torch.stack([mean, std]).tolist()
-    return abs(mean) + std * normal_tail_quantile(ratio)
+    return float(gaussiank_thresholds(a[None], ratio).tolist()[0])
+
+
+def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
+    """First Gaussian-k threshold of every row of a 2-D ``rows``, float64, on the device:
+    ``|mean| + std * Phi^-1(1 - ratio / 2)``, the moments taken in float64 as the reference does."""
+    std, mean = torch.std_mean(rows.to(torch.float64), dim=1, correction=0)
+    return mean.abs_().add_(std.mul_(normal_tail_quantile(ratio)))
+
+
+def gaussiank_rows(
+    a: torch.Tensor, magnitude: torch.Tensor, ratio: float, k: int, read_back: Optional[bool] = None
+) -> torch.Tensor:
+    """:func:`gaussiank_select` of every row of ``a`` (``magnitude = |a|``), in ``gaussiank_slots(k)``
+    columns per row: int64 ``(rows, slots)``, ascending, unused slots holding ``n`` (one past the row).
+
+    The correction rounds of every row run at once on the device, each row's state
+    (threshold, done, the smallest superset above ``4k/3``) kept in tensors, so no
+    count is read back: the three evaluations always run (rows already in range keep
+    their choice). A row that ends trimmed takes the ``k`` largest ``|a_j|``, which are
+    the ``k`` largest of any superset above ``4k/3``; on an accelerator they are computed
+    for every row (to be ready without a host read), on CPU only for rows that need them
+    (one host read; ``read_back`` overrides the choice). The chosen set never exceeds
+    ``floor(4k/3)`` entries.
+    """
+    rows, n = a.shape
+    slots = gaussiank_slots(k)
+    threshold = gaussiank_thresholds(a, ratio)
+    final, last = threshold.clone(), threshold.clone()
+    done = torch.zeros(rows, dtype=torch.bool, device=a.device)
+    superset = torch.zeros(rows, dtype=torch.bool, device=a.device)
+    superset_count = torch.full((rows,), n + 1, dtype=torch.int64, device=a.device)
+    for _ in range(GAUSSIANK_ROUNDS):
+        count = torch.gt(magnitude, cast(threshold, a.dtype)[:, None]).sum(dim=1)
+        active, below, above = ~done, count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
+        landed = active & ~below & ~above
+        final = torch.where(landed, threshold, final)
+        done |= landed
+        active &= ~landed
+        smaller = active & above & (count < superset_count)
+        superset_count = torch.where(smaller, count, superset_count)
+        superset |= smaller
+        last = torch.where(active, threshold, last)
+        step = torch.where(below, GAUSSIANK_SHRINK, GAUSSIANK_GROW).to(torch.float64)
+        threshold = torch.where(active, threshold * step, threshold)
+    trim = ~done & superset
+    chosen = torch.where(done, final, torch.where(trim, torch.inf, last))
+    mask = torch.gt(magnitude, cast(chosen, a.dtype)[:, None])
+    if (a.device.type == "cpu") if read_back is None else read_back:
+        trimmed = torch.nonzero(trim).flatten()
+        if trimmed.shape[0]:
+            mask[trimmed] = mask[trimmed].scatter_(1, topk_rows(magnitude[trimmed], k), True)
+    else:
+        top = topk_rows(magnitude, k)
+        mask.scatter_(1, top, mask.gather(1, top) | trim[:, None])
+    position = torch.where(mask, mask.cumsum(dim=1) - 1, slots)
+    columns = torch.arange(n, device=a.device).expand(rows, n)
+    out = torch.full((rows, slots + 1), n, dtype=torch.int64, device=a.device)
+    return out.scatter_(1, position, columns)[:, :slots]
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:

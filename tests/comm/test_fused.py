@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hvd_compress import FP16, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
+from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
@@ -31,6 +31,8 @@ COMPRESSORS = {
     "topk": lambda: TopK(0.05),
     "topk-no-feedback": lambda: TopK(0.05, error_feedback=False),
     "regtopk": lambda: RegTopK(0.05, seed=1),
+    "gaussiank": lambda: GaussianK(0.05),
+    "gaussiank-no-feedback": lambda: GaussianK(0.05, error_feedback=False),
     "terngrad": lambda: TernGrad(seed=3),
     "terngrad-feedback-unclipped": lambda: TernGrad(clip=None, error_feedback=True, seed=3),
     "terngrad-unshared": lambda: TernGrad(scalar_sharing=False, seed=3),
@@ -124,7 +126,7 @@ def test_sent_plus_residual_equals_produced():
         np.testing.assert_allclose(total.numpy(), produced.numpy(), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad-feedback-unclipped", "fp16"])
+@pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad-feedback-unclipped", "fp16"])
 def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind):
     ranks = 2
     results = run_ranks(
@@ -164,7 +166,7 @@ def test_checkpoint_of_a_fused_bucket_resumes_exactly():
         assert torch.equal(again[name], straight[name]), name
 
 
-@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad", "fp16", "none"])
+@pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad", "fp16", "none"])
 def test_steady_state_step_reads_nothing_back(kind):
     """The CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")``: after the first step (the
     layout check), a step calls no item/tolist/bool/int/float/index on any tensor."""
@@ -195,7 +197,7 @@ def test_steady_state_step_reads_nothing_back(kind):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["topk", "regtopk", "terngrad", "fp16", "none"])
+@pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad", "fp16", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 def test_cuda_steady_state_step_never_synchronizes(kind, dtype):
     """On a GPU: ``torch.cuda.set_sync_debug_mode("error")`` around steady-state exchanges."""

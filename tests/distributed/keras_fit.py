@@ -155,6 +155,9 @@ def main() -> None:
     path = f"{args.out}.rank{rank}"
     if hvd.KERAS3:
         model.save(f"{path}.keras")
+        import horovod.tensorflow as horovod
+
+        horovod.broadcast_object(None, root_rank=0, name="saved")  # every rank's file is written
         restored = keras.models.load_model(f"{path}.keras")
         opt = restored.optimizer
         with warnings.catch_warnings(record=True) as caught:  # rank 1 loading rank 0's file
