@@ -43,6 +43,27 @@ def header_hash(value: Any) -> int:
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
+#: the algorithms a header can name (see :func:`header_config`), for the cross-rank check's error
+ALGORITHMS = ("NoneCompressor", "FP16", "TopK", "GaussianK", "RegTopK", "TernGrad")
+
+
+def header_config(algorithm: str, config_hash: int) -> int:
+    """The header's configuration column: the 31-bit hash, and above bit 32 the algorithm's number
+    (0: one not in :data:`ALGORITHMS`), so that every rank can name every rank's algorithm."""
+    code = ALGORITHMS.index(algorithm) + 1 if algorithm in ALGORITHMS else 0
+    return config_hash | code << 32
+
+
+def different_algorithms(columns: Any) -> str:
+    """``""``, or ``"; ranks run different compressors: rank 0 TopK, rank 1 FP16"`` from the
+    configuration columns of every rank's header (:func:`header_config`)."""
+    codes = [int(column) >> 32 for column in columns]
+    if len(set(codes)) < 2:
+        return ""
+    names = [ALGORITHMS[c - 1] if 0 < c <= len(ALGORITHMS) else "another compressor" for c in codes]
+    return "; ranks run different compressors: " + ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
+
+
 def ternary_field_bits(world_size: int) -> int:
     """Bits ``b = ceil(log2(2N + 1))`` of a field holding ``sum over N ranks of (t + 1)``."""
     return max(1, math.ceil(math.log2(2 * world_size + 1)))

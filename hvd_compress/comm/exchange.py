@@ -36,7 +36,8 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Tuple
 
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
+from hvd_compress.wire import (DensePayload, SparsePayload, TernaryPayload, different_algorithms, header_config,
+                               header_hash)
 from hvd_compress.kernels import ops_for
 
 
@@ -126,7 +127,8 @@ class BucketExchange:
         layout += [(n, self.shapes[n], "ternary") for n, _, _ in self.ternary]
         signature = header_hash(layout)
         counts = [p.values.shape[0] for _, p in self.sparse]
-        header = ops.as_int64([[self.compressor.config_hash(), signature, *counts]], like=self._any_tensor())
+        config = header_config(type(self.compressor).__name__, self.compressor.config_hash())
+        header = ops.as_int64([[config, signature, *counts]], like=self._any_tensor())
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
         if comm.matches_by_order:
             self._check_header()
@@ -208,7 +210,8 @@ class BucketExchange:
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
                 f"the names, shapes and order of the gradients, or compressor state loaded from another "
-                f"rank): [config hash, layout hash] per rank = {[row[:2] for row in self.rows]}; "
+                f"rank): [config hash, layout hash] per rank = {[row[:2] for row in self.rows]}"
+                f"{different_algorithms(row[0] for row in self.rows)}; "
                 f"this rank runs {self.compressor!r}{self.compressor.state_note()}"
             )
 

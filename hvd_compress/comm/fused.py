@@ -181,7 +181,8 @@ class FusedBucket:
 
     def start_check(self, comm: Any) -> Any:
         """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
-        header = torch.tensor([[self.config_hash, self.signature]], dtype=torch.int64, device=self.device)
+        config = wire.header_config(type(self.compressor).__name__, self.config_hash)
+        header = torch.tensor([[config, self.signature]], dtype=torch.int64, device=self.device)
         return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
 
     def check(self, comm: Any, handle: Any = None) -> None:
@@ -197,7 +198,7 @@ class FusedBucket:
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, the "
                 f"names, shapes and order of the gradients, or compressor state loaded from another rank): "
-                f"[config hash, layout hash] per rank = {rows}; "
+                f"[config hash, layout hash] per rank = {rows}{wire.different_algorithms(r[0] for r in rows)}; "
                 f"this rank runs {self.compressor!r} on {self._describe()}{self.compressor.state_note()}"
             )
         self.checked = True

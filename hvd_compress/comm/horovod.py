@@ -15,6 +15,14 @@ dense gradient:
   returned to Horovod's own allreduce unchanged (unless a residual is left to
   flush after a switch to dense: then our exchange sends gradient + residual).
 
+Except the first time a (name, shape, dtype) is seen: then every compressor,
+dense ones included, sends the tensor through our exchange and hands Horovod the
+placeholder. Otherwise a rank running Top-k would hand Horovod a one-element
+placeholder where a rank running None or FP16 hands it the gradient, and
+Horovod's own shape or dtype error would fire before ours; this way every rank
+exchanges the header of the same name and shape, and every rank raises ``ranks
+disagree`` naming its compressor (one more allgather per tensor, once).
+
 ``compress`` never waits for another rank: backward hooks and Horovod's
 filling-in of missing gradients call it in an order that may differ between
 ranks. It launches the exchange with ``complete=False``; what must wait for
@@ -77,6 +85,8 @@ class _Calls:
     warned: bool = False
     #: exchanges launched since the last ``decompress``, to complete at the next one
     pending: List[BucketExchange] = field(default_factory=list)
+    #: (name, shape, dtype) of the tensors whose header every rank has exchanged (module docstring)
+    checked: set = field(default_factory=set)
 
     def complete_pending(self) -> None:
         """Complete every exchange this step launched (see the module docstring)."""
@@ -106,6 +116,8 @@ class _Context:
     dtype: Any = None
     name: str = ""
     exchange: Optional[BucketExchange] = None
+    #: the tensor travels dense (Horovod's allreduce from the next step): drop its stateless plan
+    check_only: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,25 +182,33 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
 
         return horovod_tf.compress(compressor, tensor)
 
+    calls = _calls(compressor)
     if compressor.payload_kind == "dense":  # None, FP16: Horovod's own allreduce moves it
-        wire = compressor.dense_wire_dtype
-        numel, itemsize = tensor.numel(), tensor.element_size()
-        compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
-        if wire is None:
-            return tensor, _Context()
-        import torch
+        name = name or parameter_name(tensor)  # no name (hvd.allreduce(compression=...)): no check
+        if name is None or (name, tuple(tensor.shape), tensor.dtype) in calls.checked:
+            wire = compressor.dense_wire_dtype
+            numel, itemsize = tensor.numel(), tensor.element_size()
+            compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
+            if wire is None:
+                return tensor, _Context()
+            import torch
 
-        return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
+            return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
     if name is None:
-        name = parameter_name(tensor) or _calls(compressor).next_name()
+        name = parameter_name(tensor) or calls.next_name()
     key = f"hvd_compress.{name}"
     exchange = open_exchange(compressor, _communicator(), key)
     exchange.add(name, tensor)
-    if exchange.only_dense:
+    seen = (name, tuple(tensor.shape), tensor.dtype)
+    first = seen not in calls.checked
+    if first:
+        calls.checked.add(seen)
+    elif exchange.only_dense:
         return tensor, _Context()
+    check_only = first and exchange.only_dense
     exchange.launch(complete=False)  # ranks may compress in different orders: wait for no one here
-    _calls(compressor).pending.append(exchange)
-    return tensor.new_ones(1), _Context(tensor.dtype, name, exchange)
+    calls.pending.append(exchange)
+    return tensor.new_ones(1), _Context(tensor.dtype, name, exchange, check_only)
 
 
 def decompress(compressor: Any, output: Any, ctx: _Context):
@@ -210,8 +230,12 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         reduced = calls.reductions[ctx.name] = float(output.reshape(-1)[0])
     divisor = world / reduced  # N for op=Average, 1 for op=Sum
     if divisor == world:
-        return ctx.exchange.finish(average=True)[ctx.name]
-    return (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
+        result = ctx.exchange.finish(average=True)[ctx.name]
+    else:
+        result = (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
+    if ctx.check_only:  # a dense tensor keeps no plan: Horovod's allreduce moves it from now on
+        getattr(compressor, "_buckets", {}).pop(f"hvd_compress.{ctx.name}", None)
+    return result
 
 
 # Every compressor's Horovod ``compress``/``decompress`` runs through this module.

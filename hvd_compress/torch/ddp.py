@@ -22,8 +22,16 @@ builds (the same on every rank). The exchange sees a bucket's parameters in
 that first order: DDP reordering a bucket after the first iteration changes
 nothing for the compressor; moving parameters between buckets costs a new plan
 and one more header check, and the residuals, keyed by name, move with them.
+
+Sparse gradients (``nn.Embedding(sparse=True)``): DDP gives such a parameter a
+bucket of its own whose ``buffer()`` is the sparse gradient (``gradients()`` is
+empty) and copies the hook's result into it, so the result must be sparse too.
+The hook densifies the gradient, compresses it like any other (with a warning
+once per parameter, as the drop-in optimizer does) and returns the average as a
+sparse tensor holding every row. Zero-size parameters are an empty dense part.
 """
 
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -42,7 +50,7 @@ class CompressionState:
     :meth:`state_dict` / :meth:`load_state_dict` are the compressor's.
     """
 
-    __slots__ = ("compressor", "process_group", "_names", "_order", "_comm")
+    __slots__ = ("compressor", "process_group", "_names", "_order", "_comm", "_warned_sparse")
 
     def __init__(
         self,
@@ -59,6 +67,7 @@ class CompressionState:
         self._names: Dict[int, str] = {id(p): n for n, p in named}
         self._order: Dict[int, int] = {id(p): i for i, (_, p) in enumerate(named)}
         self._comm: Optional[TorchDistCommunicator] = None
+        self._warned_sparse: set = set()
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"compressor": self.compressor}  # no process group; per-process bookkeeping is rebuilt
@@ -93,6 +102,24 @@ class CompressionState:
             named.append((self._order[id(p)], position, self._names[id(p)]))
         return [(position, name) for _, position, name in sorted(named)]
 
+    def densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once."""
+        if name not in self._warned_sparse:
+            self._warned_sparse.add(name)
+            warnings.warn(
+                f"hvd_compress: parameter '{name}' has a sparse gradient; ddp_hook exchanges it dense "
+                f"(compressed like any other) and returns it as a sparse tensor of every row. Use "
+                f"sparse=False to silence this",
+                stacklevel=3,
+            )
+        return grad.to_dense()
+
+
+def _every_row(dense: torch.Tensor) -> torch.Tensor:
+    """``dense`` as a sparse COO tensor of all its rows (what DDP copies into a sparse gradient)."""
+    rows = torch.arange(dense.shape[0], device=dense.device).unsqueeze(0)
+    return torch.sparse_coo_tensor(rows, dense, dense.shape, check_invariants=False, is_coalesced=True)
+
 
 def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: the bucket's gradient averaged over the group, compressed on the wire.
@@ -103,6 +130,9 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
     comm = state.communicator()
     named = state.names(bucket)
     gradients = bucket.gradients()
+    sparse = bucket.buffer().is_sparse  # a bucket of its own, gradients() empty (module docstring)
+    if sparse:
+        gradients = [state.densified(named[0][1], bucket.buffer())]
     exchange = open_exchange(state.compressor, comm, f"ddp.bucket{bucket.index()}")
     for position, name in named:
         exchange.add(name, gradients[position])
@@ -112,6 +142,8 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
 
     def decode(_: Any) -> torch.Tensor:
         results = exchange.finish(average=True)
+        if sparse:
+            return _every_row(results[named[0][1]])
         return torch.cat([results[name].reshape(-1) for name in in_bucket_order])
 
     return torch.futures.collect_all(futures).then(decode)

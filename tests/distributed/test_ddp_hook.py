@@ -8,8 +8,10 @@ float16), named ``ddp.bucket0.<position>`` from DDP's construction-time layout
 in reverse; each run records and checks both). Also: NaN
 gradients on one rank become non-finite gradients on every rank with nothing
 lost, another ratio on one rank makes every rank raise, and a checkpoint
-(pickle or state_dict) resumes bit for bit. One spawn runs it all (each start
-costs seconds).
+(pickle or state_dict) resumes bit for bit; GradScaler with an overflow on one rank
+skips exactly the steps DDP without a hook skips; ``nn.Embedding(sparse=True)``
+and a zero-size parameter train (the sparse gradient densified and compressed,
+mass conserved). One spawn runs it all (each start costs seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import pickle
 import socket
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -33,7 +36,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 import torch.multiprocessing as mp  # noqa: E402
 
-from hvd_compress import Compression, RegTopK  # noqa: E402
+from hvd_compress import Compression, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress import wire  # noqa: E402
 from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
@@ -120,6 +123,94 @@ def train(rank, variant, steps, start=0, params=None, state=None, wire=None, lay
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, state, per_step
 
 
+def replicas_agree(model: torch.nn.Module) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    others = [torch.empty_like(flat) for _ in range(RANKS)]
+    dist.all_gather(others, flat)
+    return all(torch.equal(other, flat) for other in others)
+
+
+def scaled_training(rank: int, compression, inject: int = 2, steps: int = 5) -> dict:
+    """torch.amp.GradScaler over DDP (``compression`` None: no hook) with an overflow on rank 1 at
+    step ``inject``: which steps changed the weights, the scale after each, residuals finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if compression is not None:
+        ddp.register_comm_hook(CompressionState(compression, named_parameters=model.named_parameters()), ddp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    stepped, scales = [], []
+    generator = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=generator)
+        if step == inject and rank == 1:
+            x[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer.zero_grad()
+        scaler.scale(ddp(x).square().mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped.append(any(not torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        scales.append(scaler.get_scale())
+    residuals = [] if compression is None else [compression.residual(n) for n, _ in model.named_parameters()]
+    assert replicas_agree(model), f"{compression!r}: replicas diverged"
+    return {"stepped": stepped, "scales": scales,
+            "residuals_finite": all(r is None or bool(torch.isfinite(r).all()) for r in residuals)}
+
+
+class Odd(torch.nn.Module):
+    """A sparse-gradient embedding, a zero-size parameter and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(50, 8, sparse=True)
+        self.empty = torch.nn.Parameter(torch.zeros(0, 3))
+        self.out = torch.nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embedding(tokens)).sum() + self.empty.sum()
+
+
+def sparse_training(rank: int, compression, steps: int = 2) -> dict:
+    """DDP (``compression`` None: no hook) of :class:`Odd`: how far the embedding moved, the
+    gradient's layout, the warnings, and Top-k's conservation of mass over the steps: sum over
+    ranks of the produced gradients == N * (what reached the weights) + sum of the residuals."""
+    model = Odd()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    if compression is not None:
+        ddp.register_comm_hook(CompressionState(compression, named_parameters=model.named_parameters()), ddp_hook)
+    initial = model.embedding.weight.detach().clone()
+    produced = torch.zeros_like(initial)
+    generator = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            ddp.zero_grad()
+            tokens = torch.randint(0, 50, (6,), generator=generator)
+            model(tokens).backward()  # the local gradient, as DDP's backward produces it
+            produced += model.embedding.weight.grad.to_dense()
+            ddp.zero_grad()
+            before = model.embedding.weight.detach().clone()
+            ddp(tokens).backward()
+            layout = str(model.embedding.weight.grad.layout)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= LR * p.grad
+            assert model.empty.grad is not None and model.empty.grad.shape == (0, 3)
+    assert replicas_agree(model), f"{compression!r}: replicas diverged"
+    result = {"moved": float((model.embedding.weight - before).abs().max()), "layout": layout,
+              "warnings": [str(w.message) for w in caught if "hvd_compress" in str(w.message)]}
+    if isinstance(compression, TopK):
+        reached = (initial - model.embedding.weight.detach()) / LR * RANKS
+        kept = compression.residual("embedding.weight").clone()
+        dist.all_reduce(produced)
+        dist.all_reduce(kept)
+        result["conservation"] = float((produced - reached - kept).abs().max())
+    return result
+
+
 def job(rank: int, out: Path) -> None:
     """Every training run, then the misconfigured one, which must raise on every rank."""
     wire = Wire()
@@ -165,6 +256,15 @@ def job(rank: int, out: Path) -> None:
                 if state.compressor.residual(n) is not None
             }
         result["nan"][variant] = record
+    result["amp"] = {"dense": scaled_training(rank, None)}
+    for make in (lambda: TopK(0.1, dense_below=0), lambda: RegTopK(0.1, dense_below=0),
+                 lambda: TernGrad(dense_below=0, error_feedback=True)):
+        compression = make()
+        result["amp"][type(compression).__name__] = scaled_training(rank, compression)
+    result["sparse"] = {}
+    for make in (lambda: None, NoneCompressor, lambda: TopK(0.1, dense_below=0), lambda: TernGrad(dense_below=0)):
+        compression = make()
+        result["sparse"][type(compression).__name__] = sparse_training(rank, compression)
     torch.save(result, out / f"rank{rank}.pt")
 
     model = torch.nn.parallel.DistributedDataParallel(make_model())
@@ -300,6 +400,34 @@ def test_nan_gradient_on_one_rank_is_nonfinite_on_every_rank_and_loses_nothing(t
         for name, residual in record["residuals1"].items():
             assert torch.equal(residual, record["residuals0"][name]), name
             assert bool(torch.isfinite(residual).all()), name
+
+
+def test_grad_scaler_skips_exactly_the_steps_ddp_without_hook_skips(trained):
+    """An overflow injected on rank 1 at step 3: Top-k, RegTop-k and TernGrad (error feedback)
+    skip that step on every rank as plain DDP does, halve the scale as it does, train on
+    afterwards, and keep every residual finite."""
+    for rank, result in enumerate(trained):
+        runs = result["amp"]
+        assert runs["dense"]["stepped"] == [True, True, False, True, True], runs["dense"]
+        for name in ("TopK", "RegTopK", "TernGrad"):
+            run = runs[name]
+            assert run["stepped"] == runs["dense"]["stepped"] and run["scales"] == runs["dense"]["scales"], (
+                rank, name, run)
+            assert run["residuals_finite"], (rank, name)
+
+
+def test_sparse_embedding_and_zero_size_parameter_train_and_conserve_mass(trained):
+    """nn.Embedding(sparse=True): DDP hands the hook a bucket whose buffer() is the sparse gradient;
+    the hook compresses it dense (one warning, on the first step) and returns a sparse gradient, as
+    DDP requires; the zero-size parameter passes; Top-k conserves the gradient's mass."""
+    for rank, result in enumerate(trained):
+        runs = result["sparse"]
+        assert set(runs) == {"NoneType", "NoneCompressor", "TopK", "TernGrad"}
+        for name, run in runs.items():
+            assert run["moved"] > 0 and run["layout"] == "torch.sparse_coo", (rank, name, run)
+            if name != "NoneType":
+                assert len(run["warnings"]) == 1 and "'embedding.weight' has a sparse gradient" in run["warnings"][0]
+        assert runs["TopK"]["conservation"] < 1e-5, runs["TopK"]
 
 
 @pytest.mark.parametrize("variant, how", RESUMED)

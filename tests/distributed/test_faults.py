@@ -11,8 +11,9 @@ from tests.distributed.launch import output, require_horovod_torch, require_mpi,
 require_horovod_torch()
 
 # error cases last: each ends mid-step (every rank raises at the same point)
+MISMATCHED = ["terngrad", "fp16", "none"]
 CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank",
-         "transposed_parameter"]
+         "transposed_parameter"] + [f"mismatched_compressor_{other}" for other in MISMATCHED]
 
 
 def results(kind, tmp_path):
@@ -91,3 +92,16 @@ def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):
                 run = runs[f"{route}_{name}"]
                 assert run["stepped"] == dense["stepped"] and run["scales"] == dense["scales"], (route, name, run)
                 assert run["residuals_finite"], (route, name)
+
+
+@pytest.mark.parametrize("other, name", [("terngrad", "TernGrad"), ("fp16", "FP16"), ("none", "NoneCompressor")])
+def test_stock_horovod_ranks_running_different_compressors_fail_with_our_error(ranks, other, name):
+    """Rank 0 Top-k, rank 1 another compressor on stock horovod.torch: every rank raises, within
+    30 s, our error naming both compressors (not Horovod's shape or dtype mismatch)."""
+    cases = [result[f"mismatched_compressor_{other}"] for result in ranks]
+    errors = [case.get("error", "") for case in cases]
+    for rank, (case, error) in enumerate(zip(cases, errors)):
+        assert error.startswith("ValueError: hvd_compress: ranks disagree on 'hvd_compress.mismatch_"), errors
+        assert f"ranks run different compressors: rank 0 TopK, rank 1 {name}" in error, errors
+        assert case["seconds"] < 30, (rank, case["seconds"])
+    assert "this rank runs TopK(" in errors[0] and f"this rank runs {name}(" in errors[1], errors
