@@ -25,6 +25,7 @@ from hvd_compress.compressors import (
     TopK,
 )
 from hvd_compress.comm.auto import Auto
+from hvd_compress.comm.nonfinite import NonFiniteGradientError
 
 
 # Registers the adapter that runs Horovod's compress/decompress for every compressor.
@@ -41,5 +42,6 @@ __all__ = [
     "NoneCompressor",
     "FP16",
     "Compression",
+    "NonFiniteGradientError",
     "__version__",
 ]

@@ -143,6 +143,7 @@ class InnerState(Compressor):
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
     seed = property(lambda self: self.inner.seed)
+    nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
 
     def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)

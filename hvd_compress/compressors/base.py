@@ -18,6 +18,7 @@ import numpy as np
 from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.residual import TensorMemory
+from hvd_compress.compressors.validation import check_nonfinite, checked
 
 
 def check_ratio(ratio: Any) -> float:
@@ -106,6 +107,12 @@ class Compressor:
     payload_kind = "dense"
     fused = False
     dense_wire_dtype: Optional[str] = None
+    nonfinite = checked(
+        "nonfinite", check_nonfinite,
+        "What a NaN/Inf gradient does: 'propagate' (default: non-finite result on every rank, as a dense "
+        "allreduce) or 'raise' (the routes that own the step raise NonFiniteGradientError on every rank).",
+    )
+    _nonfinite = "propagate"
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)
@@ -138,7 +145,7 @@ class Compressor:
 
     def config(self) -> Dict[str, Any]:
         """Type and parameters; ranks must agree on it."""
-        return {"type": type(self).__name__}
+        return {"type": type(self).__name__, **({"nonfinite": "raise"} if self.nonfinite == "raise" else {})}
 
     def config_hash(self) -> int:
         """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike.

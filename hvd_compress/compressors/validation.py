@@ -59,6 +59,18 @@ def check_positive(value: Any, name: str, allow_none: bool = False) -> Optional[
     return number
 
 
+#: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every
+#: rank, as in a dense allreduce) or ``"raise"`` (strict: every rank raises at that step).
+NONFINITE = ("propagate", "raise")
+
+
+def check_nonfinite(value: Any, name: str) -> str:
+    """``value`` if it is one of :data:`NONFINITE`."""
+    if value not in NONFINITE:
+        raise ValueError(f"hvd_compress: {name} must be one of {NONFINITE}, got {_got(value)}")
+    return value
+
+
 def check_gaussiank_ratio(ratio: float) -> float:
     """A ratio (already in (0, 1]) for which Gaussian-k's threshold is finite: ``>= 1e-323``."""
     try:

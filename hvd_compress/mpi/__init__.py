@@ -63,11 +63,13 @@ def DistributedOptimizer(
     op: Any = None,
     bucket_cap_mb: float = 25.0,
     comm: Any = None,
+    nonfinite: Optional[str] = None,
 ):
     """``hvd_compress.torch.DistributedOptimizer`` whose collectives go through mpi4py.
 
     ``op``: ``"average"`` (default, also ``None``) or ``"sum"``. ``comm``: an
     mpi4py communicator or any :class:`Communicator` (default ``COMM_WORLD``).
+    ``nonfinite``: as the torch optimizer's (``"raise"``: strict mode).
     """
     from hvd_compress.torch.optimizer import DistributedOptimizer as _torch_optimizer  # torch only here
 
@@ -81,6 +83,7 @@ def DistributedOptimizer(
         op=op,
         bucket_cap_mb=bucket_cap_mb,
         communicator=communicator(comm),
+        nonfinite=nonfinite,
     )
 
 

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
+from hvd_compress.comm.nonfinite import raise_if_nonfinite
 from hvd_compress.compressors import Compressor, as_compressor
 
 
@@ -169,9 +170,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(bucket)
         for exchange in self._in_flight.values():  # before any finish: ranks may differ in launch order
             exchange.complete()
-        grads, results = [], []
+        grads, results, exchanged = [], [], {}
         for bucket in range(len(self._buckets)):
             for name, result in self._in_flight.pop(bucket).finish(self._average).items():
+                exchanged[name] = result
                 p = self._params[name]
                 if self._predivide != 1.0:
                     result = result * self._predivide
@@ -185,6 +187,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ready = [set() for _ in self._buckets]
         self._delay = {n: self._passes for n in self._params}
         self._synchronized = True
+        if self._compression.nonfinite == "raise":
+            self._synchronized = False  # the step is not taken; the next backward starts afresh
+            raise_if_nonfinite(exchanged)
+            self._synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -239,15 +245,21 @@ def DistributedOptimizer(
     gradient_predivide_factor: float = 1.0,
     bucket_cap_mb: float = 25.0,
     communicator: Any = None,
+    nonfinite: Optional[str] = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` uses the compressed average of all ranks' gradients.
 
     Arguments as ``horovod.torch.DistributedOptimizer``; in addition ``bucket_cap_mb``
-    (gradient bytes per fused bucket) and ``communicator`` (default: Horovod's;
-    any :class:`~hvd_compress.comm.communicator.Communicator`). ``compression``
-    is one of our compressors (default: none).
+    (gradient bytes per fused bucket), ``communicator`` (default: Horovod's;
+    any :class:`~hvd_compress.comm.communicator.Communicator`) and ``nonfinite``
+    (``"raise"``: :class:`~hvd_compress.comm.nonfinite.NonFiniteGradientError` on every
+    rank at a step whose gradients hold NaN/Inf, one host read per step; default: the
+    compressor's ``nonfinite``, ``"propagate"``: NaN/Inf reach every rank's gradient as
+    in a dense allreduce). ``compression`` is one of our compressors (default: none).
     """
     compression = as_compressor(compression)
+    if nonfinite is not None:
+        compression.nonfinite = nonfinite  # in its configuration: ranks that disagree stop at once
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))
     return cls(
         optimizer.param_groups,
