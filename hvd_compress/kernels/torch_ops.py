@@ -316,9 +316,10 @@ def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
 
 def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     """First Gaussian-k threshold of every row of a 2-D ``rows``, float64, on the device:
-    ``|mean| + std * Phi^-1(1 - ratio / 2)``, the moments taken in float64 as the reference does."""
-    std, mean = torch.std_mean(rows.to(torch.float64), dim=1, correction=0)
-    return mean.abs_().add_(std.mul_(normal_tail_quantile(ratio)))
+    ``|mean| + std * Phi^-1(1 - ratio / 2)``, the moments reduced in ``rows``' dtype (the
+    reference's float64 moments agree within rounding)."""
+    std, mean = torch.std_mean(rows, dim=1, correction=0)
+    return mean.double().abs_().add_(std.double().mul_(normal_tail_quantile(ratio)))
 
 
 def gaussiank_rows(
@@ -327,22 +328,28 @@ def gaussiank_rows(
     """:func:`gaussiank_select` of every row of ``a`` (``magnitude = |a|``), in ``gaussiank_slots(k)``
     columns per row: int64 ``(rows, slots)``, ascending, unused slots holding ``n`` (one past the row).
 
-    The correction rounds of every row run at once on the device, each row's state
-    (threshold, done, the smallest superset above ``4k/3``) kept in tensors, so no
-    count is read back: the three evaluations always run (rows already in range keep
-    their choice). A row that ends trimmed takes the ``k`` largest ``|a_j|``, which are
-    the ``k`` largest of any superset above ``4k/3``; on an accelerator they are computed
-    for every row (to be ready without a host read), on CPU only for rows that need them
-    (one host read; ``read_back`` overrides the choice). The chosen set never exceeds
-    ``floor(4k/3)`` entries.
+    On an accelerator (``read_back=False``) nothing is read back: the correction rounds
+    of every row run at once, each row's state (threshold, done, whether a superset
+    above ``4k/3`` was seen) kept in tensors, and all three evaluations always run
+    (rows already in range keep their choice). A row that ends trimmed takes its ``k``
+    largest ``|a_j|`` (the ``k`` largest of any superset above ``4k/3``), computed for
+    every row so as to be ready without a host read; a scan of the mask puts the chosen
+    entries in their slots. On CPU (``read_back=True``, the default there) reads cost
+    nothing: each row goes through :func:`gaussiank_select`, which stops at the first
+    threshold in range and trims only the superset.
     """
     rows, n = a.shape
     slots = gaussiank_slots(k)
+    out = torch.full((rows, slots + 1), n, dtype=torch.int64, device=a.device)
+    if a.device.type == "cpu" if read_back is None else read_back:
+        for row in range(rows):
+            chosen = gaussiank_select(a[row], ratio)
+            out[row, : chosen.shape[0]] = chosen
+        return out[:, :slots]
     threshold = gaussiank_thresholds(a, ratio)
     final, last = threshold.clone(), threshold.clone()
     done = torch.zeros(rows, dtype=torch.bool, device=a.device)
     superset = torch.zeros(rows, dtype=torch.bool, device=a.device)
-    superset_count = torch.full((rows,), n + 1, dtype=torch.int64, device=a.device)
     for _ in range(GAUSSIANK_ROUNDS):
         count = torch.gt(magnitude, cast(threshold, a.dtype)[:, None]).sum(dim=1)
         active, below, above = ~done, count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
@@ -350,25 +357,16 @@ def gaussiank_rows(
         final = torch.where(landed, threshold, final)
         done |= landed
         active &= ~landed
-        smaller = active & above & (count < superset_count)
-        superset_count = torch.where(smaller, count, superset_count)
-        superset |= smaller
+        superset |= active & above
         last = torch.where(active, threshold, last)
         step = torch.where(below, GAUSSIANK_SHRINK, GAUSSIANK_GROW).to(torch.float64)
         threshold = torch.where(active, threshold * step, threshold)
     trim = ~done & superset
-    chosen = torch.where(done, final, torch.where(trim, torch.inf, last))
-    mask = torch.gt(magnitude, cast(chosen, a.dtype)[:, None])
-    if (a.device.type == "cpu") if read_back is None else read_back:
-        trimmed = torch.nonzero(trim).flatten()
-        if trimmed.shape[0]:
-            mask[trimmed] = mask[trimmed].scatter_(1, topk_rows(magnitude[trimmed], k), True)
-    else:
-        top = topk_rows(magnitude, k)
-        mask.scatter_(1, top, mask.gather(1, top) | trim[:, None])
+    mask = torch.gt(magnitude, cast(torch.where(done, final, torch.where(trim, torch.inf, last)), a.dtype)[:, None])
+    top = topk_rows(magnitude, k)
+    mask.scatter_(1, top, mask.gather(1, top) | trim[:, None])
     position = torch.where(mask, mask.cumsum(dim=1) - 1, slots)
     columns = torch.arange(n, device=a.device).expand(rows, n)
-    out = torch.full((rows, slots + 1), n, dtype=torch.int64, device=a.device)
     return out.scatter_(1, position, columns)[:, :slots]
 
 
@@ -405,11 +403,14 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
         hits = found[threshold][0]
         return _flatnonzero(hits) if hits.dtype == torch.bool else hits
 
+    threshold = gaussiank_threshold(a, ratio)
+    if threshold != threshold:  # NaN/Inf in a: no threshold selects anything, as in the reference
+        return torch.empty(0, dtype=index_dtype(a.shape[0]), device=a.device)
     selected = gaussiank_correct(
         count,
         select,
         lambda superset: superset[topk_indices(magnitude[superset], k).long()],
-        gaussiank_threshold(a, ratio),
+        threshold,
         k,
     )
     return selected.to(index_dtype(a.shape[0]))
