@@ -41,6 +41,7 @@ from hvd_compress import wire  # noqa: E402
 from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
+from tests.distributed.faults_torch import Odd  # noqa: E402  (a sparse embedding, a zero-size parameter)
 
 RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
 BUCKET = "ddp.bucket0"
@@ -159,22 +160,8 @@ def scaled_training(rank: int, compression, inject: int = 2, steps: int = 5) -> 
             "residuals_finite": all(r is None or bool(torch.isfinite(r).all()) for r in residuals)}
 
 
-class Odd(torch.nn.Module):
-    """A sparse-gradient embedding, a zero-size parameter and a linear layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embedding = torch.nn.Embedding(50, 8, sparse=True)
-        self.empty = torch.nn.Parameter(torch.zeros(0, 3))
-        self.out = torch.nn.Linear(8, 2)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.out(self.embedding(tokens)).sum() + self.empty.sum()
-
-
 def sparse_training(rank: int, compression, steps: int = 2) -> dict:
-    """DDP (``compression`` None: no hook) of :class:`Odd`: how far the embedding moved, the
+    """DDP (``compression`` None: no hook) of ``Odd``: how far the embedding moved, the
     gradient's layout, the warnings, and Top-k's conservation of mass over the steps: sum over
     ranks of the produced gradients == N * (what reached the weights) + sum of the residuals."""
     model = Odd()
@@ -371,7 +358,8 @@ def test_two_ranks_equal_simulator(trained, variant):
 
 
 def test_sparse_payloads_travel_sparse(trained):
-    """Fixed-size payloads: k values + k indices per compressed tensor, one NaN flag each; the
+    """Fixed-size payloads: k values + k indices per compressed tensor (Gaussian-k: floor(4k/3)
+    slots), one NaN flag each; the
     dense biases in one allreduce; the layout header only when the layout is new (step 1; DDP's
     rebuilt order from step 2 is not a new layout for the exchange)."""
     sizes = [p.numel() for p in make_model().parameters()]
@@ -381,12 +369,15 @@ def test_sparse_payloads_travel_sparse(trained):
     header = 2 * 8  # [config hash, layout hash] as int64
     dense = 4 * (numel - sum(compressed))
     payload = dense + 4 * (k + len(compressed)) + 4 * k
+    slots = sum(reference.gaussiank_slots(reference.num_selected(n, RATIO)) for n in compressed)
+    padded = dense + 4 * (slots + len(compressed)) + 4 * slots
     for result in trained:
         assert result["topk"]["bytes"] == [header + payload] + [payload] * (STEPS - 1)
         assert result["regtopk"]["bytes"] == [header + payload] + [payload] * (STEPS - 1)
         assert result["none"]["bytes"] == [header + 4 * numel] + [4 * numel] * (STEPS - 1)
-        assert result["gaussiank"]["alltoall"] > 0  # counts differed: the uneven path ran
-        assert all(b < numel for b in result["gaussiank"]["bytes"])
+        # Gaussian-k: floor(4k/3) slots per tensor, whatever the counts, so no uneven allgather
+        assert result["gaussiank"]["bytes"] == [header + padded] + [padded] * (STEPS - 1)
+        assert result["gaussiank"]["alltoall"] == 0
 
 
 @pytest.mark.parametrize("variant", ["topk", "regtopk", "terngrad", "fp16"])

@@ -147,10 +147,12 @@ def test_op_sum_equals_average_of_scaled_loss(tmp_path):
 
 @pytest.mark.parametrize(
     "compression, extra, message",
-    # A NaN gradient raises on the per-tensor path (Gaussian-k); the fused path (Top-k) carries it
-    # to every rank's result instead, as a dense allreduce does (tests/comm/test_fused.py).
-    [("topk", ("--rank1-ratio", "0.2"), "ranks disagree"), ("gaussiank", ("--rank1-nan",), "NaN/Inf")],
-    ids=["mismatched-ratio", "nan-gradient"],
+    # A NaN gradient on rank 1 with the drop-in's strict mode: every rank raises at that step.
+    [
+        ("topk", ("--rank1-ratio", "0.2"), "ranks disagree"),
+        ("gaussiank", ("--rank1-nan", "--path", "dropin", "--nonfinite", "raise"), "nonfinite='raise'"),
+    ],
+    ids=["mismatched-ratio", "nan-gradient-strict"],
 )
 def test_bad_configuration_fails_fast_with_a_clear_error(compression, extra, message, tmp_path):
     start = time.monotonic()
@@ -172,6 +174,5 @@ def test_bad_configuration_fails_fast_with_a_clear_error(compression, extra, mes
     assert done.returncode != 0
     assert message in output, output[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
-    if message == "ranks disagree":  # a collective check: every rank must report it
-        for rank in (0, 1):
-            assert message in (tmp_path / f"x.npz.error.{rank}").read_text()
+    for rank in (0, 1):  # a collective check: every rank must report it
+        assert message in (tmp_path / f"x.npz.error.{rank}").read_text()

@@ -137,6 +137,7 @@ def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace)
     compression = compressor(name)
     if hvd.rank() == 1 and args.rank1_ratio is not None:
         compression.ratio = args.rank1_ratio
+    compression.nonfinite = args.nonfinite
     optimizer = make_optimizer(model, compression, args)
     data = batches(hvd.rank(), steps * args.passes)
     counter.bytes = 0
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
+    parser.add_argument("--nonfinite", choices=["propagate", "raise"], default="propagate")
     args = parser.parse_args()
     hvd.init()
     counter = ByteCounter()
@@ -178,9 +180,9 @@ def main() -> None:
     for name in args.compression:
         try:
             trained = train(name, args.steps, counter, args)
-        except ValueError as error:
+        except (ValueError, FloatingPointError) as error:  # FloatingPointError: NonFiniteGradientError
             Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
-            if args.rank1_ratio is not None:
+            if args.rank1_ratio is not None or args.nonfinite == "raise":
                 hvd.barrier()  # every rank raised: let all of them report before the launcher ends the job
             raise
         for param, value in trained.items():
