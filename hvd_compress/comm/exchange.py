@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Tuple
 from hvd_compress.wire import (DensePayload, SparsePayload, TernaryPayload, different_algorithms, header_config,
                                header_hash)
 from hvd_compress.kernels import ops_for
+from hvd_compress.compressors.base import NonFiniteGradientError
 
 
 def elements(tensor: Any) -> int:
@@ -69,6 +70,7 @@ class BucketExchange:
         self.ops: Any = None
         self.fused: Any = None  # the step of a fused bucket, once launched
         self.resume: Any = None  # what launch left for complete()
+        self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
 
     def add(self, name: str, tensor: Any) -> None:
         """Add one gradient of the bucket (encoded by ``launch``)."""
@@ -92,16 +94,40 @@ class BucketExchange:
                 flat = self.ops.reshape(tensor, (-1,))
                 self.dense.append((name, DensePayload(values=flat, dtype=flat.dtype)))
                 continue
-            if self.compressor.payload_kind == "ternary":
-                scale = self.compressor.local_scale(tensor, name)
-                if scale is not None:
-                    self.ternary.append((name, tensor, scale))
-                    continue
-            payload = self.compressor.encode(tensor, name)
+            try:
+                if self.compressor.payload_kind == "ternary":
+                    scale = self.compressor.local_scale(tensor, name)
+                    if scale is not None:
+                        self.ternary.append((name, tensor, scale))
+                        continue
+                payload = self.compressor.encode(tensor, name)
+            except NonFiniteGradientError:
+                self._add_nonfinite(name, tensor)
+                continue
             if isinstance(payload, SparsePayload):
                 self.sparse.append((name, payload))
             else:
                 self.dense.append((name, payload))
+
+    def _add_nonfinite(self, name: str, tensor: Any) -> None:
+        """A NaN/Inf gradient on this rank: nothing is encoded (its state stays as it was), and every
+        rank's result becomes non-finite, as in a dense allreduce. Dense tensors carry the NaN/Inf
+        through the sum; a sparse one sends no entries and the count -1 in the header; TernGrad
+        sends the scale Inf (the shared Max is then Inf: ``0 * Inf = NaN`` everywhere)."""
+        ops = self.ops
+        flat = ops.reshape(tensor, (-1,))
+        numel = flat.shape[0]
+        self.nonfinite.add(name)
+        kind = self.compressor.fused_kind(numel)
+        if kind == "sparse":
+            indices = ops.cast(ops.as_int64([], like=flat), ops.index_dtype(numel))
+            self.sparse.append((name, SparsePayload(values=flat[:0], indices=indices, numel=numel)))
+        elif kind == "ternary":
+            self.ternary.append((name, tensor, float("inf")))
+        else:
+            wire = self.compressor.dense_wire_dtype
+            values = flat if wire is None else ops.cast(flat, ops.float16)
+            self.dense.append((name, DensePayload(values=values, dtype=flat.dtype)))
 
     # ------------------------------------------------------------------ launch
     def launch(self, complete: bool = True) -> None:
@@ -126,7 +152,7 @@ class BucketExchange:
         layout += [(n, self.shapes[n], "sparse") for n, _ in self.sparse]
         layout += [(n, self.shapes[n], "ternary") for n, _, _ in self.ternary]
         signature = header_hash(layout)
-        counts = [p.values.shape[0] for _, p in self.sparse]
+        counts = [-1 if n in self.nonfinite else p.values.shape[0] for n, p in self.sparse]
         config = header_config(type(self.compressor).__name__, self.compressor.config_hash())
         header = ops.as_int64([[config, signature, *counts]], like=self._any_tensor())
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
@@ -136,7 +162,7 @@ class BucketExchange:
             flat = ops.concat([ops.reshape(p.values, (-1,)) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
         if self.sparse:
-            rows = None if self.rows is None else [sum(row[2:]) for row in self.rows]
+            rows = None if self.rows is None else [sum(max(c, 0) for c in row[2:]) for row in self.rows]
             self.handles["indices"] = comm.allgather_async(
                 ops.concat([p.indices for _, p in self.sparse]), f"{key}.indices", rows
             )
@@ -219,16 +245,33 @@ class BucketExchange:
         ops = self.ops
         indices = self.comm.wait(self.handles["indices"])
         values = self.comm.wait(self.handles["values"])
-        per_rank = [row[2:] for row in self.rows]
+        per_rank = [[max(c, 0) for c in row[2:]] for row in self.rows]
+        flagged = [any(row[2 + j] < 0 for row in self.rows) for j in range(len(self.sparse))]
         totals = [sum(counts) for counts in per_rank]
         by_tensor: List[List[SparsePayload]] = [[] for _ in self.sparse]
         for counts, v, i in zip(per_rank, ops.split(values, totals), ops.split(indices, totals)):
             for j, (seg_v, seg_i) in enumerate(zip(ops.split(v, counts), ops.split(i, counts))):
                 by_tensor[j].append(SparsePayload(seg_v, seg_i, self.sparse[j][1].numel))
-        return {
-            name: self.compressor.decode(payloads, self.shapes[name], average=self.average, name=name)
-            for (name, _), payloads in zip(self.sparse, by_tensor)
-        }
+        results = {}
+        for (name, payload), payloads, bad in zip(self.sparse, by_tensor, flagged):
+            if bad:
+                results[name] = self._nonfinite_result(name, payload)
+            else:
+                results[name] = self.compressor.decode(payloads, self.shapes[name], average=self.average, name=name)
+        return results
+
+    def _nonfinite_result(self, name: str, sent: SparsePayload) -> Any:
+        """NaN for a sparse tensor that was non-finite on some rank. A rank that encoded it takes
+        back what it sent and the step's gradient, so its residual is as before the step."""
+        ops, numel = self.ops, sent.numel
+        residual = self.compressor.memory.peek(name, "residual")
+        if name not in self.nonfinite and residual is not None:
+            flat = ops.reshape(residual, (-1,))
+            returned = ops.cast(ops.sparse_sum([sent.indices], [sent.values], numel), flat.dtype)
+            gradient = ops.cast(ops.reshape(dict(self.added)[name], (-1,)), flat.dtype)
+            self.compressor.memory.set(name, "residual", flat + returned - gradient)
+        nan = ops.full(numel, float("nan"), sent.values, ops.accumulation_dtype(sent.values.dtype))
+        return self._result(name, nan, sent.values.dtype)
 
     def _launch_ternary_codes(self) -> None:
         """Shared scales: wait for their Max, encode with them, start the code sum (or 2-bit gather)."""
@@ -236,7 +279,10 @@ class BucketExchange:
         if self.rows is None:  # agree on the layout before waiting for the scales
             self._check_header()
         self.shared = ops.to_list(comm.wait(self.handles["scales"]))
-        self.payloads = [tern.encode(t, name, scale=s) for (name, t, _), s in zip(self.ternary, self.shared)]
+        self.payloads = [
+            tern.encode(t, name, scale=s) if s < float("inf") else tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, True)
+            for (name, t, _), s in zip(self.ternary, self.shared)
+        ]
         for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):
             wires = [tern.wire_tensor(p, ops) for p in self.payloads if p.wire_format == fmt]
             if not wires:
@@ -250,7 +296,10 @@ class BucketExchange:
     def _launch_two_bit_codes(self) -> None:
         """Each rank's own scale: allgather of the 2-bit codes."""
         ops, tern = self.ops, self.compressor
-        self.payloads = [tern.encode(t, name) for name, t, _ in self.ternary]
+        self.payloads = [
+            tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, False) if name in self.nonfinite else tern.encode(t, name)
+            for name, t, _ in self.ternary
+        ]
         self.packed = [ops.pack_two_bit(p.codes) for p in self.payloads]
         self.handles["codes2bit"] = self.comm.allgather_async(ops.concat(self.packed), f"{self.key}.codes2bit")
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-
-class NonFiniteGradientError(FloatingPointError):
-    """Raised on every rank by ``nonfinite="raise"`` when exchanged gradients hold NaN/Inf."""
+from hvd_compress.compressors.base import NonFiniteGradientError
 
 
 def raise_if_nonfinite(results: Mapping[str, Any]) -> None:

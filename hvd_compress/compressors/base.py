@@ -38,6 +38,10 @@ def as_tensor(tensor: Any) -> Any:
     return tensor
 
 
+class NonFiniteGradientError(ValueError, FloatingPointError):
+    """A gradient (or, with ``nonfinite="raise"``, an exchanged gradient) holds NaN/Inf."""
+
+
 def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
     """Reject what no compressor can handle, naming the tensor."""
     if not ops.is_floating(flat):
@@ -49,7 +53,7 @@ def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
         raise ValueError(f"hvd_compress: {who} cannot compress '{name}': the tensor is empty")
     bad = ops.count_nonfinite(flat)
     if bad:
-        raise ValueError(
+        raise NonFiniteGradientError(
             f"hvd_compress: gradient '{name}' has {bad} NaN/Inf of {flat.shape[0]} entries; "
             f"{who} cannot compress it (lower the learning rate or loss scale, or skip the step)"
         )

@@ -118,6 +118,19 @@ class TernGrad(Compressor):
             dtype=flat.dtype,
         )
 
+    def nonfinite_payload(self, flat: Any, ops: Any, shared: bool) -> TernaryPayload:
+        """What a rank sends for a tensor that is non-finite on some rank: zero codes and the
+        scale Inf, so that every rank decodes ``0 * Inf = NaN``; no state changes (the residual
+        keeps its value from before the step)."""
+        zeros = ops.zeros_like(flat)
+        return TernaryPayload(
+            codes=ops.terngrad_codes(zeros, 0.0, zeros),
+            scale=float("inf"),
+            world_size=self.size,
+            shared_scale=shared,
+            dtype=flat.dtype,
+        )
+
     def _sum(self, payloads: List[Any], numel: int, ops: Any):
         if all(isinstance(p, DensePayload) for p in payloads):
             return dense_sum(payloads, numel, ops)

@@ -106,10 +106,11 @@ def test_mismatched_ratio_fails_on_every_rank(path, tmp_path):
         assert "ranks disagree" in error.read_text()
 
 
-def test_nan_gradient_on_one_rank_stops_the_job_quickly(tmp_path):
+def test_nan_gradient_on_one_rank_reaches_every_rank_as_in_a_dense_allreduce(tmp_path):
+    """Rank 1's NaN data: no rank raises or hangs, and the NaN reaches the weights of every rank
+    (rank 0 writes its own, which only a NaN gradient from rank 1 can have made non-finite)."""
     started = time.monotonic()
-    done, out = run_workload("tape-dropin", ["regtopk"], tmp_path, "--rank1-nan", expect_success=False)
-    assert done.returncode != 0
+    result = run_workload("tape-dropin", ["regtopk"], tmp_path, "--rank1-nan")
     assert time.monotonic() - started < 120, "the job hung after a NaN gradient"
-    error = out.parent / f"{out.name}.error.1"
-    assert error.exists() and "NaN/Inf" in error.read_text(), launch.output(done)
+    weights = [result[key] for key in result.files if key.startswith("regtopk/")]
+    assert weights and any(not np.isfinite(w).all() for w in weights), sorted(result.files)

@@ -1,0 +1,73 @@
+"""NaN/Inf on the per-tensor exchange (numpy and TensorFlow tensors): as in a dense allreduce.
+
+A NaN gradient on rank 1 makes that tensor non-finite in every rank's result and
+leaves the other tensors finite; no rank raises; every residual stays finite and
+equal to its value before the step (within float32 rounding: the rank that encoded
+the tensor takes back what it sent and the step's gradient); the next step trains
+normally and equals a run in which the NaN step never happened for that tensor's
+residual. Checked over thread ranks, which run the real exchange.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
+from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.threads import run_ranks
+
+SHAPES = {"a": (40, 50), "b": (7,), "c": (3000,)}
+COMPRESSORS = {
+    "topk": lambda: TopK(0.05),
+    "gaussiank": lambda: GaussianK(0.05),
+    "regtopk": lambda: RegTopK(0.05),
+    "terngrad": lambda: TernGrad(error_feedback=True, seed=3),
+    "terngrad-unshared": lambda: TernGrad(scalar_sharing=False, seed=3),
+    "fp16": FP16,
+    "none": NoneCompressor,
+}
+
+
+def gradients(rank: int, step: int, framework: str):
+    rng = np.random.default_rng(100 * rank + step)
+    grads = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+    if (rank, step) == (1, 1):
+        grads["a"][3, 4] = np.nan
+    if framework == "tf":
+        tf = pytest.importorskip("tensorflow")
+        return {name: tf.constant(g) for name, g in grads.items()}
+    return grads
+
+
+def steps(comm, make, framework, count=3):
+    compressor, out = make(), []
+    for step in range(count):
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in gradients(comm.rank, step, framework).items():
+            exchange.add(name, g)
+        exchange.launch()
+        results = exchange.finish(average=True)
+        out.append({name: np.asarray(t) for name, t in results.items()})
+        out[-1]["residuals"] = {n: None if compressor.residual(n) is None else np.asarray(compressor.residual(n))
+                                for n in SHAPES}
+    return out
+
+
+@pytest.mark.parametrize("framework", ["numpy", "tf"])
+@pytest.mark.parametrize("kind", COMPRESSORS)
+def test_nan_on_one_rank_is_nonfinite_on_every_rank_and_nothing_is_lost(kind, framework):
+    results = run_ranks(2, lambda comm: steps(comm, COMPRESSORS[kind], framework), timeout=60)
+    for rank, result in enumerate(results):
+        assert not np.isfinite(result[1]["a"]).all(), f"rank {rank}: 'a' should be non-finite"
+        for step in range(3):
+            for name in SHAPES:
+                if (step, name) != (1, "a"):
+                    assert np.isfinite(result[step][name]).all(), (rank, step, name)
+        before, after = result[0]["residuals"]["a"], result[1]["residuals"]["a"]
+        if before is not None:
+            np.testing.assert_allclose(after, before, rtol=0, atol=1e-5, err_msg=f"rank {rank}")
+        assert all(r is None or np.isfinite(r).all() for r in result[2]["residuals"].values())
+    for step in range(3):  # the same results on every rank
+        for name in SHAPES:
+            np.testing.assert_array_equal(results[0][step][name], results[1][step][name])
