@@ -11,8 +11,9 @@ compressor configuration, world size) and holds
   ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, whose
   tensors are laid out grouped by size so that each group of equal-size tensors
   is one ``(rows, n)`` matrix;
-- every size on the wire: ``k = ceil(ratio n)`` per tensor, so each rank sends
-  exactly ``K = sum k`` values and indices and no count is exchanged;
+- every size on the wire: ``k = ceil(ratio n)`` per tensor (Gaussian-k:
+  ``floor(4k/3)`` slots, unused ones padded), so each rank sends exactly
+  ``K = sum k`` values and indices and no count is exchanged;
 - the state: the compressed part's error-feedback residual as one flat buffer
   (in at least float32: a float16 gradient's residual cannot overflow; values
   travel in the gradient's dtype, saturated, the rest stays in the residual),
@@ -21,7 +22,7 @@ compressor configuration, world size) and holds
 Building it checks once that every rank agrees (an allgather of ``[config hash,
 layout hash]``, read on the host); afterwards a step reads nothing back:
 
-sparse (Top-k, RegTop-k), per bucket::
+sparse (Top-k, Gaussian-k, RegTop-k), per bucket::
 
     a = g + r                                   one cat, one add
     S = bucket_rows(a, score(a))                one top-k per size group (Gaussian-k:
