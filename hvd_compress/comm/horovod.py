@@ -21,7 +21,9 @@ placeholder. Otherwise a rank running Top-k would hand Horovod a one-element
 placeholder where a rank running None or FP16 hands it the gradient, and
 Horovod's own shape or dtype error would fire before ours; this way every rank
 exchanges the header of the same name and shape, and every rank raises ``ranks
-disagree`` naming its compressor (one more allgather per tensor, once).
+disagree`` naming its compressor (one more allgather per tensor, once). None
+and FP16 stop looking up names once one such check has passed: every rank then
+runs the same compressor, and Horovod's own checks cover the tensors.
 
 ``compress`` never waits for another rank: backward hooks and Horovod's
 filling-in of missing gradients call it in an order that may differ between
@@ -87,6 +89,8 @@ class _Calls:
     pending: List[BucketExchange] = field(default_factory=list)
     #: (name, shape, dtype) of the tensors whose header every rank has exchanged (module docstring)
     checked: set = field(default_factory=set)
+    #: a dense compressor (None, FP16) passed a header check: every rank runs the same one
+    agreed: bool = False
 
     def complete_pending(self) -> None:
         """Complete every exchange this step launched (see the module docstring)."""
@@ -184,8 +188,9 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
 
     calls = _calls(compressor)
     if compressor.payload_kind == "dense":  # None, FP16: Horovod's own allreduce moves it
-        name = name or parameter_name(tensor)  # no name (hvd.allreduce(compression=...)): no check
-        if name is None or (name, tuple(tensor.shape), tensor.dtype) in calls.checked:
+        if not calls.agreed:  # no name (hvd.allreduce(compression=...)): no check
+            name = name or parameter_name(tensor)
+        if calls.agreed or name is None or (name, tuple(tensor.shape), tensor.dtype) in calls.checked:
             wire = compressor.dense_wire_dtype
             numel, itemsize = tensor.numel(), tensor.element_size()
             compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
@@ -235,6 +240,7 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         result = (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
     if ctx.check_only:  # a dense tensor keeps no plan: Horovod's allreduce moves it from now on
         getattr(compressor, "_buckets", {}).pop(f"hvd_compress.{ctx.name}", None)
+        calls.agreed = compressor.payload_kind == "dense"
     return result
 
 
