@@ -126,7 +126,7 @@ class BucketExchange:
             self.ternary.append((name, tensor, float("inf")))
         else:
             wire = self.compressor.dense_wire_dtype
-            values = flat if wire is None else ops.cast(flat, ops.float16)
+            values = flat if wire is None else ops.cast(flat, getattr(ops, wire))
             self.dense.append((name, DensePayload(values=values, dtype=flat.dtype)))
 
     # ------------------------------------------------------------------ launch

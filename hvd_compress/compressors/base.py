@@ -306,12 +306,15 @@ class Compressor:
 
     # ------------------------------------------------------------ for subclasses
     def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        """``a = g + r``, the gradient plus its error-feedback residual, in the residual's dtype.
+        """``a = g + r``, the gradient plus its error-feedback residual, in the residual's dtype
+        (``g`` itself without ``error_feedback``).
 
         Residuals live in at least float32 (:func:`~hvd_compress.kernels.reference.accumulation_dtype`):
         a float16 gradient's residual would overflow past 65504 where the gradient does not.
         What is sent goes back to the gradient's dtype (``wire_dtype`` of the split).
         """
+        if not getattr(self, "error_feedback", False):
+            return flat
         acc = ops.accumulation_dtype(flat.dtype)
         residual = self.memory.get(name, "residual", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
         return ops.cast(flat, acc) + ops.cast(residual, acc)

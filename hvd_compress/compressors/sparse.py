@@ -115,7 +115,7 @@ class Sparsifier(Compressor):
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
         self.memory.track(name, shape)
-        a = self._compensated(flat, name, shape, ops) if self.error_feedback else flat
+        a = self._compensated(flat, name, shape, ops)
         if self.dense_is_cheaper(flat.shape[0]):
             return self._send_dense(a, flat.dtype, name, ops)
         indices = self._select(a, name, shape, ops)

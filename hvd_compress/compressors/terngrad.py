@@ -71,9 +71,6 @@ class TernGrad(Compressor):
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
     # ------------------------------------------------------------------ steps
-    def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        return super()._compensated(flat, name, shape, ops) if self.error_feedback else flat
-
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)
 
