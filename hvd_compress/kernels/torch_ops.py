@@ -11,7 +11,8 @@ back on an accelerator.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import contextlib
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +46,30 @@ _NUMPY_DTYPES = {
 
 float16 = torch.float16
 
+#: CPU tensors take the host's shortcuts (numpy's selection and buffers, a loop over rows
+#: with host reads, which cost nothing there); :func:`accelerator_path` turns them off.
+_host_shortcuts = True
+
+
+def on_host(a: torch.Tensor) -> bool:
+    """Whether ``a`` takes the CPU's shortcuts: on the CPU, outside :func:`accelerator_path`."""
+    return _host_shortcuts and a.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def accelerator_path() -> Iterator[None]:
+    """CPU tensors take the branches an accelerator takes (same results), for the block's duration.
+
+    What a trace of the block sees (``hvd-compress bench trace``) is then what a GPU
+    would launch: the kernels and the bytes of the device code path, without a GPU.
+    """
+    global _host_shortcuts
+    saved, _host_shortcuts = _host_shortcuts, False
+    try:
+        yield
+    finally:
+        _host_shortcuts = saved
+
 
 def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
@@ -72,14 +97,14 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     torch's CPU allocator does not (unless ``THP_MEM_ALLOC_ENABLE=1``), and faulting a
     fresh buffer in 4 KiB at a time can cost more than the kernel writing it.
     """
-    if device.type == "cpu" and dtype in _NUMPY_DTYPES:
+    if _host_shortcuts and device.type == "cpu" and dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.empty(numel, dtype=_NUMPY_DTYPES[dtype]))
     return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     """Indices (int64, ascending) of the true entries of a 1-D ``mask``; numpy's on CPU, faster there."""
-    if mask.device.type == "cpu":
+    if on_host(mask):
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
     return torch.nonzero(mask).flatten()
 
@@ -230,7 +255,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     numel = scores.shape[0]
     k = min(k, numel)
-    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+    if on_host(scores) and scores.dtype in (torch.float32, torch.float64):
         kth = float(np.partition(scores.detach().numpy(), numel - k)[numel - k])
     else:
         kth = torch.topk(scores, k, sorted=False).values.min()
@@ -255,7 +280,7 @@ def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
     :func:`topk_indices` (numpy's selection is faster there; a row whose ``k``-th score
     is NaN, where the reference selects nothing, takes the keyed path).
     """
-    if scores.device.type != "cpu":
+    if not on_host(scores):
         return topk_rows_exact(scores, k) if scores.dtype == torch.float64 else topk_rows_keyed(scores, k)
     if scores.dtype not in (torch.float32, torch.float64):
         return topk_rows_keyed(scores, k)
@@ -341,7 +366,7 @@ def gaussiank_rows(
     rows, n = a.shape
     slots = gaussiank_slots(k)
     out = torch.full((rows, slots + 1), n, dtype=torch.int64, device=a.device)
-    if a.device.type == "cpu" if read_back is None else read_back:
+    if on_host(a) if read_back is None else read_back:
         for row in range(rows):
             chosen = gaussiank_select(a[row], ratio)
             out[row, : chosen.shape[0]] = chosen
