@@ -149,6 +149,9 @@ class InnerState(Compressor):
         self.inner.bind(rank, size)
         return self
 
+    def adopt_loaded_state(self, ops: Any, like: Any) -> None:
+        self.inner.adopt_loaded_state(ops, like)
+
 
 class DenseView(InnerState):
     """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),

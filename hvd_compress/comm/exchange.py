@@ -71,6 +71,7 @@ class BucketExchange:
         self.fused: Any = None  # the step of a fused bucket, once launched
         self.resume: Any = None  # what launch left for complete()
         self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
+        self.kept_residuals: Dict[str, Any] = {}  # TernGrad without shared scales: residuals before encode
 
     def add(self, name: str, tensor: Any) -> None:
         """Add one gradient of the bucket (encoded by ``launch``)."""
@@ -296,6 +297,8 @@ class BucketExchange:
     def _launch_two_bit_codes(self) -> None:
         """Each rank's own scale: allgather of the 2-bit codes."""
         ops, tern = self.ops, self.compressor
+        # residuals before the step, for tensors another rank finds non-finite (known after the gather)
+        self.kept_residuals = {name: tern.memory.peek(name, "residual") for name, _, _ in self.ternary}
         self.payloads = [
             tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, False) if name in self.nonfinite else tern.encode(t, name)
             for name, t, _ in self.ternary
@@ -323,10 +326,23 @@ class BucketExchange:
                     ]
                 )
             offsets[fmt] += size
+            if scale == float("inf"):  # non-finite on some rank
+                results[name] = self._nonfinite_ternary(name, tensor)
+                continue
             code_sum = tern.code_sum(wire, numel, comm.size, fmt, ops)
             total = ops.cast(code_sum, ops.accumulation_dtype(tensor.dtype)) * scale
             results[name] = self._result(name, total, tensor.dtype)
         return results
+
+    def _nonfinite_ternary(self, name: str, tensor: Any) -> Any:
+        """NaN for a TernGrad tensor that was non-finite on some rank (written out: ``0 * Inf``
+        would warn); a rank that encoded it takes its residual back to before the step."""
+        kept = self.kept_residuals.get(name)
+        if kept is not None:
+            self.compressor.memory.set(name, "residual", kept)
+        like = self.ops.reshape(tensor, (-1,))
+        return self._result(name, self.ops.full(elements(tensor), float("nan"), like,
+                                                self.ops.accumulation_dtype(like.dtype)), like.dtype)
 
     def _finish_ternary_unshared(self, scales: Any) -> Dict[str, Any]:
         """Each rank's own scale: allgather of 2-bit codes and scales, decoded per rank."""
@@ -349,5 +365,8 @@ class BucketExchange:
                 for r in range(comm.size)
             ]
             offset += size
+            if any(r[j] == float("inf") for r in rank_scales):  # non-finite on some rank
+                results[name] = self._nonfinite_ternary(name, tensor)
+                continue
             results[name] = tern.decode(ranks, self.shapes[name], average=self.average, name=name)
         return results

@@ -540,6 +540,7 @@ def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.
         if other_key == key or wanted.intersection(other.names):
             other.flush(compressor.memory)
             del compressor._buckets[other_key]
+    compressor.adopt_loaded_state(ops, tensors[0])
     fresh.adopt(compressor.memory)
     compressor._buckets[key] = fresh
     return fresh

@@ -21,6 +21,14 @@ Collective names: the i-th gradient compressed while tracing one graph is
 ``hvd_compress.<i>``; gradients come in the model's variable order, the same
 on every rank. The header makes every rank check that the others compressed a
 tensor of the same name and size with the same configuration.
+
+Every compressor, dense ones and small tensors included, checks once per
+``(name, shape, dtype)`` that every rank compresses that tensor with the same
+configuration (:func:`check_agreement`: one allgather of ``[config, layout]``,
+run eagerly while the graph is traced, so no step pays for it). Without it a
+rank running Top-k hands Horovod a one-element placeholder where a rank running
+None hands it the gradient, and Horovod's own shape error (or a hang) comes
+first; with it every rank raises ``ranks disagree`` naming every rank's compressor.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import tensorflow as tf
 
 from hvd_compress.comm.communicator import HorovodCommunicator
 from hvd_compress.comm.exchange import open_exchange
+from hvd_compress.wire import different_algorithms, header_config, header_hash
 
 
 class HorovodTensorFlowCommunicator(HorovodCommunicator):
@@ -105,8 +114,42 @@ def _next_name() -> str:
     return f"hvd_compress.{index}"
 
 
+_checked: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+
+
+def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
+    """Once per ``(name, shape, dtype)``: every rank compresses it with the same configuration.
+
+    Runs eagerly (``tf.init_scope``) while a graph is traced; every rank traces the
+    same gradients in the same order, so the allgathers pair up. In a TF1 graph
+    without eager execution there is nothing to run it with, and it is skipped.
+    """
+    seen = _checked.setdefault(compressor, set())
+    layout = (name, tuple(tensor.shape.as_list()), tensor.dtype.name)
+    if layout in seen:
+        return
+    seen.add(layout)
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            return
+        comm = _communicator()
+        compressor.bind(comm.rank, comm.size)
+        config = header_config(type(compressor).__name__, compressor.config_hash())
+        header = tf.constant([[config, header_hash(layout)]], tf.int64)
+        rows = comm.wait(comm.allgather_async(header, f"{name}.agree")).numpy().tolist()
+    if any(row != rows[0] for row in rows):
+        raise ValueError(
+            f"hvd_compress: ranks disagree on '{name}' (compressor or its configuration, or the names, "
+            f"shapes and order of the gradients): [config hash, layout hash] per rank = {rows}"
+            f"{different_algorithms(r[0] for r in rows)}; this rank runs {compressor!r} on "
+            f"{layout[1]} {layout[2]}{compressor.state_note()}"
+        )
+
+
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
+    name = _next_name()
+    check_agreement(compressor, name, tensor)
     if compressor.payload_kind == "dense" and compressor.dense_wire_dtype is None:  # None
         return tensor, _Context()
     if compressor.payload_kind == "dense":  # FP16
@@ -115,7 +158,6 @@ def compress(compressor: Any, tensor: Any):
         return values, _Context(dtype=tensor.dtype)
     if tensor.shape.num_elements() < getattr(compressor, "dense_below", 0):
         return tensor, _Context()
-    name = _next_name()
     (average,) = eagerly(lambda t: exchange(compressor, _communicator(), name, [(name, t)]), [tensor])
     return tf.ones([1], dtype=tensor.dtype), _Context(tensor.dtype, average)
 

@@ -17,8 +17,9 @@ import numpy as np
 
 from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
+from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.validation import check_nonfinite, checked
+from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
 def check_ratio(ratio: Any) -> float:
@@ -119,7 +120,7 @@ class Compressor:
     _nonfinite = "propagate"
 
     def __init__(self, seed: int = 0) -> None:
-        self.seed = int(seed)
+        self.seed = check_count(seed, f"{type(self).__name__} seed")
         self.rank, self.size = 0, 1
         self.memory = TensorMemory()
         self.stats = WireStats()
@@ -127,6 +128,7 @@ class Compressor:
         self._saved_generators: Dict[str, Any] = {}
         self._buckets: Dict[str, Any] = {}  # key -> FusedBucket: plan and state of fused buckets
         self._state_origin: Optional[tuple] = None  # (rank, world) that saved the loaded state
+        self._loaded_elsewhere = False  # loaded state may hold another framework's arrays
 
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
@@ -191,7 +193,19 @@ class Compressor:
         ops = kernels.ops_for(tensor, name)
         flat = ops.reshape(tensor, (-1,))
         check_gradient(flat, ops, name, type(self).__name__)
+        self.adopt_loaded_state(ops, flat)
         return flat, tuple(tensor.shape), ops
+
+    def adopt_loaded_state(self, ops: Any, like: Any) -> None:
+        """Move loaded state written by another framework (a numpy residual for torch gradients...)
+        into ``ops``'s, next to ``like``: once after each ``load_state_dict``, not in a step."""
+        if not self._loaded_elsewhere:
+            return
+        self._loaded_elsewhere = False
+        for name in self.memory.names():
+            for key, value in list(self.memory.slots(name).items()):
+                if value is not None and kernels.ops_for(value, name) is not ops:
+                    self.memory.set(name, key, ops.from_host(host_array(value), like))
 
     def decode(
         self,
@@ -286,10 +300,11 @@ class Compressor:
                 for module, stream in self._generators.items()
             },
         }
+        state["checksum"] = state_checksum(state)
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` after checking it (see :func:`check_state`).
+        """Restore :meth:`state_dict` after checking it completely (:func:`~hvd_compress.compressors.checkpoint.check_state`).
 
         The state is this rank's: loading another rank's (rank 0's checkpoint on every
         rank) stops every rank at the first exchange with an error saying so. Resumed
@@ -299,6 +314,7 @@ class Compressor:
         check_state(state, self)
         self._buckets = {}
         self.memory.load_state_dict(state["tensors"])
+        self._loaded_elsewhere = bool(state["tensors"])
         self._generators = {}
         self._saved_generators = dict(state.get("generators", {}))
         holds_state = bool(state["tensors"]) or bool(state.get("generators"))
@@ -317,7 +333,8 @@ class Compressor:
             return flat
         acc = ops.accumulation_dtype(flat.dtype)
         residual = self.memory.get(name, "residual", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
-        return ops.cast(flat, acc) + ops.cast(residual, acc)
+        # flat here; a checkpoint of a bucketed route holds it in the parameter's shape
+        return ops.cast(flat, acc) + ops.cast(ops.reshape(residual, (-1,)), acc)
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         raise NotImplementedError
@@ -337,41 +354,6 @@ def _adapter() -> Any:
             "files) before passing a compressor to Horovod"
         )
     return Compressor.horovod_adapter
-
-
-def check_state(state: Any, compressor: Compressor) -> None:
-    """A compressor checkpoint: its structure, the algorithm it came from, every array's size,
-    dtype and finiteness (a NaN residual would make Top-k send nothing for ever)."""
-    def broken(what: str) -> ValueError:
-        return ValueError(f"hvd_compress: the compressor checkpoint is incomplete or corrupted: {what}; "
-                          f"save it again with state_dict()")
-
-    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "tensors" not in state:
-        raise broken(f"expected a dict with 'config' and 'tensors', got {type(state).__name__} "
-                     f"{sorted(state) if isinstance(state, dict) else ''}")
-    saved = state["config"].get("type")
-    if saved != type(compressor).__name__:
-        raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {compressor!r}")
-    if not isinstance(state["tensors"], dict):
-        raise broken("'tensors' is not a dict")
-    for name, entry in state["tensors"].items():
-        if not isinstance(entry, dict) or "shape" not in entry:
-            raise broken(f"tensor '{name}' has no shape")
-        numel = math.prod(int(n) for n in entry["shape"])
-        residual = entry.get("residual")
-        if residual is None:
-            continue
-        ops = kernels.ops_for(residual, name)
-        flat = ops.reshape(residual, (-1,))
-        if flat.shape[0] != numel:
-            raise broken(f"the residual of '{name}' has {flat.shape[0]} elements, its shape "
-                         f"{tuple(entry['shape'])} {numel}")
-        if not ops.is_floating(flat):
-            raise broken(f"the residual of '{name}' has dtype {flat.dtype}")
-        bad = ops.count_nonfinite(flat)
-        if bad:
-            raise ValueError(f"hvd_compress: the checkpoint's residual of '{name}' holds {bad} NaN/Inf; "
-                             f"resume from an earlier checkpoint, or without the compressor state")
 
 
 def payload_tensor(payload: Any) -> Any:

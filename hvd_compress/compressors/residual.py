@@ -64,6 +64,10 @@ class TensorMemory:
     def set(self, name: str, key: str, value: Any) -> None:
         self._slots.setdefault(name, {})[key] = value
 
+    def slots(self, name: str) -> Dict[str, Any]:
+        """Every array of ``name`` by key (a copy of the mapping)."""
+        return dict(self._slots.get(name, {}))
+
     def peek(self, name: str, key: str) -> Any:
         """The array ``key`` of ``name`` or ``None``, without creating it."""
         return self._slots.get(name, {}).get(key)

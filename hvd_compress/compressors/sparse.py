@@ -49,7 +49,7 @@ class Sparsifier(Compressor):
         dense_when_cheaper: bool = True,
         seed: int = 0,
     ) -> None:
-        super().__init__(seed=check_count(seed, f"{type(self).__name__} seed"))  # before int() there
+        super().__init__(seed=seed)
         self.ratio = ratio
         self.error_feedback = error_feedback
         self.dense_below = dense_below

@@ -23,7 +23,7 @@ from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.wire import two_bit_bytes
 from hvd_compress.compressors.sparse import DENSE_BELOW
-from hvd_compress.compressors.validation import check_bool, check_count, check_positive, checked
+from hvd_compress.compressors.validation import check_bool, check_clip, check_count, checked
 
 
 class TernGrad(Compressor):
@@ -38,7 +38,7 @@ class TernGrad(Compressor):
 
     seed = checked("seed", check_count, "Seed of the random streams, an int >= 0.")
     clip = checked(
-        "clip", partial(check_positive, allow_none=True), "Clipping factor c, a finite number > 0 or None."
+        "clip", partial(check_clip, allow_none=True), "Clipping factor c, a number >= 1 or None."
     )
     scalar_sharing = checked("scalar_sharing", check_bool, "Share one scale per layer over ranks (a bool).")
     error_feedback = checked("error_feedback", check_bool, "Keep what was not sent in a residual (a bool).")
@@ -52,7 +52,7 @@ class TernGrad(Compressor):
         dense_below: int = DENSE_BELOW,
         seed: int = 0,
     ) -> None:
-        super().__init__(seed=check_count(seed, f"{type(self).__name__} seed"))  # before int() there
+        super().__init__(seed=seed)
         self.clip = clip
         self.scalar_sharing = scalar_sharing
         self.error_feedback = error_feedback

@@ -59,6 +59,35 @@ def check_positive(value: Any, name: str, allow_none: bool = False) -> Optional[
     return number
 
 
+def check_between(low: float, high: float, why: str) -> Callable[..., Optional[float]]:
+    """A check of a finite number in ``[low, high]`` (``None`` too with ``allow_none``); ``why``
+    ends the message of a value outside, saying what the range protects."""
+
+    def check(value: Any, name: str, allow_none: bool = False) -> Optional[float]:
+        number = check_positive(value, name, allow_none)
+        if number is not None and not low <= number <= high:
+            bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+            raise ValueError(f"hvd_compress: {name} must be {bounds}, got {value!r}: {why}")
+        return number
+
+    return check
+
+
+#: TernGrad's clipping factor ``c`` (bound ``c std(g)``): below 1 a bell-shaped gradient has more
+#: than 31% of its entries clipped, and a bound that small sends signs only; the paper uses 2.5.
+check_clip = check_between(
+    1.0, math.inf, "below 1 it clips most of a bell-shaped gradient (more than 31% of its entries); "
+    "TernGrad's paper uses 2.5, None turns clipping off",
+)
+
+#: RegTop-k's temperature ``mu``: it divides ``1 + D`` in float32, where a value outside the normal
+#: range rounds to 0 or Inf and the scores become NaN (0 / 0) or 0 for every entry.
+check_temperature = check_between(
+    float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max),
+    "the scores divide by mu in float32, where a smaller value rounds to 0 and a larger one to Inf",
+)
+
+
 #: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every
 #: rank, as in a dense allreduce) or ``"raise"`` (strict: every rank raises at that step).
 NONFINITE = ("propagate", "raise")

@@ -84,6 +84,11 @@ def as_float32(values, like: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.float32)
 
 
+def from_host(array: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A numpy ``array`` (same dtype) as this framework's tensor next to ``like`` (loaded state)."""
+    return np.asarray(array)
+
+
 def reshape(a: np.ndarray, shape) -> np.ndarray:
     return a.reshape(shape)
 

@@ -145,6 +145,11 @@ def as_float32(values, like) -> tf.Tensor:
         return tf.constant(values, tf.float32)
 
 
+def from_host(array: np.ndarray, like) -> tf.Tensor:
+    with _on(like):
+        return tf.constant(array)
+
+
 def reshape(a, shape) -> tf.Tensor:
     return tf.reshape(a, shape)
 

@@ -159,6 +159,10 @@ def as_float32(values, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=like.device)
 
 
+def from_host(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(like.device)
+
+
 def reshape(a: torch.Tensor, shape) -> torch.Tensor:
     return a.reshape(shape)
 

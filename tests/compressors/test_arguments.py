@@ -1,7 +1,8 @@
 """Compressor arguments are checked at construction and on assignment (``hvd_compress.compressors.validation``).
 
 - booleans must be bools (``'no'`` is not False), ``dense_below`` and ``seed``
-  ints >= 0, ``mu`` a finite number > 0, ``clip`` one or ``None``: a bad value
+  ints >= 0, ``mu`` a number in float32's normal range, ``clip`` a number >= 1 or
+  ``None``, ``seed`` of every compressor an int >= 0: a bad value
   raises ``TypeError``/``ValueError`` naming the argument, when the compressor
   is made and when the attribute is assigned later (which leaves it unchanged);
 - Gaussian-k's ratio must keep its tail quantile finite (``>= 1e-323``);
@@ -16,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from hvd_compress import Compression, GaussianK, RegTopK, TernGrad, TopK
+from hvd_compress import FP16, Compression, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
 from hvd_compress.compressors.validation import GAUSSIANK_MIN_RATIO
 from hvd_compress.simulator import Simulator
 
@@ -108,7 +109,7 @@ def test_simulator_still_sets_the_seed():
 
 
 # --------------------------------------------------------------------------- #
-# mu and clip: finite numbers > 0 (clip: or None)
+# mu: float32's normal range; clip: >= 1 (or None)
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("value", [0, 0.0, -1.0, float("nan"), float("inf"), -float("inf")])
 def test_mu_out_of_range(value):
@@ -138,8 +139,29 @@ def test_negative_clip_after_construction_no_longer_flattens_the_gradient():
     assert terngrad.clip == 2.5
 
 
-@pytest.mark.parametrize("value", [1, 0.5, np.float32(2.0), np.float64(4.0), 1e300])
-def test_mu_and_clip_accept_positive_numbers(value):
+@pytest.mark.parametrize("value", [1e-300, 1e-39, 1e39])
+def test_mu_outside_float32s_normal_range(value):
+    """The reported case ``mu=1e-300``: 0 in float32, the scores 0 / 0."""
+    assert_rejected("regtopk", "mu", value, ValueError, r"RegTopK mu must be in \[1.17549e-38, 3.40282e\+38\]")
+
+
+@pytest.mark.parametrize("value", [1e-30, 0.5, 0.999])
+def test_clip_below_one(value):
+    """The reported case ``clip=1e-30``: a bound that small sends signs only."""
+    assert_rejected("terngrad", "clip", value, ValueError, "TernGrad clip must be >= 1, got .*clips most")
+
+
+@pytest.mark.parametrize("cls", [NoneCompressor, FP16, TopK, TernGrad])
+@pytest.mark.parametrize("seed", ["x", "3", 1.5, -1])
+def test_every_compressor_checks_its_seed(cls, seed):
+    """The reported case ``NoneCompressor(seed='x')`` said ``invalid literal for int()``."""
+    args = (0.1,) if cls is TopK else ()
+    with pytest.raises((TypeError, ValueError), match=f"{cls.__name__} seed must be an int >= 0"):
+        cls(*args, seed=seed)
+
+
+@pytest.mark.parametrize("value", [1, 1.5, np.float32(2.0), np.float64(4.0), 1e30])
+def test_mu_and_clip_accept_sensible_numbers(value):
     regtopk, terngrad = RegTopK(0.1, mu=value), TernGrad(clip=value)
     assert regtopk.mu == float(value) and type(regtopk.mu) is float
     assert terngrad.clip == float(value) and type(terngrad.clip) is float

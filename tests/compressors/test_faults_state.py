@@ -4,7 +4,7 @@ and a rank holding another rank's state is named by the cross-rank check."""
 import numpy as np
 import pytest
 
-from hvd_compress import TernGrad, TopK
+from hvd_compress import RegTopK, TernGrad, TopK
 from hvd_compress.simulator import Simulator
 
 
@@ -68,3 +68,96 @@ def test_damaged_state_is_refused_with_a_clear_error(damage, message):
 def test_state_of_another_algorithm_is_refused():
     with pytest.raises(ValueError, match="checkpoint holds TopK state; cannot load it into TernGrad"):
         TernGrad().load_state_dict(trained_state())
+
+
+# --------------------------------------------------------------------------- #
+# loaded state is checked completely at load: checksum, index ranges, finite values,
+# random streams; arrays of another framework or shape are taken over, not refused
+# --------------------------------------------------------------------------- #
+def regtopk_state(ranks: int = 2):
+    sim = Simulator(ranks, RegTopK(0.1, dense_below=0))
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        sim.step({"w": [rng.standard_normal(50).astype(np.float32) for _ in range(ranks)]})
+    return sim.compressors[0].state_dict()
+
+
+def test_flipped_bytes_of_a_finite_residual_fail_the_checksum():
+    state = trained_state()
+    residual = np.array(state["tensors"]["w"]["residual"])
+    raw = residual.view(np.uint8)
+    raw[:16] ^= 0x01  # still finite, the right size and dtype: only the checksum can tell
+    assert np.all(np.isfinite(residual))
+    state["tensors"]["w"]["residual"] = residual
+    with pytest.raises(ValueError, match="checksum does not match its contents"):
+        TopK(0.1, dense_below=0).bind(1, 2).load_state_dict(state)
+    del state["checksum"]  # an edit on purpose: accepted, as checkpoints written before checksums
+    TopK(0.1, dense_below=0).bind(1, 2).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "key, damage, message",
+    [
+        ("sent_values", lambda a: a.__setitem__(0, np.nan), "sent_values of 'w' hold 1 NaN/Inf"),
+        ("sent_indices", lambda a: a.__setitem__(0, 50), "sent_indices of 'w' hold indices outside [0, 50)"),
+        ("sent_indices", lambda a: a.__setitem__(0, -1), "indices outside [0, 50)"),
+        ("posterior_indices", lambda a: a.__setitem__(0, 10**6), "posterior_indices of 'w' hold indices outside"),
+        ("posterior_values", lambda a: a.__setitem__(0, np.inf), "posterior_values of 'w' hold 1 NaN/Inf"),
+    ],
+)
+def test_damaged_regtopk_state_is_refused(key, damage, message):
+    state = regtopk_state()
+    array = np.array(state["tensors"]["w"][key])
+    damage(array)
+    state["tensors"]["w"][key] = array
+    with pytest.raises(ValueError, match="incomplete or corrupted") as error:
+        RegTopK(0.1, dense_below=0).load_state_dict(state)
+    assert message in str(error.value)
+
+
+def test_regtopk_indices_without_their_values_are_refused():
+    state = regtopk_state()
+    del state["tensors"]["w"]["sent_values"]
+    with pytest.raises(ValueError, match="'w' has sent_indices without sent_values"):
+        RegTopK(0.1, dense_below=0).load_state_dict(state)
+
+
+def test_truncated_generator_state_is_refused_at_load():
+    torch = pytest.importorskip("torch")
+    terngrad = TernGrad(dense_below=0)
+    terngrad.encode(torch.randn(64), "w")
+    state = terngrad.state_dict()
+    module = "hvd_compress.kernels.torch_ops"
+    state["generators"][module] = state["generators"][module][:100]
+    with pytest.raises(ValueError, match="random stream state for torch_ops is damaged"):
+        TernGrad(dense_below=0).load_state_dict(state)
+
+
+def test_numpy_state_trains_on_torch_gradients_as_it_would_on_numpy():
+    """A checkpoint of the numpy route (the Simulator, MPI) resumes on a torch route."""
+    torch = pytest.importorskip("torch")
+    state = trained_state()
+    grad = np.random.default_rng(5).standard_normal(50).astype(np.float32)
+    on_numpy, on_torch = TopK(0.1, dense_below=0).bind(1, 2), TopK(0.1, dense_below=0).bind(1, 2)
+    on_numpy.load_state_dict(state)
+    on_torch.load_state_dict(state)
+    a, b = on_numpy.encode(grad, "w"), on_torch.encode(torch.from_numpy(grad), "w")
+    np.testing.assert_array_equal(a.indices, b.indices.numpy())
+    np.testing.assert_array_equal(a.values, b.values.numpy())
+    np.testing.assert_array_equal(on_numpy.residual("w"), on_torch.residual("w").numpy())
+
+
+def test_residual_in_the_parameters_shape_loads_into_a_per_tensor_route():
+    """The drop-in optimizer and the DDP hook save residuals in the parameter's shape; the stock
+    route and the Simulator compress flat tensors: the checkpoint moves between them."""
+    state = trained_state()
+    flat = np.array(state["tensors"]["w"]["residual"])
+    state["tensors"]["w"] = {"shape": (5, 10), "residual": flat.reshape(5, 10)}
+    del state["checksum"]
+    shaped, plain = TopK(0.1, dense_below=0).bind(1, 2), TopK(0.1, dense_below=0).bind(1, 2)
+    shaped.load_state_dict(state)
+    plain.load_state_dict({**state, "tensors": {"w": {"shape": (5, 10), "residual": flat}}})
+    grad = np.random.default_rng(6).standard_normal((5, 10)).astype(np.float32)
+    a, b = shaped.encode(grad, "w"), plain.encode(grad, "w")
+    np.testing.assert_array_equal(a.indices, b.indices)
+    np.testing.assert_array_equal(a.values, b.values)

@@ -61,14 +61,16 @@ def assert_equals_simulator(result, names):
 def topk_bytes(dropin):
     """Bytes per step through our collectives with Top-k at 5%: k int32 indices + k float32 values
     per weight matrix; an int64 header [config, layout, counts] per exchange: one per matrix (stock,
-    where Horovod allreduces the biases itself) or one for the fused bucket with the biases (drop-in)."""
+    where Horovod allreduces the biases itself) or one for the fused bucket with the biases (drop-in);
+    stock: once per gradient, the int64 pair [config, layout] that checks the ranks agree, spread
+    over the run's steps."""
     from tests.distributed import tf_horovod as workload
 
     shapes = [v.shape.num_elements() for v in workload.make_model().trainable_variables]
     matrices = [n for n in shapes if n >= 1024]
     sparse = sum(8 * int(np.ceil(workload.RATIO * n)) for n in matrices)
     if not dropin:
-        return sparse + 8 * 3 * len(matrices)
+        return sparse + 8 * 3 * len(matrices) + 16 * len(shapes) // STEPS
     return sparse + 8 * (2 + len(matrices)) + 4 * sum(n for n in shapes if n < 1024)
 
 
@@ -99,11 +101,23 @@ def test_dropin_tape_in_eager_mode_equals_simulator(tmp_path):
 @pytest.mark.parametrize("path", ["tape", "keras-dropin"])
 def test_mismatched_ratio_fails_on_every_rank(path, tmp_path):
     done, out = run_workload(path, ["topk"], tmp_path, "--rank1-ratio", "0.1", expect_success=False)
+    assert_every_rank_says(done, out, "ranks disagree")
+
+
+@pytest.mark.parametrize("rank1", ["none", "fp16"])
+def test_different_compressors_fail_on_every_rank_on_the_stock_route(rank1, tmp_path):
+    """Top-k on rank 0, a dense compressor on rank 1: our error naming both, not Horovod's."""
+    done, out = run_workload("tape", ["topk"], tmp_path, "--rank1-compression", rank1, expect_success=False)
+    expected = {"none": "NoneCompressor", "fp16": "FP16"}[rank1]
+    assert_every_rank_says(done, out, f"ranks run different compressors: rank 0 TopK, rank 1 {expected}")
+
+
+def assert_every_rank_says(done, out, message):
     assert done.returncode != 0
     for rank in (0, 1):
         error = out.parent / f"{out.name}.error.{rank}"
         assert error.exists(), f"rank {rank} reported no error:\n{launch.output(done)}"
-        assert "ranks disagree" in error.read_text()
+        assert message in error.read_text(), (rank, error.read_text())
 
 
 def test_nan_gradient_on_one_rank_reaches_every_rank_as_in_a_dense_allreduce(tmp_path):

@@ -93,7 +93,7 @@ class ByteCounter:
 
     def _counting(self, method):
         def wrapper(this, tensor, *args, **kwargs):
-            self.bytes += int(tf.size(tensor)) * tensor.dtype.size
+            self.bytes += tensor.shape.num_elements() * tensor.dtype.size  # static: AutoGraph may trace this
             return method(this, tensor, *args, **kwargs)
 
         return wrapper
@@ -151,13 +151,14 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="tape paths: no tf.function")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
+    parser.add_argument("--rank1-compression", help="another compressor on rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
     args = parser.parse_args()
     hvd.init()
     counter = ByteCounter()
     arrays, wire = {}, {}
     for name in args.compression:
-        compression = compressor(name)
+        compression = compressor(args.rank1_compression if hvd.rank() == 1 and args.rank1_compression else name)
         if hvd.rank() == 1 and args.rank1_ratio is not None:
             compression.ratio = args.rank1_ratio
         counter.bytes = 0

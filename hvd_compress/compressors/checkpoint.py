@@ -1,0 +1,185 @@
+"""Checks of a compressor checkpoint (``Compressor.state_dict()``) before it is loaded.
+
+Damaged state must not train silently: a NaN residual makes Top-k send nothing for
+ever, an index out of range corrupts RegTop-k's scores, and a residual with a few
+flipped bytes is finite garbage that no range check can see. So a checkpoint carries
+``checksum``, the SHA-256 of everything it holds (names, shapes, every array's dtype
+and bytes, the random streams' states), and :func:`check_state` verifies, before any
+of it is used:
+
+- the structure (``config``, ``tensors``) and the algorithm it came from;
+- per tensor: the residual's size (any shape of the tensor's size: routes keep it
+  flat or in the parameter's shape), a floating dtype and finite values; RegTop-k's
+  ``posterior_indices``/``sent_indices`` integers in ``[0, size)``, its
+  ``posterior_values``/``sent_values`` finite floats of the same length;
+- every random stream's state, by setting it on a fresh stream of its framework;
+- last, the checksum, when present (checkpoints written before it existed have none),
+  which catches what the checks above cannot see.
+
+Arrays of any framework (numpy, torch, TensorFlow) are read on the host here, once,
+at load or save time: never in a training step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any, Dict
+
+import numpy as np
+
+from hvd_compress import kernels
+
+#: Per-tensor arrays and what they must hold: ``(kind, partner)``, the partner an array of
+#: the same length (indices and their values).
+ARRAYS = {
+    "residual": ("float", None),
+    "posterior_indices": ("index", "posterior_values"),
+    "posterior_values": ("float", "posterior_indices"),
+    "sent_indices": ("index", "sent_values"),
+    "sent_values": ("float", "sent_indices"),
+}
+
+
+def host_array(value: Any) -> np.ndarray:
+    """A numpy copy of a numpy array, torch tensor or TensorFlow tensor (bfloat16 as float32, exactly)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.split(".")[0] == "torch":
+        value = value.detach().cpu()
+        return (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
+    if hasattr(value, "numpy"):
+        return np.asarray(value.numpy())
+    return np.asarray(value)
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Hash ``value`` (nested dicts, lists, scalars, arrays) into ``digest``, order-independent for dicts."""
+    if isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=str):
+            digest.update(json.dumps(str(key)).encode())
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    elif value is None or isinstance(value, (bool, int, float, str, np.generic)):
+        digest.update(repr(value).encode())
+    else:
+        array = np.ascontiguousarray(host_array(value))
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
+
+
+def state_checksum(state: Dict[str, Any]) -> str:
+    """SHA-256 (hex) of a checkpoint's ``config``, ``tensors``, ``generators``, ``rank`` and ``world``."""
+    digest = hashlib.sha256()
+    _feed(digest, {key: state.get(key) for key in ("config", "tensors", "generators", "rank", "world")})
+    return digest.hexdigest()
+
+
+def _broken(what: str) -> ValueError:
+    return ValueError(
+        f"hvd_compress: the compressor checkpoint is incomplete or corrupted: {what}; save it again with "
+        f"state_dict(), or resume without the compressor state"
+    )
+
+
+def check_state(state: Any, compressor: Any) -> None:
+    """Raise ``ValueError`` naming what is wrong with checkpoint ``state`` for ``compressor``."""
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "tensors" not in state:
+        raise _broken(f"expected a dict with 'config' and 'tensors', got {type(state).__name__} "
+                      f"{sorted(state) if isinstance(state, dict) else ''}")
+    saved = state["config"].get("type")
+    if saved != type(compressor).__name__:
+        raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {compressor!r}")
+    if not isinstance(state["tensors"], dict):
+        raise _broken("'tensors' is not a dict")
+    for name, entry in state["tensors"].items():
+        if not isinstance(entry, dict) or "shape" not in entry:
+            raise _broken(f"tensor '{name}' has no shape")
+        _check_tensor(name, entry)
+    generators = state.get("generators", {})
+    if not isinstance(generators, dict):
+        raise _broken("'generators' is not a dict")
+    for module, generator_state in generators.items():
+        _check_generator(module, generator_state)
+    if "checksum" in state and state["checksum"] != state_checksum(state):
+        raise _broken("its checksum does not match its contents (bytes changed after state_dict() wrote it; "
+                      "if you edited it on purpose, delete its 'checksum' entry)")
+
+
+def _check_tensor(name: str, entry: Dict[str, Any]) -> None:
+    """One tensor's arrays: sizes, dtypes, index ranges, finite values."""
+    numel = math.prod(int(n) for n in entry["shape"])
+    arrays = {}
+    for key, (kind, partner) in ARRAYS.items():
+        if entry.get(key) is None:
+            continue
+        try:
+            array = host_array(entry[key]).reshape(-1)
+        except Exception as error:  # noqa: BLE001  (anything that is not an array)
+            raise _broken(f"the {key} of '{name}' is not an array ({type(entry[key]).__name__}: {error})")
+        arrays[key] = array
+        if kind == "index":
+            if array.dtype.kind not in "iu":
+                raise _broken(f"the {key} of '{name}' has dtype {array.dtype}, not an integer type")
+            if array.size and (array.min() < 0 or array.max() >= numel):
+                raise _broken(f"the {key} of '{name}' hold indices outside [0, {numel}) "
+                              f"(from {array.min()} to {array.max()})")
+            continue
+        if array.dtype.kind != "f":
+            raise _broken(f"the {key} of '{name}' has dtype {array.dtype}")
+        bad = int(array.size - np.isfinite(array).sum())
+        if bad and key == "residual":
+            raise ValueError(f"hvd_compress: the checkpoint's residual of '{name}' holds {bad} NaN/Inf; "
+                             f"resume from an earlier checkpoint, or without the compressor state")
+        if bad:
+            raise _broken(f"the {key} of '{name}' hold {bad} NaN/Inf")
+    residual = arrays.get("residual")
+    if residual is not None and residual.size != numel:
+        raise _broken(f"the residual of '{name}' has {residual.size} elements, its shape "
+                      f"{tuple(entry['shape'])} {numel}")
+    for key, (_, partner) in ARRAYS.items():
+        if partner and key in arrays and arrays.get(partner) is None:
+            raise _broken(f"'{name}' has {key} without {partner}")
+        if partner and key in arrays and arrays[key].size != arrays[partner].size:
+            raise _broken(f"the {key} ({arrays[key].size}) and {partner} ({arrays[partner].size}) of '{name}' "
+                          f"differ in length")
+
+
+def _check_generator(module: str, generator_state: Any) -> None:
+    """Set ``generator_state`` on a fresh stream of ``module``'s framework (on the CPU)."""
+    try:
+        ops = kernels.module(module)
+    except ValueError as error:
+        raise _broken(str(error))
+    like = _host_like(module)
+    try:
+        ops.set_generator_state(ops.generator(0, 0, like), generator_state)
+    except Exception as error:  # noqa: BLE001  (each framework raises its own type)
+        if _device_state(module, generator_state):
+            return  # an accelerator's stream (seed and offset): checked when it is set on the device
+        raise _broken(f"the random stream state for {module.rsplit('.', 1)[-1]} is damaged "
+                      f"({type(error).__name__}: {error})")
+
+
+def _host_like(module: str) -> Any:
+    if module.endswith("torch_ops"):
+        import torch
+
+        return torch.empty(0)
+    if module.endswith("tf_ops"):
+        import tensorflow as tf
+
+        return tf.zeros([0])
+    return np.empty(0)
+
+
+def _device_state(module: str, generator_state: Any) -> bool:
+    """A torch CUDA generator's state (16 bytes: seed and offset), which a CPU stream cannot take."""
+    return module.endswith("torch_ops") and host_array(generator_state).nbytes == 16
