@@ -140,13 +140,15 @@ class BucketExchange:
         which ``finish`` calls. Call ``complete`` on every launched bucket before
         ``finish`` on any, when ranks may finish them in different orders.
         """
-        from hvd_compress.comm import fused
-
         tensors = [t for _, t in self.added]
-        if self.ops.__name__.endswith("torch_ops") and fused.supported(self.compressor, tensors):
-            bucket = fused.bucket_for(self.compressor, self.key, [n for n, _ in self.added], tensors, self.comm.size)
-            self.fused = bucket.launch(tensors, self.comm, complete)
-            return
+        if self.ops.__name__.endswith("torch_ops"):
+            from hvd_compress.comm import fused  # imports torch: only for torch tensors
+
+            if fused.supported(self.compressor, tensors):
+                names = [n for n, _ in self.added]
+                bucket = fused.bucket_for(self.compressor, self.key, names, tensors, self.comm.size)
+                self.fused = bucket.launch(tensors, self.comm, complete)
+                return
         self._encode()
         ops, comm, key = self.ops, self.comm, self.key
         layout = [(n, self.shapes[n], "dense") for n, _ in self.dense]
