@@ -1,42 +1,10 @@
 """Our compressors inside stock Horovod (``hvd.DistributedOptimizer(opt, compression=...)``).
 
-Horovod's optimizer calls ``compress(grad)``, allreduces what it returns, then
-calls ``decompress(output, ctx)``. To put only the compressed payload on the
-wire, ``compress`` starts its own asynchronous collectives and hands Horovod a
-one-element placeholder of ones; ``decompress`` waits for them and rebuilds the
-dense gradient:
-
-- sparse (Top-k, Gaussian-k, RegTop-k) and TernGrad: the tensor is a bucket of
-  one for :class:`~hvd_compress.comm.exchange.BucketExchange` (the fused torch
-  path: header check on the first step only, allgather of indices and values of
-  known size, or scale allreduce-Max and packed code sum, nothing read back to
-  the host; Horovod fuses these small collectives of a step into few buffers);
-- FP16 casts, None passes through; tensors under ``dense_below`` elements are
-  returned to Horovod's own allreduce unchanged (unless a residual is left to
-  flush after a switch to dense: then our exchange sends gradient + residual).
-
-Except the first time a (name, shape, dtype) is seen: then every compressor,
-dense ones included, sends the tensor through our exchange and hands Horovod the
-placeholder. Otherwise a rank running Top-k would hand Horovod a one-element
-placeholder where a rank running None or FP16 hands it the gradient, and
-Horovod's own shape or dtype error would fire before ours; this way every rank
-exchanges the header of the same name and shape, and every rank raises ``ranks
-disagree`` naming its compressor (one more allgather per tensor, once). None
-and FP16 stop looking up names once one such check has passed: every rank then
-runs the same compressor, and Horovod's own checks cover the tensors.
-
-``compress`` never waits for another rank: backward hooks and Horovod's
-filling-in of missing gradients call it in an order that may differ between
-ranks. It launches the exchange with ``complete=False``; what must wait for
-another rank (the first step's layout check, TernGrad's codes drawn with the
-shared scale) is done for every exchange of the step at the step's first
-``decompress``: Horovod's ``synchronize`` compresses every gradient before it
-decompresses any, so by then every rank has started every collective waited for.
-
-Horovod's reduction of the placeholder is the scaling it applies (1 for
-``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
-decoded sum is divided by ``N / placeholder``; it is read on the host once per
-tensor name, the first time.
+Horovod's optimizer calls ``compress(grad)`` for each gradient, allreduces what
+it returns, then calls ``decompress(output, ctx)``. To put only the compressed
+payload on the wire, ``compress`` hands Horovod a one-element placeholder of
+ones and our own asynchronous collectives move the gradient; ``decompress``
+waits for them and returns the dense gradient.
 
 Which gradient is it? Horovod's ``compress(tensor)`` is not told, and the
 order of the calls is not the same on every rank: gradients that backward did
@@ -44,18 +12,57 @@ not produce (a branch not taken, a layer unused on one rank) are filled in with
 zeros by ``synchronize()`` in set order, which differs between processes. So
 each gradient is identified by its **parameter name**, the name Horovod itself
 gives the parameter's allreduce (``named_parameters``, else
-``allreduce.noname.<group>.<index>``): :func:`parameter_name` finds the calling
+``allreduce.noname.<group>.<index>``): :func:`caller` finds the calling
 ``horovod.torch`` optimizer (``_allreduce_grad_async(self, p)`` or the grouped
 form) on the call stack and checks that ``p.grad`` is the tensor handed over.
-The residual is kept under that name, the collectives are named
-``hvd_compress.<name>.*``, and the header lets every rank check, once per
-parameter, that the others compressed a tensor of the same name and shape with
-the same configuration.
-``compress(tensor, name=...)`` names the tensor explicitly (your own calls).
-Fallback, when neither gives a name: the i-th tensor compressed since the last
-``decompress`` is ``call.<i>`` (with a warning, once): correct only
-when every rank compresses the same gradients in the same order.
-The drop-in :mod:`hvd_compress.torch` always knows the names.
+The residual is kept under that name.
+
+Gradients of an optimizer found so are exchanged in **buckets** of its
+parameters (:mod:`hvd_compress.comm.horovod_buckets`), cut as the drop-in
+optimizer cuts them and the same on every rank: ``compress`` records the
+gradient; a bucket whose gradients are all recorded is encoded and launched at
+once, while backward goes on; the step's first ``decompress`` launches the rest.
+A bucket is a :class:`~hvd_compress.comm.exchange.BucketExchange` (for torch
+tensors the fused path, :mod:`hvd_compress.comm.fused`: a header check at a
+layout's first step, then an allgather of indices and of values of known size,
+or TernGrad's scale allreduce-Max and packed code sum, and one dense
+allreduce-Sum of the tensors sent dense, with a few kernels per bucket and
+nothing read back to the host). Every tensor of a sparsifier or TernGrad goes
+through it, those under ``dense_below`` (or with ``N k >= d``) in its dense
+allreduce: Horovod sees only placeholders, a tensor that turns dense sends its
+residual with its first dense gradient, and ``compressor.stats`` counts every
+byte handed to the collectives (placeholders included).
+
+None and FP16 (FP16 casts) hand Horovod the gradient itself, counted in the
+statistics at every step, once a first step has passed through the buckets.
+Otherwise a rank running Top-k would hand Horovod a one-element placeholder
+where a rank running None or FP16 hands it the gradient, and Horovod's own
+shape or dtype error would fire before ours; this way every rank exchanges the
+headers of the same buckets, and every rank raises ``ranks disagree`` naming its
+compressor. None and FP16 stop looking up names once one such check has
+passed: every rank then runs the same compressor, and Horovod's own checks
+cover the tensors.
+
+``compress`` never waits for another rank: backward hooks and Horovod's
+filling-in of missing gradients call it in an order that may differ between
+ranks. Buckets launch with ``complete=False``; what must wait for another rank
+(a layout's check, TernGrad's codes drawn with the shared scale) is done for
+every exchange of the step at the step's first ``decompress``: Horovod's
+``synchronize`` compresses every gradient before it decompresses any, so by
+then every rank has started every collective waited for.
+
+Horovod's reduction of the placeholder is the scaling it applies (1 for
+``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
+decoded sum is divided by ``N / placeholder``; it is read on the host once (per
+optimizer; per name for the tensors below).
+
+``compress(tensor, name=...)`` names the tensor explicitly (your own calls), and
+calls outside a Horovod optimizer (``hvd.allreduce(t, compression=...)``) have
+no optimizer to bucket with: each such tensor is a bucket of its own, launched
+in ``compress``. Without a name it is ``call.<i>``, the i-th tensor compressed
+since the last ``decompress`` (with a warning, once): correct only when every
+rank compresses the same tensors in the same order. None and FP16 check a named
+tensor the first time its (name, shape, dtype) is seen, and an unnamed one never.
 
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
@@ -130,7 +137,7 @@ class _Context:
     dtype: Any = None
     name: str = ""
     exchange: Optional[BucketExchange] = None
-    #: the tensor travels dense (Horovod's allreduce from the next step): drop its stateless plan
+    #: None, FP16: the tensor's header check (Horovod's allreduce from the next step): drop its plan after
     check_only: bool = False
 
 
