@@ -94,3 +94,33 @@ def test_a_complete_bucket_launches_at_once_and_the_rest_at_the_first_decompress
     result = plan.decompress(compressor, comm, calls, torch.ones(1), ctx)  # p2 never came
     assert set(plan.step.results) == {0} and result.shape == (64,)
     assert compressor._buckets["hvd_compress.p2"].names == ["p1"]
+
+
+def test_checkpoint_mid_training_resumes_exactly_and_saving_changes_nothing():
+    """``compressor.state_dict()`` after step 1, loaded into a fresh compressor and optimizer plan: steps 2
+    and 3 equal an uninterrupted run's, and the run that saved equals one that never looked."""
+    named = params((64,), (3,), (32, 4))
+    steps = [{n: torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i))
+              for i, (n, p) in enumerate(named)} for s in range(3)]
+    order = [n for n, _ in named]
+
+    def train(save_after=None):
+        compressor, plan, calls = TopK(0.1, dense_below=10), Plan(FakeHorovodOptimizer(named)), _Calls()
+        results, saved = [], None
+        for step, grads in enumerate(steps):
+            results.append(run_step(plan, compressor, calls, grads, order))
+            if step == save_after:
+                saved = compressor.state_dict()
+        return results, saved
+
+    straight, _ = train()
+    observed, saved = train(save_after=0)
+    resumed = TopK(0.1, dense_below=10)
+    resumed.load_state_dict(saved)
+    plan, calls = Plan(FakeHorovodOptimizer(named)), _Calls()
+    continued = [run_step(plan, resumed, calls, grads, order) for grads in steps[1:]]
+    for step in range(3):
+        for name in order:
+            torch.testing.assert_close(observed[step][name], straight[step][name], rtol=0, atol=0)
+            if step:
+                torch.testing.assert_close(continued[step - 1][name], straight[step][name], rtol=0, atol=0)
