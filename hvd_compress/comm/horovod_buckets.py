@@ -39,8 +39,8 @@ the statistics count every byte (the bucket's payload, and here the placeholders
 Horovod's reduction of the placeholder is the scaling it applies: ``1`` for
 ``op=Average`` (whatever ``gradient_predivide_factor``), ``N`` for ``op=Sum``;
 a bucket's result is the average, or the sum divided by ``N / reduction``. The
-reduction is read on the host once per plan, at its first ``decompress``
-(Horovod applies one ``op`` to all of an optimizer's gradients).
+reduction is read on the host once per plan and world size, at the first
+``decompress`` (Horovod applies one ``op`` to all of an optimizer's gradients).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ class Plan:
         self.position = {n: i for i, n in enumerate(self.bucket_of)}
         self.keys = [f"hvd_compress.{members[0]}" for members in self.buckets]
         self.step: Optional[Step] = None
-        self.reduction: Optional[float] = None
+        #: (world size, Horovod's reduction of a placeholder of ones) when last read
+        self.reduction: Optional[Tuple[int, float]] = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.bucket_of
@@ -152,10 +153,10 @@ class Plan:
                 if recorded:
                     self._launch(compressor, comm, calls, step, bucket)
         calls.complete_pending()
-        if self.reduction is None:
-            self.reduction = float(output.reshape(-1)[0])
         world = comm.size
-        divisor = world / self.reduction  # N for op=Average, 1 for op=Sum
+        if self.reduction is None or self.reduction[0] != world:  # read again if Horovod restarts resized
+            self.reduction = (world, float(output.reshape(-1)[0]))
+        divisor = world / self.reduction[1]  # N for op=Average, 1 for op=Sum
         results = step.results.get(ctx.bucket)
         if results is None:
             results = step.results[ctx.bucket] = step.exchanges.pop(ctx.bucket).finish(average=divisor == world)
