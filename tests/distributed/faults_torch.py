@@ -275,6 +275,28 @@ def dense_switch_keeps_residual() -> dict:
 
 
 @case
+def outside_an_optimizer() -> dict:
+    """Compressors used outside a Horovod optimizer: ``hvd.allreduce(t, compression=...)`` (no name:
+    identified by call order, a warning) and ``compress(t, name=...)`` by hand, each a bucket of its
+    own: how far from Horovod's own average, whether both calls agree, and the bytes counted."""
+    import warnings
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(hvd().rank()))
+    exact = hvd().allreduce(t, name="outside.exact")
+    out = {}
+    for label, compression in (("topk_dense", TopK(0.5, dense_below=0)), ("fp16", FP16()),
+                               ("topk", TopK(0.1, dense_below=0))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "compress() was called outside horovod.torch's ..."
+            reduced = hvd().allreduce(t, compression=compression, name=f"outside.{label}")
+            wire, ctx = compression.compress(t, name=f"outside.{label}.named")
+            named = compression.decompress(hvd().allreduce(wire, name=f"outside.{label}.named"), ctx)
+        out[label] = {"error": float((reduced - exact).abs().max()), "agree": bool(torch.equal(named, reduced)),
+                      "bytes": compression.stats.bytes_sent}
+    return out
+
+
+@case
 def rank0_checkpoint_on_every_rank() -> dict:
     """The usual ``if rank == 0: save`` and load-on-all pattern with the drop-in optimizer: every
     rank stops at the next step with the same error (residuals are per rank)."""

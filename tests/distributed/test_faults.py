@@ -13,7 +13,7 @@ require_horovod_torch()
 # error cases last: each ends mid-step (every rank raises at the same point)
 MISMATCHED = ["terngrad", "fp16", "none"]
 CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "dense_switch_keeps_residual",
-         "grad_scaler_overflow", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
+         "outside_an_optimizer", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
 CASES += [f"mismatched_compressor_{other}" for other in MISMATCHED]
 
 
@@ -90,6 +90,22 @@ def test_stock_route_sends_the_residual_when_a_tensor_turns_dense(ranks):
         case = result["dense_switch_keeps_residual"]
         assert "ok" in case, f"rank {rank}: {case.get('trace')}"
         assert case["ok"]["stock"] < 1e-5 and case["ok"]["dropin"] < 1e-5, case["ok"]
+
+
+def test_compressors_outside_an_optimizer_are_buckets_of_their_own(ranks):
+    """hvd.allreduce(t, compression=...) and compress(t, name=...) by hand: the same result either
+    way; sent dense (N k >= d), Horovod's own average to float rounding; every byte counted (the
+    dense or sparse payload and a 4-byte placeholder per call; FP16 without a name goes unchecked
+    to Horovod's allreduce, with one through our exchange, once)."""
+    for rank, result in enumerate(ranks):
+        case = result["outside_an_optimizer"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert all(entry["agree"] for entry in ok.values()), ok
+        assert ok["topk_dense"]["error"] < 1e-6 and ok["fp16"]["error"] < 1e-2, ok
+        assert ok["topk_dense"]["bytes"] == 2 * (4000 + 4), ok
+        assert ok["fp16"]["bytes"] == 2000 + (2000 + 4), ok
+        assert ok["topk"]["bytes"] == 2 * (100 * 8 + 4 + 4), ok  # k values + indices, NaN flag, placeholder
 
 
 def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):
