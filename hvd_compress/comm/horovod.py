@@ -1,42 +1,10 @@
 """Our compressors inside stock Horovod (``hvd.DistributedOptimizer(opt, compression=...)``).
 
-Horovod's optimizer calls ``compress(grad)``, allreduces what it returns, then
-calls ``decompress(output, ctx)``. To put only the compressed payload on the
-wire, ``compress`` starts its own asynchronous collectives and hands Horovod a
-one-element placeholder of ones; ``decompress`` waits for them and rebuilds the
-dense gradient:
-
-- sparse (Top-k, Gaussian-k, RegTop-k) and TernGrad: the tensor is a bucket of
-  one for :class:`~hvd_compress.comm.exchange.BucketExchange` (the fused torch
-  path: header check on the first step only, allgather of indices and values of
-  known size, or scale allreduce-Max and packed code sum, nothing read back to
-  the host; Horovod fuses these small collectives of a step into few buffers);
-- FP16 casts, None passes through; tensors under ``dense_below`` elements are
-  returned to Horovod's own allreduce unchanged (unless a residual is left to
-  flush after a switch to dense: then our exchange sends gradient + residual).
-
-Except the first time a (name, shape, dtype) is seen: then every compressor,
-dense ones included, sends the tensor through our exchange and hands Horovod the
-placeholder. Otherwise a rank running Top-k would hand Horovod a one-element
-placeholder where a rank running None or FP16 hands it the gradient, and
-Horovod's own shape or dtype error would fire before ours; this way every rank
-exchanges the header of the same name and shape, and every rank raises ``ranks
-disagree`` naming its compressor (one more allgather per tensor, once). None
-and FP16 stop looking up names once one such check has passed: every rank then
-runs the same compressor, and Horovod's own checks cover the tensors.
-
-``compress`` never waits for another rank: backward hooks and Horovod's
-filling-in of missing gradients call it in an order that may differ between
-ranks. It launches the exchange with ``complete=False``; what must wait for
-another rank (the first step's layout check, TernGrad's codes drawn with the
-shared scale) is done for every exchange of the step at the step's first
-``decompress``: Horovod's ``synchronize`` compresses every gradient before it
-decompresses any, so by then every rank has started every collective waited for.
-
-Horovod's reduction of the placeholder is the scaling it applies (1 for
-``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
-decoded sum is divided by ``N / placeholder``; it is read on the host once per
-tensor name, the first time.
+Horovod's optimizer calls ``compress(grad)`` for each gradient, allreduces what
+it returns, then calls ``decompress(output, ctx)``. To put only the compressed
+payload on the wire, ``compress`` hands Horovod a one-element placeholder of
+ones and our own asynchronous collectives move the gradient; ``decompress``
+waits for them and returns the dense gradient.
 
 Which gradient is it? Horovod's ``compress(tensor)`` is not told, and the
 order of the calls is not the same on every rank: gradients that backward did
@@ -44,18 +12,57 @@ not produce (a branch not taken, a layer unused on one rank) are filled in with
 zeros by ``synchronize()`` in set order, which differs between processes. So
 each gradient is identified by its **parameter name**, the name Horovod itself
 gives the parameter's allreduce (``named_parameters``, else
-``allreduce.noname.<group>.<index>``): :func:`parameter_name` finds the calling
+``allreduce.noname.<group>.<index>``): :func:`caller` finds the calling
 ``horovod.torch`` optimizer (``_allreduce_grad_async(self, p)`` or the grouped
 form) on the call stack and checks that ``p.grad`` is the tensor handed over.
-The residual is kept under that name, the collectives are named
-``hvd_compress.<name>.*``, and the header lets every rank check, once per
-parameter, that the others compressed a tensor of the same name and shape with
-the same configuration.
-``compress(tensor, name=...)`` names the tensor explicitly (your own calls).
-Fallback, when neither gives a name: the i-th tensor compressed since the last
-``decompress`` is ``call.<i>`` (with a warning, once): correct only
-when every rank compresses the same gradients in the same order.
-The drop-in :mod:`hvd_compress.torch` always knows the names.
+The residual is kept under that name.
+
+Gradients of an optimizer found so are exchanged in **buckets** of its
+parameters (:mod:`hvd_compress.comm.horovod_buckets`), cut as the drop-in
+optimizer cuts them and the same on every rank: ``compress`` records the
+gradient; a bucket whose gradients are all recorded is encoded and launched at
+once, while backward goes on; the step's first ``decompress`` launches the rest.
+A bucket is a :class:`~hvd_compress.comm.exchange.BucketExchange` (for torch
+tensors the fused path, :mod:`hvd_compress.comm.fused`: a header check at a
+layout's first step, then an allgather of indices and of values of known size,
+or TernGrad's scale allreduce-Max and packed code sum, and one dense
+allreduce-Sum of the tensors sent dense, with a few kernels per bucket and
+nothing read back to the host). Every tensor of a sparsifier or TernGrad goes
+through it, those under ``dense_below`` (or with ``N k >= d``) in its dense
+allreduce: Horovod sees only placeholders, a tensor that turns dense sends its
+residual with its first dense gradient, and ``compressor.stats`` counts every
+byte handed to the collectives (placeholders included).
+
+None and FP16 (FP16 casts) hand Horovod the gradient itself, counted in the
+statistics at every step, once a first step has passed through the buckets.
+Otherwise a rank running Top-k would hand Horovod a one-element placeholder
+where a rank running None or FP16 hands it the gradient, and Horovod's own
+shape or dtype error would fire before ours; this way every rank exchanges the
+headers of the same buckets, and every rank raises ``ranks disagree`` naming its
+compressor. None and FP16 stop looking up names once one such check has
+passed: every rank then runs the same compressor, and Horovod's own checks
+cover the tensors.
+
+``compress`` never waits for another rank: backward hooks and Horovod's
+filling-in of missing gradients call it in an order that may differ between
+ranks. Buckets launch with ``complete=False``; what must wait for another rank
+(a layout's check, TernGrad's codes drawn with the shared scale) is done for
+every exchange of the step at the step's first ``decompress``: Horovod's
+``synchronize`` compresses every gradient before it decompresses any, so by
+then every rank has started every collective waited for.
+
+Horovod's reduction of the placeholder is the scaling it applies (1 for
+``op=Average`` whatever ``gradient_predivide_factor``, N for ``op=Sum``), so the
+decoded sum is divided by ``N / placeholder``; it is read on the host once (per
+optimizer; per name for the tensors below).
+
+``compress(tensor, name=...)`` names the tensor explicitly (your own calls), and
+calls outside a Horovod optimizer (``hvd.allreduce(t, compression=...)``) have
+no optimizer to bucket with: each such tensor is a bucket of its own, launched
+in ``compress``. Without a name it is ``call.<i>``, the i-th tensor compressed
+since the last ``decompress`` (with a warning, once): correct only when every
+rank compresses the same tensors in the same order. None and FP16 check a named
+tensor the first time its (name, shape, dtype) is seen, and an unnamed one never.
 
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
@@ -67,16 +74,17 @@ import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
+from hvd_compress.comm.horovod_buckets import Plan, Planned
 from hvd_compress.compressors.base import Compressor
 
 
 @dataclass
 class _Calls:
-    """Counts ``compress`` calls of the current step for deterministic collective names."""
+    """A compressor's Horovod calls: the buckets of each optimizer, exchanges to complete, checks done."""
 
     index: int = 0
     decompressing: bool = False
@@ -85,12 +93,21 @@ class _Calls:
 
     #: the fallback's warning was given
     warned: bool = False
-    #: exchanges launched since the last ``decompress``, to complete at the next one
+    #: exchanges launched since the last ``decompress``, to complete at the next one (every path)
     pending: List[BucketExchange] = field(default_factory=list)
     #: (name, shape, dtype) of the tensors whose header every rank has exchanged (module docstring)
     checked: set = field(default_factory=set)
     #: a dense compressor (None, FP16) passed a header check: every rank runs the same one
     agreed: bool = False
+    #: the buckets of each calling Horovod optimizer, by ``id``
+    plans: Dict[int, Plan] = field(default_factory=dict)
+
+    def plan_of(self, optimizer: Any) -> Plan:
+        """``optimizer``'s :class:`~hvd_compress.comm.horovod_buckets.Plan`, made at its first call."""
+        plan = self.plans.get(id(optimizer))
+        if plan is None or plan.owner() is not optimizer:
+            plan = self.plans[id(optimizer)] = Plan(optimizer)
+        return plan
 
     def complete_pending(self) -> None:
         """Complete every exchange this step launched (see the module docstring)."""
@@ -120,7 +137,7 @@ class _Context:
     dtype: Any = None
     name: str = ""
     exchange: Optional[BucketExchange] = None
-    #: the tensor travels dense (Horovod's allreduce from the next step): drop its stateless plan
+    #: None, FP16: the tensor's header check (Horovod's allreduce from the next step): drop its plan after
     check_only: bool = False
 
 
@@ -147,39 +164,59 @@ def _owns(param: Any, tensor: Any) -> bool:
     return grad is tensor or (grad.is_sparse and tuple(tensor.shape) == tuple(param.shape))
 
 
-def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
-    """Horovod's name of the parameter whose gradient ``tensor`` is, found on the call stack.
+def caller(tensor: Any, depth: int = 8) -> Tuple[Any, Optional[str]]:
+    """``(optimizer, name)``: the ``horovod.torch`` optimizer compressing ``tensor`` and its name for the
+    parameter whose gradient ``tensor`` is, found on the call stack; ``(None, None)`` if none.
 
     ``horovod.torch``'s optimizer calls ``compress`` from
     ``_allreduce_grad_async(self, p)`` (or, with ``groups``, from a comprehension
     over ``p`` inside ``_grouped_allreduce_grad_async(self, ps)``) and names the
-    allreduce ``self._parameter_names[p]``; the same name on every rank. ``None``
-    when no such caller holds ``tensor`` within ``depth`` frames.
+    allreduce ``self._parameter_names[p]``; the same name on every rank. Looked
+    for within ``depth`` frames, from the one that called this function's caller.
     """
-    frame = sys._getframe(1)
+    frame = sys._getframe(2)
     param = None
     for _ in range(depth):
         if frame is None:
-            return None
+            break
         local = frame.f_locals
         if param is None and _owns(local.get("p"), tensor):
             param = local["p"]
         names = getattr(local.get("self"), "_parameter_names", None)
         if param is not None and isinstance(names, dict):
-            return names.get(param)
+            return local["self"], names.get(param)
         frame = frame.f_back
-    return None
+    return None, None
+
+
+def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
+    """Horovod's name of the parameter whose gradient ``tensor`` is (see :func:`caller`), or ``None``."""
+    return caller(tensor, depth)[1]
 
 
 def _calls(compressor: Any) -> _Calls:
     return compressor.__dict__.setdefault("_horovod_calls", _Calls())
 
 
-def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
-    """Horovod ``Compressor.compress``: start our collectives, return ``(placeholder, ctx)``.
+def _direct(compressor: Any, tensor: Any):
+    """None, FP16: the tensor (FP16: cast) for Horovod's own allreduce, counted in the statistics."""
+    wire = compressor.dense_wire_dtype
+    numel, itemsize = tensor.numel(), tensor.element_size()
+    compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
+    if wire is None:
+        return tensor, _Context()
+    import torch
 
-    ``name``: the tensor's name, the same on every rank (default: its parameter's
-    name in the calling Horovod optimizer, see :func:`parameter_name`).
+    return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
+
+
+def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
+    """Horovod ``Compressor.compress``: record or send the gradient, return ``(placeholder, ctx)``.
+
+    ``name``: the tensor's name, the same on every rank (then it is a bucket of
+    its own); by default its parameter's name in the calling Horovod optimizer
+    (:func:`caller`), and it joins that optimizer's buckets
+    (:mod:`hvd_compress.comm.horovod_buckets`).
     """
     if _framework(tensor) == "tensorflow":
         from hvd_compress.comm import horovod_tf
@@ -187,36 +224,31 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
         return horovod_tf.compress(compressor, tensor)
 
     calls = _calls(compressor)
-    if compressor.payload_kind == "dense":  # None, FP16: Horovod's own allreduce moves it
-        if not calls.agreed:  # no name (hvd.allreduce(compression=...)): no check
-            name = name or parameter_name(tensor)
-        if calls.agreed or name is None or (name, tuple(tensor.shape), tensor.dtype) in calls.checked:
-            wire = compressor.dense_wire_dtype
-            numel, itemsize = tensor.numel(), tensor.element_size()
-            compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
-            if wire is None:
-                return tensor, _Context()
-            import torch
-
-            return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
+    dense = compressor.payload_kind == "dense"  # None, FP16: Horovod's own allreduce, once checked
+    if dense and calls.agreed:
+        return _direct(compressor, tensor)
     if name is None:
-        name = parameter_name(tensor) or calls.next_name()
-    key = f"hvd_compress.{name}"
-    exchange = open_exchange(compressor, _communicator(), key)
-    exchange.add(name, tensor)
+        optimizer, name = caller(tensor)
+        if optimizer is not None and name is not None:
+            plan = calls.plan_of(optimizer)
+            if name in plan:
+                return plan.record(compressor, _communicator(), calls, name, tensor)
     seen = (name, tuple(tensor.shape), tensor.dtype)
-    first = seen not in calls.checked
-    if first:
+    if dense and (name is None or seen in calls.checked):  # no name (hvd.allreduce(compression=...)): no check
+        return _direct(compressor, tensor)
+    if name is None:
+        name = calls.next_name()
+    exchange = open_exchange(compressor, _communicator(), f"hvd_compress.{name}")
+    exchange.add(name, tensor)
+    if dense:
         calls.checked.add(seen)
-    elif exchange.only_dense:
-        return tensor, _Context()
-    check_only = first and exchange.only_dense
     exchange.launch(complete=False)  # ranks may compress in different orders: wait for no one here
     calls.pending.append(exchange)
-    return tensor.new_ones(1), _Context(tensor.dtype, name, exchange, check_only)
+    compressor.stats.add(tensor.element_size(), 0, 0, 0)  # the placeholder
+    return tensor.new_ones(1), _Context(tensor.dtype, name, exchange, check_only=dense)
 
 
-def decompress(compressor: Any, output: Any, ctx: _Context):
+def decompress(compressor: Any, output: Any, ctx: Any):
     """Horovod ``Compressor.decompress``: wait for our collectives, return the dense gradient."""
     if _framework(output) == "tensorflow":
         from hvd_compress.comm import horovod_tf
@@ -224,6 +256,8 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         return horovod_tf.decompress(compressor, output, ctx)
     calls = _calls(compressor)
     calls.decompressing = True  # the next compress starts a new step (fallback names restart at 0)
+    if isinstance(ctx, Planned):
+        return ctx.plan.decompress(compressor, _communicator(), calls, output, ctx)
     calls.complete_pending()
     if ctx is None:  # Horovod's own sparse allreduce (sparse gradients without sparse_as_dense)
         return output
@@ -238,9 +272,9 @@ def decompress(compressor: Any, output: Any, ctx: _Context):
         result = ctx.exchange.finish(average=True)[ctx.name]
     else:
         result = (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
-    if ctx.check_only:  # a dense tensor keeps no plan: Horovod's allreduce moves it from now on
-        getattr(compressor, "_buckets", {}).pop(f"hvd_compress.{ctx.name}", None)
-        calls.agreed = compressor.payload_kind == "dense"
+    if ctx.check_only:  # None, FP16: checked; Horovod's allreduce moves the tensor from now on
+        compressor._buckets.pop(f"hvd_compress.{ctx.name}", None)
+        calls.agreed = True
     return result
 
 

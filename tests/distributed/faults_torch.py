@@ -10,12 +10,14 @@ the next case starts from a clean slate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import os
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -75,6 +77,22 @@ def replicas_agree(model: torch.nn.Module) -> bool:
     return all(torch.equal(other, flat) for other in hvd().allgather_object(flat))
 
 
+@contextlib.contextmanager
+def bucket_cap(mib: Optional[str]) -> Iterator[None]:
+    """Stock horovod.torch's bucket size (``HVD_COMPRESS_BUCKET_CAP_MB``) for optimizers built inside."""
+    from hvd_compress.comm.horovod_buckets import CAP_ENV
+
+    saved = os.environ.get(CAP_ENV)
+    if mib is not None:
+        os.environ[CAP_ENV] = mib
+    try:
+        yield
+    finally:
+        os.environ.pop(CAP_ENV, None)
+        if saved is not None:
+            os.environ[CAP_ENV] = saved
+
+
 def train_unused(route: str, steps: int = 4, compression=None, **options) -> Dict[str, torch.Tensor]:
     model = Branchy()
     compression = TopK(0.1, dense_below=0) if compression is None else compression
@@ -94,8 +112,10 @@ def unused_parameters() -> dict:
     initial = {n: p.detach().clone() for n, p in Branchy().named_parameters()}
     reference = train_unused("dropin")
     differences = {}
-    for label, options in (("stock", {}), ("stock_grouped", {"groups": 2})):
-        trained = train_unused("stock", **options)
+    for label, options, cap in (("stock", {}, None), ("stock_grouped", {"groups": 2}, None),
+                                ("stock_small_buckets", {}, "0.002")):
+        with bucket_cap(cap):  # 0.002 MiB: 4 buckets, complete in different orders on the two ranks
+            trained = train_unused("stock", **options)
         differences[label] = max(float((trained[n] - reference[n]).abs().max()) for n in reference)
     unused_moved = {"topk": max(float((reference[n] - initial[n]).abs().max()) for n in initial if n[0] in "cd")}
     for route in ("stock", "dropin"):  # TernGrad waits for the shared scale while encoding
@@ -194,7 +214,7 @@ def grad_scaler_overflow() -> dict:
 @case
 def every_tensor_dense() -> dict:
     """Stock route where every compressed tensor travels dense (small, or N k >= d): no state and
-    no names pile up over the steps, and no warning repeats."""
+    no names pile up over the steps, no warning repeats, and every step's bytes are counted."""
     import warnings
 
     from hvd_compress.comm.horovod import _calls
@@ -203,15 +223,77 @@ def every_tensor_dense() -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 4))
     compression = TopK(0.5, dense_below=40)  # 512 weights: 2 * 256 >= 512; the rest below 40
     opt = optimizer(model, compression, "stock")
+    counted = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for x in data(30, width=64):
             opt.zero_grad()
             model(x).square().mean().backward()
             opt.step()
+            counted.append(compression.stats.bytes_sent)
     messages = [str(w.message) for w in caught if "hvd_compress" in str(w.message)]
+    params = list(model.parameters())
     return {"names": compression.memory.names(), "buckets": len(compression._buckets),
-            "index": _calls(compression).index, "warnings": len(messages), "distinct": len(set(messages))}
+            "index": _calls(compression).index, "warnings": len(messages), "distinct": len(set(messages)),
+            "step_bytes": [b - a for a, b in zip([0] + counted, counted)], "density": compression.stats.density,
+            "dense_bytes": sum(4 * p.numel() for p in params), "tensors": len(params)}
+
+
+@case
+def dense_switch_keeps_residual() -> dict:
+    """One 4096-element parameter, Top-k 1% for 4 steps, then the ratio raised to 0.6 (2 ranks x k >=
+    4096: sent dense) for 2 more: how far the weights are from ``w0 - lr x sum of the steps' mean
+    gradients`` (relative), on the stock and drop-in routes. 0 when the residual left over from the
+    sparse steps goes out with the first dense one. Nothing reads a residual or the compressor's
+    state before the check: observing must not change what is sent."""
+    import warnings
+
+    out = {}
+    for route in ("stock", "dropin"):
+        w = torch.nn.Parameter(torch.zeros(4096))
+        compression = TopK(0.01)
+        wrap = hvd().DistributedOptimizer
+        if route == "dropin":
+            import hvd_compress.torch as dropin
+
+            wrap = dropin.DistributedOptimizer
+        opt = wrap(torch.optim.SGD([w], lr=LR), named_parameters=[(f"switch_{route}", w)], compression=compression)
+        produced = torch.zeros(4096, dtype=torch.float64)
+        for step, x in enumerate(data(6, width=4096, seed=7)):
+            if step == 4:
+                compression.ratio = 0.6
+            opt.zero_grad()
+            (w * x[0]).sum().backward()
+            produced += x[0].double()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "sends 'switch_...' dense"
+                opt.step()
+        mean = hvd().allreduce(produced, op=hvd().Average, name=f"switch_{route}.produced")
+        expected = LR * mean
+        out[route] = float(((0 - w.detach().double()) - expected).abs().max() / expected.abs().max())
+    return out
+
+
+@case
+def outside_an_optimizer() -> dict:
+    """Compressors used outside a Horovod optimizer: ``hvd.allreduce(t, compression=...)`` (no name:
+    identified by call order, a warning) and ``compress(t, name=...)`` by hand, each a bucket of its
+    own: how far from Horovod's own average, whether both calls agree, and the bytes counted."""
+    import warnings
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(hvd().rank()))
+    exact = hvd().allreduce(t, name="outside.exact")
+    out = {}
+    for label, compression in (("topk_dense", TopK(0.5, dense_below=0)), ("fp16", FP16()),
+                               ("topk", TopK(0.1, dense_below=0))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "compress() was called outside horovod.torch's ..."
+            reduced = hvd().allreduce(t, compression=compression, name=f"outside.{label}")
+            wire, ctx = compression.compress(t, name=f"outside.{label}.named")
+            named = compression.decompress(hvd().allreduce(wire, name=f"outside.{label}.named"), ctx)
+        out[label] = {"error": float((reduced - exact).abs().max()), "agree": bool(torch.equal(named, reduced)),
+                      "bytes": compression.stats.bytes_sent}
+    return out
 
 
 @case

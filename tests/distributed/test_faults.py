@@ -12,8 +12,9 @@ require_horovod_torch()
 
 # error cases last: each ends mid-step (every rank raises at the same point)
 MISMATCHED = ["terngrad", "fp16", "none"]
-CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank",
-         "transposed_parameter"] + [f"mismatched_compressor_{other}" for other in MISMATCHED]
+CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "dense_switch_keeps_residual",
+         "outside_an_optimizer", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
+CASES += [f"mismatched_compressor_{other}" for other in MISMATCHED]
 
 
 def results(kind, tmp_path):
@@ -38,7 +39,7 @@ def test_unused_parameters_are_named_by_parameter_on_stock_horovod(ranks):
         case = result["unused_parameters"]
         assert "ok" in case, f"rank {rank}: {case.get('trace')}"
         ok = case["ok"]
-        assert ok["difference"] == {"stock": 0.0, "stock_grouped": 0.0}
+        assert ok["difference"] == {"stock": 0.0, "stock_grouped": 0.0, "stock_small_buckets": 0.0}
         assert ok["unused_moved"] == {"topk": 0.0, "terngrad_stock": 0.0, "terngrad_dropin": 0.0}
         assert ok["b_moved"] > 0  # the layer used on rank 0 only trains with the average
 
@@ -68,13 +69,43 @@ def test_sparse_and_zero_size_parameters_train_and_conserve_mass(ranks):
         assert case["ok"]["conservation"]["dropin_TopK"] < 1e-5, case["ok"]["conservation"]
 
 
-def test_stock_route_with_every_tensor_dense_keeps_no_growing_state(ranks):
+def test_stock_route_with_every_tensor_dense_keeps_no_growing_state_and_counts_every_byte(ranks):
+    """A sparsifier whose every tensor travels dense: one fused bucket (its dense allreduce) and no
+    per-tensor state; compressor.stats grows by the dense bytes and a 4-byte placeholder per tensor
+    at every step (not only the first), at density 1."""
     for rank, result in enumerate(ranks):
         case = result["every_tensor_dense"]
         assert "ok" in case, f"rank {rank}: {case.get('trace')}"
         ok = case["ok"]
         assert ok["index"] == 0 and ok["warnings"] == ok["distinct"], ok  # each warning once
-        assert ok["names"] == [] and ok["buckets"] == 0, ok  # dense tensors keep no state
+        assert ok["names"] == [] and ok["buckets"] == 1, ok  # dense tensors keep no state
+        assert ok["step_bytes"] == [ok["dense_bytes"] + 4 * ok["tensors"]] * 30, ok
+        assert ok["density"] == 1.0, ok
+
+
+def test_stock_route_sends_the_residual_when_a_tensor_turns_dense(ranks):
+    """Top-k 1% for 4 steps, then dense: the weights moved by exactly lr x the sum of the mean
+    gradients (float tolerance), stock and drop-in, with no residual read before the check."""
+    for rank, result in enumerate(ranks):
+        case = result["dense_switch_keeps_residual"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        assert case["ok"]["stock"] < 1e-5 and case["ok"]["dropin"] < 1e-5, case["ok"]
+
+
+def test_compressors_outside_an_optimizer_are_buckets_of_their_own(ranks):
+    """hvd.allreduce(t, compression=...) and compress(t, name=...) by hand: the same result either
+    way; sent dense (N k >= d), Horovod's own average to float rounding; every byte counted (the
+    dense or sparse payload and a 4-byte placeholder per call; FP16 without a name goes unchecked
+    to Horovod's allreduce, with one through our exchange, once)."""
+    for rank, result in enumerate(ranks):
+        case = result["outside_an_optimizer"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        ok = case["ok"]
+        assert all(entry["agree"] for entry in ok.values()), ok
+        assert ok["topk_dense"]["error"] < 1e-6 and ok["fp16"]["error"] < 1e-2, ok
+        assert ok["topk_dense"]["bytes"] == 2 * (4000 + 4), ok
+        assert ok["fp16"]["bytes"] == 2000 + (2000 + 4), ok
+        assert ok["topk"]["bytes"] == 2 * (100 * 8 + 4 + 4), ok  # k values + indices, NaN flag, placeholder
 
 
 def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):

@@ -56,25 +56,27 @@ def assert_equals_simulator(result, names, ranks):
 
 def expected_topk_bytes(path):
     """What one rank hands Horovod per step (mean of STEPS) with Top-k: k indices + values and one
-    NaN flag per weight, the dense biases, a 4-byte placeholder per weight for Horovod's allreduce
-    (stock), and at the first step only an int64 header ``[config, layout]`` per exchange: one per
-    parameter, dense ones with their placeholder too (stock: :func:`first_step_check_bytes`) or one
-    for the single fused bucket (drop-in)."""
+    NaN flag per weight, the dense biases (in the fused bucket's dense allreduce), at the first step
+    only the int64 header ``[config, layout]`` of the single fused bucket, and (stock) a 4-byte
+    placeholder per parameter for Horovod's allreduce."""
     params = [p for _, p in workload.make_model().named_parameters()]
     sparse = [p for p in params if p.numel() >= 1024]
     total = sum(4 * p.numel() for p in params if p.numel() < 1024)
     total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) + 4 for p in sparse)
-    if path == "stock":
-        return total + len(sparse) * 4 + (len(sparse) * 16 + (len(params) - len(sparse)) * 20) // STEPS
-    return total + 16 // STEPS
+    placeholders = 4 * len(params) if path == "stock" else 0
+    return total + placeholders + HEADER // STEPS
+
+
+#: the int64 header ``[config, layout]`` of the model's one fused bucket, at the first step
+HEADER = 16
 
 
 def first_step_check_bytes():
-    """Stock route, per step (mean of STEPS): at the first step every parameter a None or FP16
-    compressor (or a sparsifier's dense tensor) sends travels through our exchange with its int64
-    header ``[config, layout]`` and hands Horovod a 4-byte placeholder (the ranks' check that they
-    run the same compressor; then Horovod's allreduce moves the gradient)."""
-    return len(list(workload.make_model().parameters())) * (16 + 4) // STEPS
+    """Stock route, None or FP16, per step (mean of STEPS): at the first step every parameter
+    travels through our fused bucket (its header, once: the ranks' check that they run the same
+    compressor) and hands Horovod a 4-byte placeholder; then Horovod's allreduce moves the
+    gradient."""
+    return (HEADER + 4 * len(list(workload.make_model().parameters()))) // STEPS
 
 
 @pytest.mark.parametrize(
@@ -85,13 +87,16 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_pat
     assert_equals_simulator(result, ALL, 2)
     wire = json.loads(str(result["wire"]))
     dense = 4 * sum(p.numel() for p in workload.make_model().parameters())
-    # the drop-in bucket's [config, layout] header, once; stock: one per parameter, once
-    header = first_step_check_bytes() if path == "stock" else 8 * 2 // STEPS
+    # the fused bucket's [config, layout] header, once; stock: with a placeholder per parameter
+    header = first_step_check_bytes() if path == "stock" else HEADER // STEPS
     assert wire["none"] == [dense + header] * 2
     assert wire["fp16"] == [dense // 2 + header] * 2
     assert wire["topk"] == [expected_topk_bytes(path)] * 2
     for name in ("gaussiank", "regtopk", "terngrad"):
         assert max(wire[name]) < dense / 5, (name, wire[name], dense)
+    # compressor.stats counts every byte handed to the collectives but the first step's header
+    for name, totals in json.loads(str(result["stats"])).items():
+        assert [handed - counted for handed, counted in totals] == [HEADER] * 2, (name, totals)
 
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])

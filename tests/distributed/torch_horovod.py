@@ -1,8 +1,8 @@
 """Trains a small model a few steps with stock ``horovod.torch`` and each compressor.
 
 Run by the tests under ``horovodrun --gloo`` or ``mpirun``; rank 0 writes the
-final parameters and the bytes each rank handed to Horovod collectives to
-``--out`` (an ``.npz``). :func:`simulate` computes the same training in one
+final parameters, the bytes each rank handed to Horovod collectives and the
+bytes its compressor's statistics counted to ``--out`` (an ``.npz``). :func:`simulate` computes the same training in one
 process with the :class:`~hvd_compress.simulator.Simulator`.
 """
 
@@ -130,7 +130,8 @@ def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespa
     return fresh, fresh_optimizer
 
 
-def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace) -> Dict[str, np.ndarray]:
+def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace):
+    """The final parameters and the bytes ``stats.bytes_sent`` counted (of the compressor last used)."""
     import horovod.torch as hvd
 
     model = make_model(torch.float16 if args.half else torch.float32)
@@ -154,7 +155,8 @@ def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace)
                 loss = loss / hvd.size()  # Sum of per-rank means / N == the average
             loss.backward()
         optimizer.step()
-    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+    params = {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+    return params, optimizer._compression.stats.bytes_sent
 
 
 def main() -> None:
@@ -176,10 +178,10 @@ def main() -> None:
     args = parser.parse_args()
     hvd.init()
     counter = ByteCounter()
-    arrays, wire = {}, {}
+    arrays, wire, stats = {}, {}, {}
     for name in args.compression:
         try:
-            trained = train(name, args.steps, counter, args)
+            trained, counted = train(name, args.steps, counter, args)
         except (ValueError, FloatingPointError) as error:  # FloatingPointError: NonFiniteGradientError
             Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
             if args.rank1_ratio is not None or args.nonfinite == "raise":
@@ -188,8 +190,9 @@ def main() -> None:
         for param, value in trained.items():
             arrays[f"{name}/{param}"] = value
         wire[name] = hvd.allgather_object(counter.bytes // args.steps)
+        stats[name] = hvd.allgather_object([counter.bytes, counted])  # totals over the steps
     if hvd.rank() == 0:
-        np.savez(args.out, **arrays, wire=json.dumps(wire), size=hvd.size())
+        np.savez(args.out, **arrays, wire=json.dumps(wire), stats=json.dumps(stats), size=hvd.size())
 
 
 if __name__ == "__main__":
