@@ -43,6 +43,11 @@ class Communicator:
     def wait(self, handle: Any) -> Any:
         raise NotImplementedError
 
+    def fail_together(self) -> None:
+        """Called by every rank that found the ranks disagree, just before it raises: returns once
+        the others have found it too (or after a while), so that no rank's exit ends the job
+        before the others can raise the same error. A no-op where errors cannot race."""
+
 
 class SingleProcessCommunicator(Communicator):
     """A world of one rank: every collective returns its input (tests, single-GPU runs)."""
@@ -92,3 +97,22 @@ class HorovodTorchCommunicator(HorovodCommunicator):
 
     def wait(self, handle: Any) -> Any:
         return self.hvd.synchronize(handle)
+
+    #: seconds a rank that found the ranks disagree waits for the others to find it too
+    FAIL_TOGETHER_SECONDS = 30.0
+
+    def fail_together(self) -> None:
+        """One allreduce named ``hvd_compress.disagree``, joined by every rank that found the ranks
+        disagree (they all read the same headers). When one process ends with an error, the
+        launcher (``horovodrun``, ``mpirun``) ends the others, which may not have read the headers
+        yet (a rank still in backward, or waiting for Horovod's allreduce); waiting here keeps every
+        rank alive until each has found the mismatch and raises it. Polled, with
+        :attr:`FAIL_TOGETHER_SECONDS` at most."""
+        import time
+
+        import torch
+
+        handle = self.hvd.allreduce_async(torch.zeros(1), op=self.hvd.Sum, name="hvd_compress.disagree")
+        deadline = time.monotonic() + self.FAIL_TOGETHER_SECONDS
+        while not self.hvd.poll(handle) and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -236,6 +236,7 @@ class BucketExchange:
     def _check_header(self) -> None:
         self.rows = self.ops.to_list(self.comm.wait(self.handles["header"]))
         if any(row[:2] != self.rows[0][:2] for row in self.rows):
+            self.comm.fail_together()
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
                 f"the names, shapes and order of the gradients, or compressor state loaded from another "

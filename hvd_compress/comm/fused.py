@@ -196,6 +196,7 @@ class FusedBucket:
         handle = self.start_check(comm) if handle is None else handle
         rows = ops.to_list(comm.wait(handle))
         if any(row != rows[0] for row in rows):
+            comm.fail_together()
             raise ValueError(
                 f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, the "
                 f"names, shapes and order of the gradients, or compressor state loaded from another rank): "

@@ -153,8 +153,10 @@ def test_op_sum_equals_average_of_scaled_loss(tmp_path):
 @pytest.mark.parametrize(
     "compression, extra, message",
     # A NaN gradient on rank 1 with the drop-in's strict mode: every rank raises at that step.
+    # Mismatched ratio: rank 1 reaches optimizer.step() 2 s after rank 0 has found the mismatch;
+    # rank 0 must not exit (and take Horovod down under rank 1) before rank 1 has raised it too.
     [
-        ("topk", ("--rank1-ratio", "0.2"), "ranks disagree"),
+        ("topk", ("--rank1-ratio", "0.2", "--rank1-delay", "2"), "ranks disagree"),
         ("gaussiank", ("--rank1-nan", "--path", "dropin", "--nonfinite", "raise"), "nonfinite='raise'"),
     ],
     ids=["mismatched-ratio", "nan-gradient-strict"],

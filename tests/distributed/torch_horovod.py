@@ -9,6 +9,7 @@ process with the :class:`~hvd_compress.simulator.Simulator`.
 from __future__ import annotations
 
 import argparse
+import time
 import io
 import json
 from pathlib import Path
@@ -154,6 +155,8 @@ def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace)
             if args.op == "sum":
                 loss = loss / hvd.size()  # Sum of per-rank means / N == the average
             loss.backward()
+        if hvd.rank() == 1 and args.rank1_delay:
+            time.sleep(args.rank1_delay)  # rank 0 reaches its checks (and would exit) first
         optimizer.step()
     params = {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
     return params, optimizer._compression.stats.bytes_sent
@@ -174,6 +177,7 @@ def main() -> None:
     parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
+    parser.add_argument("--rank1-delay", type=float, default=0.0, help="rank 1 sleeps before each step")
     parser.add_argument("--nonfinite", choices=["propagate", "raise"], default="propagate")
     args = parser.parse_args()
     hvd.init()
@@ -184,7 +188,7 @@ def main() -> None:
             trained, counted = train(name, args.steps, counter, args)
         except (ValueError, FloatingPointError) as error:  # FloatingPointError: NonFiniteGradientError
             Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
-            if args.rank1_ratio is not None or args.nonfinite == "raise":
+            if args.nonfinite == "raise":
                 hvd.barrier()  # every rank raised: let all of them report before the launcher ends the job
             raise
         for param, value in trained.items():
