@@ -3,6 +3,8 @@
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
 hvd-compress bench train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
                               [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
+hvd-compress bench trace [--model resnet50] [--device cpu] [--warmup 3] [--compressors none,fp16,...]
+                         [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 
 The paper reproductions and link studies are in the repository's ``benchmarks/``
 folder: ``python -m benchmarks --help``.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from hvd_compress import Compression, __version__
 
@@ -81,6 +83,32 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         routes=args.routes,
         dropin_comm=args.dropin_comm,
         seed=args.seed,
+        json_path=args.json or None,
+        plot_path=args.plot or None,
+    )
+    for path in (args.json, args.plot):
+        if path:
+            print(f"Wrote {path}")
+    return 0
+
+
+def _bench_trace(args: argparse.Namespace) -> int:
+    from hvd_compress.bench import trace_step
+
+    print(
+        f"One steady training step traced at world size 1: {args.model} on {args.device} (the accelerator's "
+        f"code path), after {args.warmup} steps, {', '.join(args.compressors)} at ratio {args.ratio}"
+    )
+    trace_step.run(
+        model=args.model,
+        device=args.device,
+        warmup=args.warmup,
+        compressors=args.compressors,
+        ratio=args.ratio,
+        routes=args.routes,
+        dropin_comm=args.dropin_comm,
+        seed=args.seed,
+        top=args.top,
         json_path=args.json or None,
         plot_path=args.plot or None,
     )
@@ -176,7 +204,49 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
     )
     train.set_defaults(run=_bench_train_step)
+    _add_trace(benchmarks, DROPIN_COMMS)
     return parser
+
+
+def _add_trace(benchmarks: Any, dropin_comms: Sequence[str]) -> None:
+    from hvd_compress.bench import trace_step
+
+    trace = benchmarks.add_parser(
+        "trace",
+        help="kernels, bytes and device waits of one steady step per route, the accelerator's code path "
+        "traced on any device (the stand-in when no GPU is at hand)",
+    )
+    trace.add_argument(
+        "--model", choices=trace_step.MODELS, default="resnet50", help="parameter shapes (mlp: train-step's)"
+    )
+    trace.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    trace.add_argument("--warmup", type=int, default=trace_step.DEFAULT_WARMUP, help="untraced steps first")
+    trace.add_argument(
+        "--compressors",
+        type=_names(trace_step.COMPRESSORS),
+        default=list(trace_step.COMPRESSORS),
+        help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)})",
+    )
+    _add_ratio(trace)
+    trace.add_argument(
+        "--routes",
+        type=_names(trace_step.ROUTES),
+        default=list(trace_step.ROUTES),
+        help=f"default all: {','.join(trace_step.ROUTES)} (local and ddp+handwritten-topk always run)",
+    )
+    trace.add_argument(
+        "--dropin-comm",
+        choices=dropin_comms,
+        default="auto",
+        help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
+    )
+    trace.add_argument("--seed", type=int, default=0)
+    trace.add_argument("--top", type=int, default=trace_step.TOP, help="operators listed per row in the JSON")
+    trace.add_argument("--json", default="results/trace.json", help="results file (default %(default)s)")
+    trace.add_argument(
+        "--plot", default="results/trace.png", help="ratios to the hand-written hook (default %(default)s)"
+    )
+    trace.set_defaults(run=_bench_trace)
 
 
 def run_command(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> int:

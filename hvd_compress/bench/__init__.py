@@ -1,4 +1,4 @@
-"""Workloads of the ``hvd-compress`` command: the demo and the training-step benchmark.
+"""Workloads of the ``hvd-compress`` command: the demo, the training-step benchmark and its trace.
 
 The paper reproductions and link studies live in the repository's ``benchmarks/``
 folder (``python -m benchmarks``), which is not installed.

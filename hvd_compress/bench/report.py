@@ -48,6 +48,15 @@ def progress_bar(total: int, desc: str, unit: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
 
 
+def say(bar: Any, text: str) -> None:
+    """Print ``text`` on stderr without breaking the progress ``bar``."""
+    write = getattr(bar, "write", None)
+    if write is not None:
+        write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr)
+
+
 class _Lines:
     """The bits of tqdm's interface used here, as one line per update on stderr."""
 

@@ -481,7 +481,7 @@ def plan(routes: Sequence[str], compressors: Sequence[str]) -> List[Tuple[str, s
 
 
 # ================================================================== setup
-def _horovod() -> Tuple[Any, Optional[str]]:
+def init_horovod() -> Tuple[Any, Optional[str]]:
     """``horovod.torch``, initialised, or (None, why not)."""
     try:
         import horovod.torch as hvd
@@ -505,7 +505,9 @@ def process_group(cuda: bool) -> Iterator[str]:
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise ValueError("hvd_compress: bench train-step runs at world size 1, but a larger group exists")
+            raise ValueError(
+                "hvd_compress: bench train-step and trace run at world size 1, but a larger group exists"
+            )
         yield dist.get_backend()
         return
     backend = "nccl" if cuda else "gloo"
@@ -574,7 +576,7 @@ def run(
     hvd, horovod_note = None, None
     wants_horovod = "ours-stock-horovod" in routes or ("ours-dropin" in routes and dropin_comm != "torch")
     if wants_horovod:
-        hvd, horovod_note = _horovod()
+        hvd, horovod_note = init_horovod()
     todo, skipped = [], []
     for route, compressor in plan(routes, compressors):
         if route == "ours-stock-horovod" and hvd is None:
@@ -592,7 +594,7 @@ def run(
                 row = run_row(env, route, compressor, steps, warmup)
                 rows.append(row)
                 if row["error"]:
-                    _say(bar, f"bench train-step: {route} {compressor} failed: {row['error']}")
+                    report.say(bar, f"bench train-step: {route} {compressor} failed: {row['error']}")
                     bar.set_postfix_str(f"{route} {compressor}: error")
                 else:
                     bar.set_postfix_str(f"{route} {compressor}: {row['median_ms']:.2f} ms")
@@ -651,14 +653,6 @@ def run(
     return results
 
 
-def _say(bar: Any, text: str) -> None:
-    write = getattr(bar, "write", None)
-    if write is not None:
-        write(text, file=sys.stderr)
-    else:
-        print(text, file=sys.stderr)
-
-
 def _ratios(rows: List[Dict[str, Any]]) -> None:
     """Fill ``ratio`` and ``overhead_ms`` against the ``ddp`` row (left None if it failed)."""
     base = next((r for r in rows if r["route"] == BASELINE and r["median_ms"]), None)
@@ -671,7 +665,13 @@ def _ratios(rows: List[Dict[str, Any]]) -> None:
 
 
 # ================================================================= output
-def save(results: Dict[str, Any], json_path: Optional[str], plot_path: Optional[str]) -> None:
+def save(
+    results: Dict[str, Any],
+    json_path: Optional[str],
+    plot_path: Optional[str],
+    plot: Optional[Callable] = None,
+) -> None:
+    """Write the JSON and, with ``plot(results, path)`` (default :func:`write_plot`), the PNG."""
     import json
 
     for path in (json_path, plot_path):
@@ -681,7 +681,7 @@ def save(results: Dict[str, Any], json_path: Optional[str], plot_path: Optional[
         with open(json_path, "w") as f:
             json.dump(results, f, indent=2)
     if plot_path:
-        write_plot(results, Path(plot_path))
+        (plot or write_plot)(results, Path(plot_path))
 
 
 def _fmt(value: Optional[float], spec: str, width: int) -> str:
@@ -747,6 +747,10 @@ __all__ = [
     "HandwrittenTopKState",
     "Workload",
     "plan",
+    "build_route",
+    "Environment",
+    "init_horovod",
+    "process_group",
     "MODELS",
     "COMPRESSORS",
     "ROUTES",

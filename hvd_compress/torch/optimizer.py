@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -114,8 +115,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # complete and wait for no other rank there (launch(complete=False)).
         self._in_order = communicator.matches_by_order
         self._warned_sparse: set = set()
+        hook = _weak_hook(self)
         for p in self._params.values():
-            p.register_post_accumulate_grad_hook(self._hook)
+            p.register_post_accumulate_grad_hook(hook)
 
     # ----------------------------------------------------------------- hooks
     def _hook(self, p: torch.Tensor) -> None:
@@ -234,6 +236,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if compressor_state is not None:
             self._compression.load_state_dict(compressor_state)
+
+
+def _weak_hook(optimizer: _DistributedOptimizer) -> Any:
+    """The parameters' hook, holding the optimizer weakly.
+
+    A bound method would close a cycle (parameter -> hook -> optimizer -> parameter)
+    through torch's C++ hook list, which the garbage collector does not see: no
+    optimizer, its state or its residuals would ever be freed. Once the optimizer is
+    gone the hook does nothing.
+    """
+    ref = weakref.ref(optimizer)
+
+    def hook(p: torch.Tensor) -> None:
+        live = ref()
+        if live is not None:
+            live._hook(p)
+
+    return hook
 
 
 def DistributedOptimizer(
