@@ -350,6 +350,23 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     )
 
 
+def markdown_table(results: Dict[str, Any]) -> str:
+    """The final-accuracy table as Markdown (docs/results.md), one row per model and run."""
+    lines = [
+        "| model | run | test accuracy, mean +- sd (min-max) | vs dense | first epoch >= target | bytes/step vs dense |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results["rows"]:
+        acc = r["final_accuracy"]
+        gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f} pt"
+        reach = "" if "epochs_to_target" not in r else str(r["epochs_to_target"] or "never")
+        lines.append(
+            f"| {r['model']} | {r['label']} | {acc['mean']:.4f} +- {acc['std']:.4f} ({acc['min']:.4f}-{acc['max']:.4f}) "
+            f"| {gap} | {reach} | {r['bytes_vs_dense']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------- plot
 def write_plot(results: Dict[str, Any], path: Any) -> None:
     """Test accuracy per epoch, seed mean and min-max band: a row per model, a column per density."""

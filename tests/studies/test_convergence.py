@@ -106,3 +106,5 @@ def test_summary_of_seeds():
     assert row["target_accuracy"] == pytest.approx(0.925) and row["epochs_to_target"] is None
     assert row["density"] == pytest.approx(0.03)
     assert convergence.first_epoch_at([0.95, 0.5, 0.93], 0.925) == 2  # the initial model does not count
+    table = convergence.markdown_table({"rows": [row]}).splitlines()
+    assert table[2] == "| cnn | top-k 1% | 0.9200 +- 0.0283 (0.9000-0.9400) | -1.00 pt | never | 0.1000 |"
