@@ -7,6 +7,10 @@ python -m benchmarks linreg [--steps 2500] [--lr 0.01] [--ratio 0.4] [--mu 4] [-
 python -m benchmarks cnn [--ranks 4] [--epochs 5] [--ratios 0.01,0.001] [--lr 0.05] [--seed 0] [--plot DIR]
 python -m benchmarks gaussian [--ranks 4] [--epochs 5] [--ratio 0.01] [--layer fc1.weight] [--plot DIR]
 python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
+python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
+                                 [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
+                                 [--warmup both|on|off] [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
+                                 [--train-size N] [--test-size N] [--quick] [--out results]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
@@ -86,6 +90,81 @@ def _simulate_terngrad(args: argparse.Namespace) -> int:
 
     terngrad.study(clip=args.clip, layer=args.layer, training=_training(args), out=args.plot)
     return _wrote(args.plot, "terngrad")
+
+
+def _convergence(args: argparse.Namespace) -> int:
+    from benchmarks import convergence, datasets
+
+    options = convergence.options_for(args.data, args.quick, vars(args))
+    try:
+        data = datasets.load(args.data, options["train_size"], options["test_size"], args.data_dir)
+    except FileNotFoundError as error:
+        print(f"python -m benchmarks: {error}", file=sys.stderr)
+        return 2
+    setup = convergence.Setup(
+        ranks=args.ranks,
+        epochs=options["epochs"],
+        batch_per_rank=options["batch_size"],
+        lr=args.lr,
+        warmup_epochs=options["warmup_epochs"],
+        warmup_start=args.warmup_start,
+    )
+    print(
+        f"Convergence on {data.name} ({len(data.train_y)} training, {len(data.test_y)} test images): "
+        f"{', '.join(args.models)} on {args.ranks} simulated ranks, {setup.epochs} epochs; "
+        f"{', '.join(args.compressors)} at {', '.join(f'{r:g}' for r in args.ratios)}, warm-up {args.warmup}; "
+        f"seeds {','.join(map(str, args.seeds))}"
+    )
+    convergence.study(
+        data,
+        setup,
+        models=args.models,
+        compressors=args.compressors,
+        ratios=args.ratios,
+        warmup=args.warmup,
+        seeds=args.seeds,
+        target_gap=args.target_gap,
+        out=args.out,
+        progress=not args.no_progress,
+    )
+    return _wrote(args.out, f"convergence_{data.name}")
+
+
+def _names(text: str) -> List[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _add_convergence(commands: Any) -> None:
+    from benchmarks.convergence import COMPRESSORS, DEFAULTS, MODELS, QUICK, WARMUP
+    from benchmarks.datasets import DATASETS
+
+    p = commands.add_parser(
+        "convergence", help="test accuracy on Fashion-MNIST or digits: dense vs compressors, with/without warm-up"
+    )
+    p.add_argument("--data", choices=DATASETS, default="digits", help="data set (default digits)")
+    p.add_argument("--data-dir", help="folder of the Fashion-MNIST IDX files (default: $HVD_COMPRESS_FASHION_MNIST, "
+                   "else /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--models", type=_names, default=list(MODELS), help="cnn,mlp (default both)")
+    p.add_argument("--compressors", type=_names, default=list(COMPRESSORS),
+                   help=f"{','.join(COMPRESSORS)} (default all; none is dense)")
+    p.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="sparsifier densities (0.01,0.001)")
+    p.add_argument("--warmup", choices=WARMUP, default="both", help="sparsifier runs with/without warm-up (both)")
+    p.add_argument("--warmup-start", type=float, default=0.25, help="warm-up start density (0.25)")
+    p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
+    p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD step size, momentum 0.9 (0.05)")
+    defaults = "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}" for name, d in DEFAULTS.items())
+    p.add_argument("--epochs", type=int, help="per-data-set default")
+    p.add_argument("--batch-size", type=int, help="per rank; per-data-set default")
+    p.add_argument("--warmup-epochs", type=float, help="epochs of the warm-up ramp; per-data-set default")
+    p.add_argument("--train-size", type=int, help="training images (a fixed subset); default all")
+    p.add_argument("--test-size", type=int, help="test images; default all")
+    p.add_argument("--target-gap", type=float, default=0.5,
+                   help="target accuracy: dense's final mean minus this many points (0.5)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny run for tests: {', '.join(f'{k} {v}' for k, v in QUICK.items())}. Defaults: {defaults}")
+    p.add_argument("--no-progress", action="store_true", help="no progress line per finished run")
+    _add_out(p, "convergence_<data>", _convergence)
 
 
 def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
@@ -292,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     tern.add_argument("--clip", type=float, default=2.5, help="clipping factor c of the clipped runs (2.5)")
     tern.add_argument("--layer", default="fc1.weight", help="layer whose scale is reported (fc1.weight)")
     tern.set_defaults(run=_simulate_terngrad)
+
+    _add_convergence(commands)
 
     compress = commands.add_parser("compress", help="encode time vs torch.topk and one memory pass")
     compress.add_argument(

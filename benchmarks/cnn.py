@@ -212,8 +212,9 @@ def train(
     evals: int = EVALS,
     probe: Optional[Probe] = None,
     tick: Optional[Callable[[], None]] = None,
+    net: Callable[[int], Any] = make_net,
 ) -> Dict[str, Any]:
-    """Synchronous data-parallel SGD of :func:`make_net` on ``ranks`` simulated ranks.
+    """Synchronous data-parallel SGD of ``net(seed)`` (:func:`make_net`) on ``ranks`` simulated ranks.
 
     Every step the global batch of ``ranks * batch_per_rank`` images (a fresh
     permutation per epoch) is split into one shard per rank. Returns the
@@ -226,7 +227,7 @@ def train(
 
     if int(epochs) < 1:
         raise ValueError(f"hvd_compress: epochs must be at least 1, got {epochs}")
-    model = make_net(seed)
+    model = net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sim = Simulator(ranks, compression, seed=seed)
     log = record_payloads(sim)

@@ -4,6 +4,10 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
     from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
 
+``DensityWarmup(compressor, warmup_steps, start)`` is Deep Gradient Compression's
+density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
+(:mod:`hvd_compress.compressors.schedule`).
+
 ``Auto(compressor)`` measures, per bucket, the compressed exchange against a dense
 allreduce on the real link and sends each bucket the cheaper way
 (:mod:`hvd_compress.comm.auto`).
@@ -18,6 +22,7 @@ in one process.
 from hvd_compress.compressors import (
     FP16,
     Compression,
+    DensityWarmup,
     GaussianK,
     NoneCompressor,
     RegTopK,
@@ -42,6 +47,7 @@ __all__ = [
     "NoneCompressor",
     "FP16",
     "Compression",
+    "DensityWarmup",
     "NonFiniteGradientError",
     "__version__",
 ]

@@ -14,6 +14,7 @@ from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.gaussiank import GaussianK
 from hvd_compress.compressors.none import FP16, NoneCompressor
 from hvd_compress.compressors.regtopk import RegTopK
+from hvd_compress.compressors.schedule import DensityWarmup
 from hvd_compress.compressors.terngrad import TernGrad
 from hvd_compress.compressors.topk import TopK
 
@@ -128,4 +129,5 @@ __all__ = [
     "DenseFactory",
     "as_compressor",
     "old_keyword",
+    "DensityWarmup",
 ]

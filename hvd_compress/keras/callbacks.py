@@ -49,6 +49,7 @@ import tensorflow as tf
 from horovod.tensorflow.keras import callbacks as horovod_callbacks
 
 from hvd_compress.compressors.base import Compressor, check_ratio
+from hvd_compress.compressors.schedule import check_has_density, check_start, check_warmup_steps, warmup_density
 from hvd_compress.keras.versions import KERAS3, broadcast_variables
 
 __all__ = [
@@ -292,7 +293,9 @@ class DensityWarmupCallback(_CompressorCallback):
         density(e) = s * (rho / s) ** (e / W)    for e < W
         density(e) = rho                          for e >= W
 
-    a geometric sequence from ``s`` that would reach ``rho`` at epoch ``W``.
+    a geometric sequence from ``s`` that would reach ``rho`` at epoch ``W``
+    (:func:`hvd_compress.compressors.schedule.warmup_density`, the formula of
+    the framework-free :class:`hvd_compress.DensityWarmup` schedule too).
     ``s = 0.25, W = 4, rho = 0.001`` gives 25%, 6.3%, 1.6%, 0.40%, then 0.1%
     (the paper's 25%, 6.25%, 1.5625%, 0.39% is this sequence for
     ``rho = 0.25 ** 5 = 0.098%``); DGC's released code, which multiplies by
@@ -314,37 +317,22 @@ class DensityWarmupCallback(_CompressorCallback):
     def __init__(
         self, compressor_or_optimizer: Any = None, warmup_epochs: int = 4, start: float = 0.25
     ) -> None:
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, numbers.Real):
-            raise TypeError(f"hvd_compress: warmup_epochs must be an integer >= 0, got {warmup_epochs!r}")
-        if not (float(warmup_epochs).is_integer() and warmup_epochs >= 0):
-            raise ValueError(f"hvd_compress: warmup_epochs must be an integer >= 0, got {warmup_epochs!r}")
-        self.warmup_epochs = int(warmup_epochs)
+        self.warmup_epochs = check_warmup_steps(warmup_epochs, "warmup_epochs")
         self.start = check_ratio(start)
         self.target: Optional[float] = None
         self.ratio: Optional[float] = None  # the density of the current epoch
         super().__init__(compressor_or_optimizer)
 
     def _check(self, compressor: Compressor) -> None:
-        ratio = getattr(type(compressor), "ratio", None)
-        if not isinstance(ratio, property) or ratio.fset is None:
-            raise TypeError(
-                f"hvd_compress: DensityWarmupCallback needs a compressor with a density (ratio), "
-                f"such as TopK, GaussianK or RegTopK; {compressor!r} has none"
-            )
+        check_has_density(compressor, "DensityWarmupCallback")
         target = float(compressor.ratio)
-        if self.start < target:
-            raise ValueError(
-                f"hvd_compress: DensityWarmupCallback start density {self.start!r} is below the "
-                f"target {target!r} of {compressor!r}; start must be in [target, 1]"
-            )
+        check_start(self.start, target, f"DensityWarmupCallback (for {compressor!r})")
         self.target = target
 
     def density(self, epoch: int) -> float:
-        """The density of (0-based) ``epoch``."""
+        """The density of (0-based) ``epoch``: :func:`~hvd_compress.compressors.schedule.warmup_density`."""
         self._resolve()  # sets the target
-        if epoch >= self.warmup_epochs:
-            return self.target
-        return self.start * (self.target / self.start) ** (max(epoch, 0) / self.warmup_epochs)
+        return warmup_density(epoch, self.warmup_epochs, self.start, self.target)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.ratio = self.density(epoch)

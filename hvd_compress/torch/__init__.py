@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01), like Horovod's)
+from hvd_compress import DensityWarmup  # noqa: F401  (a schedule of the density, like torch's lr_scheduler)
 from hvd_compress.torch.ddp import CompressionState, ddp_hook  # noqa: F401  (no Horovod needed)
 from hvd_compress.torch.optimizer import DistributedOptimizer  # noqa: F401
 

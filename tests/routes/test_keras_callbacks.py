@@ -26,7 +26,7 @@ except ImportError as error:
         raise
     pytest.skip(f"hvd_compress.keras is not usable here: {error}", allow_module_level=True)
 
-from hvd_compress import FP16, NoneCompressor, TernGrad, TopK  # noqa: E402
+from hvd_compress import FP16, DensityWarmup, NoneCompressor, TernGrad, TopK  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.kernels.reference import num_selected  # noqa: E402
 from hvd_compress.keras.callbacks import CompressionStatsCallback, DensityWarmupCallback  # noqa: E402
@@ -149,6 +149,13 @@ def test_density_warmup_matches_deep_gradient_compression():
     dense_start = DensityWarmupCallback(TopK(0.01), warmup_epochs=2, start=1.0)
     assert [dense_start.density(e) for e in range(3)] == pytest.approx([1.0, 0.1, 0.01])
     assert DensityWarmupCallback(TopK(0.01), warmup_epochs=0).density(0) == 0.01
+
+
+def test_density_warmup_callback_and_schedule_share_the_formula():
+    """Epoch e of the callback is step e of the framework-free DensityWarmup schedule."""
+    callback = DensityWarmupCallback(TopK(0.001), warmup_epochs=3, start=0.5)
+    schedule = DensityWarmup(TopK(0.001), warmup_steps=3, start=0.5)
+    assert [callback.density(e) for e in range(5)] == [schedule.density_at(e) for e in range(5)]
 
 
 @pytest.mark.parametrize("compressor", [TernGrad(), FP16(), NoneCompressor()], ids=repr)

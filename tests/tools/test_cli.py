@@ -47,5 +47,5 @@ def test_python_m_benchmarks_lists_the_studies():
         [sys.executable, "-m", "benchmarks", "--help"], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    for study in ("linreg", "cnn", "gaussian", "terngrad", "compress", "wire", "step", "scaling"):
+    for study in ("linreg", "cnn", "gaussian", "terngrad", "convergence", "compress", "wire", "step", "scaling"):
         assert study in done.stdout

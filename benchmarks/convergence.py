@@ -1,0 +1,406 @@
+"""``python -m benchmarks convergence``: test accuracy on real data, dense vs every compressor, with and
+without Deep Gradient Compression's density warm-up, over several seeds.
+
+Data (:mod:`benchmarks.datasets`): Fashion-MNIST (28x28, the Debian package
+``dataset-fashion-mnist``, ``ci/install_fashion_mnist.sh``) or scikit-learn's
+8x8 digits (bundled, the small one CI can afford).
+
+Models (:func:`make_model`), for a ``1 x h x w`` image:
+
+- ``cnn``: conv 1->16 (3x3, ReLU), a 2x2 max-pool when ``h >= 16``, conv
+  16->32 (3x3, ReLU), 2x2 max-pool, fc -> 128 (ReLU), fc 128 -> 10
+  (8x8: 71,754 parameters, :func:`benchmarks.cnn.make_net`'s net; 28x28: 206,922);
+- ``mlp``: fc ``h w`` -> 256 -> 128 -> 10 with ReLU (8x8: 50,826; 28x28: 235,146).
+
+Training (:func:`benchmarks.cnn.train`): N simulated ranks
+(:class:`~hvd_compress.simulator.Simulator`: every rank encodes its own
+gradient, the payloads are gathered, every rank decodes the average), SGD with
+momentum 0.9 on the average, a fresh permutation of the training set per
+epoch, the test set evaluated after every epoch. Runs: dense; Top-k,
+Gaussian-k and RegTop-k at every density, each without and with the warm-up
+(:class:`hvd_compress.DensityWarmup` stepped every iteration, from ``start``
+to the density over the first ``warmup_epochs`` epochs); TernGrad. Every run
+is repeated for every seed (the seed sets the initialization, the batch order
+and the compressors' random streams; the data and its subset are fixed).
+
+Reported per model and run, over the seeds: final test accuracy (mean, sample
+standard deviation, min-max), its gap to dense in points, the epoch at which
+the seed-mean curve first reaches the target (dense's final mean minus
+``target_gap`` points) and the bytes one rank hands to the collectives per
+step, against dense fp32 (payload bytes and ring traffic, as in
+:mod:`benchmarks.cnn`). The warm-up runs' bytes include the denser warm-up
+steps. This is the Simulator: it measures accuracy and bytes, not time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from benchmarks import cnn
+from benchmarks.datasets import Images, load
+from hvd_compress.bench import publish
+from hvd_compress.bench.report import describe_machine, pyplot, require_packages, save_figure
+from hvd_compress.compressors import Compression, DensityWarmup
+
+MODELS = ("cnn", "mlp")
+#: Compressor names of ``--compressors``; ``none`` is dense.
+COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
+WARMUP = ("both", "on", "off")
+DEFAULT_RATIOS = (0.01, 0.001)
+#: Per data set: epochs, batch per rank, warm-up epochs (images: all unless --train-size / --test-size).
+DEFAULTS = {
+    "digits": {"epochs": 20, "batch_size": 16, "warmup_epochs": 2.0},
+    "fashion-mnist": {"epochs": 3, "batch_size": 32, "warmup_epochs": 0.5},
+}
+#: ``--quick``: a few steps on a few hundred images.
+QUICK = {"epochs": 2, "batch_size": 16, "warmup_epochs": 1.0, "train_size": 256, "test_size": 128}
+
+
+# -------------------------------------------------------------------- models
+def make_model(kind: str, shape: Sequence[int], seed: int = 0) -> Any:
+    """The ``cnn`` or ``mlp`` (module docstring) for images of ``shape = (1, h, w)``, seeded by ``seed``."""
+    import torch
+
+    _, h, w = shape
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if kind == "mlp":
+            return torch.nn.Sequential(
+                torch.nn.Flatten(), torch.nn.Linear(h * w, 256), torch.nn.ReLU(),
+                torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10),
+            )
+        if kind != "cnn":
+            raise ValueError(f"unknown model {kind!r}; choose one of {', '.join(MODELS)}")
+        pool = h >= 16
+        side_h, side_w = (h // 2, w // 2) if pool else (h, w)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+            *([torch.nn.MaxPool2d(2)] if pool else []),
+            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(), torch.nn.Linear(32 * (side_h // 2) * (side_w // 2), 128), torch.nn.ReLU(),
+            torch.nn.Linear(128, 10),
+        )
+
+
+def describe_model(kind: str, shape: Sequence[int]) -> str:
+    """``cnn: conv 1->16, ... (206,922 parameters)`` for images of ``shape``."""
+    model = make_model(kind, shape)
+    size = sum(p.numel() for p in model.parameters())
+    layers = " -> ".join(
+        f"conv {m.in_channels}->{m.out_channels}" if hasattr(m, "in_channels")
+        else f"fc {m.in_features}->{m.out_features}" if hasattr(m, "in_features")
+        else "max-pool" if "Pool" in type(m).__name__ else ""
+        for m in model
+    )
+    return f"{kind}: {' -> '.join(p for p in layers.split(' -> ') if p)} ({size:,} parameters)"
+
+
+def options_for(data: str, quick: bool, given: Dict[str, Any]) -> Dict[str, Any]:
+    """``epochs``, ``batch_size``, ``warmup_epochs``, ``train_size``, ``test_size``: those ``given`` (not
+    None), else :data:`QUICK`'s with ``quick``, else the data set's :data:`DEFAULTS`."""
+    base = {"train_size": None, "test_size": None, **DEFAULTS[data], **(QUICK if quick else {})}
+    return {key: base[key] if given.get(key) is None else given[key] for key in base}
+
+
+# ---------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class Run:
+    """One configuration: ``model``, compressor ``name`` at density ``ratio``, with or without warm-up."""
+
+    model: str
+    name: str
+    ratio: Optional[float] = None
+    warmup: bool = False
+
+    @property
+    def label(self) -> str:
+        """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``terngrad``."""
+        return cnn.label(self.name, self.ratio) + (" +warm-up" if self.warmup else "")
+
+    def compressor(self) -> Any:
+        return Compression.by_name(self.name, self.ratio) if self.ratio else Compression.by_name(self.name)
+
+
+def plan(
+    models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float], warmup: str
+) -> List[Run]:
+    """Every run, model by model: dense, the sparsifiers per density (without, then with warm-up), TernGrad."""
+    unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
+    if unknown or warmup not in WARMUP:
+        raise ValueError(f"unknown {unknown or warmup}: compressors {COMPRESSORS}, models {MODELS}, warm-up {WARMUP}")
+    flags = {"both": (False, True), "on": (True,), "off": (False,)}[warmup]
+    runs: List[Run] = []
+    for model in dict.fromkeys(models):
+        runs += [Run(model, "none")] if "none" in compressors else []
+        for ratio in dict.fromkeys(float(r) for r in ratios):
+            runs += [Run(model, n, ratio, w) for n in cnn.SPARSE if n in compressors for w in flags]
+        runs += [Run(model, "terngrad")] if "terngrad" in compressors else []
+    return runs
+
+
+class WarmupProbe(cnn.Probe):
+    """Steps a :class:`~hvd_compress.DensityWarmup` of every simulated rank before each step after the first."""
+
+    def __init__(self, warmup_steps: int, start: float) -> None:
+        self.warmup_steps, self.start = warmup_steps, start
+        self.schedule: Optional[DensityWarmup] = None
+        self.densities: List[float] = []
+
+    def before(self, step: int, grads: Any, sim: Any) -> None:
+        if self.schedule is None:
+            self.schedule = DensityWarmup(sim, self.warmup_steps, start=max(self.start, sim.compressors[0].ratio))
+        else:
+            self.schedule.step()
+        self.densities.append(self.schedule.density)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The training shared by every run: ``ranks``, ``epochs``, batch, step size, warm-up."""
+
+    ranks: int = 4
+    epochs: int = 5
+    batch_per_rank: int = 32
+    lr: float = 0.05
+    warmup_epochs: float = 1.0
+    warmup_start: float = 0.25
+
+    def steps_per_epoch(self, data: Images) -> int:
+        return len(data.train_y) // (self.ranks * self.batch_per_rank)
+
+
+def train_run(run: Run, data: Any, setup: Setup, seed: int, per_epoch: int) -> Dict[str, Any]:
+    """One seed of ``run``: the per-epoch test curve, final accuracy, bytes per step, densities."""
+    probe = None
+    if run.warmup:
+        probe = WarmupProbe(max(1, round(setup.warmup_epochs * per_epoch)), setup.warmup_start)
+    result = cnn.train(
+        run.compressor(), data, ranks=setup.ranks, epochs=setup.epochs, batch_per_rank=setup.batch_per_rank,
+        lr=setup.lr, seed=seed, evals=setup.epochs, probe=probe,
+        net=functools.partial(make_model, run.model, tuple(data.train_x.shape[1:])),
+    )
+    keep = ("final_test_accuracy", "final_test_loss", "final_train_loss", "bytes_per_step", "dense_bytes_per_step",
+            "bytes_vs_dense", "traffic_per_step", "traffic_vs_dense", "density", "steps", "wall_seconds")
+    return {
+        "seed": seed,
+        "test_accuracy": result["eval"]["test_accuracy"],  # after epochs 0 (initial), 1, ..., E
+        "test_loss": result["eval"]["test_loss"],
+        **{key: result[key] for key in keep},
+        "warmup_densities": None if probe is None else [probe.densities[0], probe.densities[-1]],
+        "layers": result["layers"],
+    }
+
+
+def as_torch(data: Images) -> cnn.ImageData:
+    import torch
+
+    return cnn.ImageData(*(torch.from_numpy(a) for a in (data.train_x, data.train_y, data.test_x, data.test_y)))
+
+
+def run_all(runs: Sequence[Run], data: Images, setup: Setup, seeds: Sequence[int], progress: bool = True):
+    """Train every run for every seed on one thread; a progress line on stderr after each."""
+    tensors, per_epoch = as_torch(data), setup.steps_per_epoch(data)
+    if per_epoch < 1:
+        raise ValueError(
+            f"{len(data.train_y)} training images are fewer than one global batch of "
+            f"{setup.ranks} ranks x {setup.batch_per_rank}"
+        )
+    total, done, started = len(runs) * len(seeds), 0, time.perf_counter()
+    trained: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    with cnn.one_thread(), warnings.catch_warnings():
+        # while the warm-up's density is high, tensors go dense; each run's layer table says so already
+        warnings.filterwarnings("ignore", message=r"hvd_compress: \w+ sends '.*' dense")
+        for run in runs:
+            for seed in seeds:
+                result = train_run(run, tensors, setup, seed, per_epoch)
+                trained.setdefault((run.model, run.label), []).append(result)
+                done += 1
+                if progress:
+                    print(
+                        f"convergence [{done}/{total}] {run.model} {run.label} seed {seed}: test accuracy "
+                        f"{result['final_test_accuracy']:.4f}, {result['wall_seconds']:.1f} s "
+                        f"({time.perf_counter() - started:.0f} s in all)",
+                        file=sys.stderr, flush=True,
+                    )
+    return trained
+
+
+# ------------------------------------------------------------------- summary
+def spread(values: Sequence[float]) -> Dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), min and max."""
+    a = np.asarray(values, dtype=float)
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else 0.0,
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def first_epoch_at(curve: Sequence[float], target: float) -> Optional[int]:
+    """The first epoch (1-based; index 0 is the initial model) whose accuracy reaches ``target``."""
+    return next((epoch for epoch, acc in enumerate(curve) if epoch and acc >= target), None)
+
+
+def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, Any]], gap: float) -> Dict[str, Any]:
+    """The row of ``run``: spreads over seeds, the gap to dense, the epoch reaching the target."""
+    layers = [s.pop("layers", None) for s in seeds][0]
+    curves = np.array([s["test_accuracy"] for s in seeds])
+    final = spread(curves[:, -1])
+    row: Dict[str, Any] = {
+        "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio, "warmup": run.warmup,
+        "final_accuracy": final,
+        "curve_mean": curves.mean(0).tolist(), "curve_min": curves.min(0).tolist(),
+        "curve_max": curves.max(0).tolist(),
+        **{key: float(np.mean([s[key] for s in seeds])) for key in
+           ("bytes_per_step", "dense_bytes_per_step", "bytes_vs_dense", "traffic_vs_dense")},
+        "density": None if seeds[0]["density"] is None else float(np.mean([s["density"] for s in seeds])),
+        "layers": layers,  # how each tensor is sent at the target density (the first seed's run)
+        "seeds": seeds,
+    }
+    if dense is not None:
+        target = dense["final_accuracy"]["mean"] - gap / 100
+        row["gap_points"] = 100 * (final["mean"] - dense["final_accuracy"]["mean"])
+        row["within_dense_spread"] = final["mean"] >= dense["final_accuracy"]["min"]
+        row["target_accuracy"] = target
+        row["epochs_to_target"] = first_epoch_at(row["curve_mean"], target)
+    return row
+
+
+def rows_of(runs: Sequence[Run], trained, gap: float) -> List[Dict[str, Any]]:
+    rows: List[Dict[str, Any]] = []
+    dense: Dict[str, Dict[str, Any]] = {}
+    for run in runs:  # dense comes first for every model
+        row = summarize(run, trained[(run.model, run.label)], dense.get(run.model), gap)
+        if run.name == "none":
+            dense[run.model] = row
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------- study
+def study(
+    data: Images,
+    setup: Setup = Setup(),
+    models: Sequence[str] = MODELS,
+    compressors: Sequence[str] = COMPRESSORS,
+    ratios: Sequence[float] = DEFAULT_RATIOS,
+    warmup: str = "both",
+    seeds: Sequence[int] = (0, 1, 2),
+    target_gap: float = 0.5,
+    out: Optional[str] = None,
+    progress: bool = True,
+    plot: bool = True,
+    stdout: Any = None,
+) -> Dict[str, Any]:
+    """Train every run of :func:`plan` for every seed on ``data``; write ``convergence_<data>.json/.png``
+    to ``out`` when given, print the table; returns the results."""
+    require_packages(torch=True, plots=plot and out is not None)
+    runs = plan(models, compressors, ratios, warmup)
+    seeds = list(dict.fromkeys(int(s) for s in seeds))
+    if not runs or not seeds:
+        raise ValueError("nothing to run: give at least one model, compressor and seed")
+    started = time.perf_counter()
+    trained = run_all(runs, data, setup, seeds, progress)
+    results = {
+        "study": "convergence",
+        "machine": describe_machine(),
+        "settings": {
+            **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
+            "ratios": list(ratios), "target_gap_points": target_gap, "data": data.describe(),
+            "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
+            "optimizer": "SGD with momentum 0.9 on the averaged gradient (no momentum correction)",
+            "warmup": "DensityWarmup stepped every iteration from warmup_start to the density over "
+                      "warmup_epochs epochs (DGC's exponential ramp)",
+            "bytes": "payload bytes one rank hands to the collectives per step, mean over ranks, steps, seeds",
+        },
+        "rows": rows_of(runs, trained, target_gap),
+        "wall_seconds": time.perf_counter() - started,
+    }
+    return publish(results, out, f"convergence_{data.name}", write_plot if plot else None, print_table, stdout)
+
+
+def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
+    say = functools.partial(print, file=stdout)
+    s = results["settings"]
+    say(
+        f"Convergence on {s['data']['name']} ({s['data']['train_images']} training, {s['data']['test_images']} test "
+        f"images): {s['ranks']} simulated ranks, {s['epochs']} epochs of {s['steps_per_epoch']} steps, batch "
+        f"{s['batch_per_rank']} per rank, lr {s['lr']}, seeds {','.join(map(str, s['seeds']))}"
+    )
+    say(f"\n  {'model':<5} {'run':<26} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
+        f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9}")
+    for r in results["rows"]:
+        acc = r["final_accuracy"]
+        gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f}pt"
+        reach = "" if "epochs_to_target" not in r else (str(r["epochs_to_target"] or "never"))
+        say(
+            f"  {r['model']:<5} {r['label']:<26} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
+            f"{acc['min']:.3f}-{acc['max']:.3f} {gap:>9} {reach:>13} {r['bytes_per_step']:>11,.0f} "
+            f"{r['bytes_vs_dense']:>8.4f}x"
+        )
+    say(
+        f"\n  vs dense: points of final test accuracy against dense's mean; epoch>=target: first epoch whose "
+        f"seed-mean accuracy reaches dense's final mean - {s['target_gap_points']:g} points; bytes/step: "
+        "payload bytes per rank and step (warm-up runs include the warm-up)"
+    )
+
+
+def markdown_table(results: Dict[str, Any]) -> str:
+    """The final-accuracy table as Markdown (docs/results.md), one row per model and run."""
+    lines = [
+        "| model | run | test accuracy, mean +- sd (min-max) | vs dense | first epoch >= target | bytes/step vs dense |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results["rows"]:
+        acc = r["final_accuracy"]
+        gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f} pt"
+        reach = "" if "epochs_to_target" not in r else str(r["epochs_to_target"] or "never")
+        lines.append(
+            f"| {r['model']} | {r['label']} | {acc['mean']:.4f} +- {acc['std']:.4f} ({acc['min']:.4f}-{acc['max']:.4f}) "
+            f"| {gap} | {reach} | {r['bytes_vs_dense']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- plot
+def write_plot(results: Dict[str, Any], path: Any) -> None:
+    """Test accuracy per epoch, seed mean and min-max band: a row per model, a column per density."""
+    rows = results["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    ratios = list(dict.fromkeys(r["ratio"] for r in rows if r["ratio"])) or [None]
+    fig, axes = pyplot().subplots(len(models), len(ratios), figsize=(6.5 * len(ratios), 4.4 * len(models)),
+                                  squeeze=False)
+    for i, model in enumerate(models):
+        for j, ratio in enumerate(ratios):
+            shown = [r for r in rows if r["model"] == model and r["ratio"] in (None, ratio)]
+            plot_panel(axes[i][j], shown)
+            axes[i][j].set_title(f"{model}, " + ("dense and TernGrad" if ratio is None else f"density {ratio:.2%}"))
+    s = results["settings"]
+    fig.suptitle(
+        f"{s['data']['name']}: test accuracy, {s['ranks']} simulated ranks, mean of seeds "
+        f"{','.join(map(str, s['seeds']))} (band: min-max); dashed: with density warm-up"
+    )
+    save_figure(fig, path)
+
+
+def plot_panel(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
+    lows = []
+    for r in rows:
+        style = cnn.curve_style(cnn.label(r["compressor"]))
+        style["linestyle"] = "--" if r["warmup"] else "-"
+        epochs = np.arange(len(r["curve_mean"]))
+        ax.plot(epochs, r["curve_mean"], marker=".", label=r["label"], linewidth=1.2, **style)
+        ax.fill_between(epochs, r["curve_min"], r["curve_max"], color=style["color"], alpha=0.15, linewidth=0)
+        lows.append(min(r["curve_mean"][1:] or r["curve_mean"]))
+    top = max(max(r["curve_max"]) for r in rows)
+    ax.set_ylim(max(0.0, min(lows) - 0.02), min(1.0, top + 0.01) if top < 0.99 else 1.0)
+    ax.xaxis.set_major_locator(pyplot().MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")

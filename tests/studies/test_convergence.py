@@ -1,0 +1,110 @@
+"""``python -m benchmarks convergence``: dense vs compressors on real data, tiny sizes (a few steps)."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks import convergence  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
+from tests.studies.test_datasets import write_fashion  # noqa: E402
+
+#: 128 training images, 4 ranks x 16: 2 steps per epoch, 2 epochs.
+TINY = ["--quick", "--train-size", "128", "--test-size", "64", "--no-progress"]
+
+
+def test_fashion_mnist_cli(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    write_fashion(tmp_path / "fm", train=200, test=80)
+    argv = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "fm"), *TINY, "--models", "mlp",
+            "--compressors", "none,topk,terngrad", "--ratios", "0.01", "--seeds", "0,1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert (tmp_path / "convergence_fashion-mnist.png").stat().st_size > 0
+    results = json.loads((tmp_path / "convergence_fashion-mnist.json").read_text())
+    s = results["settings"]
+    assert s["data"]["image_shape"] == [1, 28, 28] and s["data"]["train_images"] == 128
+    assert s["steps_per_epoch"] == 2 and s["epochs"] == 2 and s["seeds"] == [0, 1]
+    rows = {(r["model"], r["label"]): r for r in results["rows"]}
+    labels = ["dense", "top-k 1%", "top-k 1% +warm-up", "terngrad"]
+    assert list(rows) == [("mlp", label) for label in labels]
+    for r in rows.values():
+        assert len(r["seeds"]) == 2 and all(len(seed["test_accuracy"]) == 3 for seed in r["seeds"])
+        finals = [seed["test_accuracy"][-1] for seed in r["seeds"]]
+        assert r["final_accuracy"]["mean"] == pytest.approx(sum(finals) / 2)
+        assert r["final_accuracy"]["min"] == min(finals) and r["curve_min"][-1] == min(finals)
+    for model in ("mlp",):
+        dense, topk, warm = rows[(model, "dense")], rows[(model, "top-k 1%")], rows[(model, "top-k 1% +warm-up")]
+        assert "gap_points" not in dense and dense["bytes_vs_dense"] == 1
+        assert topk["gap_points"] == pytest.approx(
+            100 * (topk["final_accuracy"]["mean"] - dense["final_accuracy"]["mean"]))
+        assert topk["bytes_vs_dense"] < 0.05 < warm["bytes_vs_dense"]  # the warm-up starts at 25%
+        assert [s["warmup_densities"] for s in warm["seeds"]] == [[0.25, 0.01]] * 2  # 2 ramp steps, then 1%
+        assert topk["seeds"][0]["warmup_densities"] is None
+    out = capsys.readouterr().out
+    assert "top-k 1% +warm-up" in out and "convergence_fashion-mnist.png" in out
+
+
+def test_progress_lines_and_a_missing_data_set(tmp_path, capsys):
+    write_fashion(tmp_path / "fm", train=80, test=20)
+    argv = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "fm"), "--quick",
+            "--train-size", "64", "--models", "mlp", "--compressors", "none", "--seeds", "3", "--out", ""]
+    assert main(argv) == 0
+    assert "convergence [1/1] mlp dense seed 3: test accuracy" in capsys.readouterr().err
+    missing = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "none"), "--quick"]
+    assert main(missing) == 2
+    assert "ci/install_fashion_mnist.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "shape, size", [((1, 8, 8), 71_754), ((1, 28, 28), 206_922)], ids=["8x8", "28x28"]
+)
+def test_cnn_shapes(shape, size):
+    model = convergence.make_model("cnn", shape, seed=1)
+    assert sum(p.numel() for p in model.parameters()) == size
+    assert model(torch.zeros(3, *shape)).shape == (3, 10)
+    assert "max-pool -> conv 16->32" in convergence.describe_model("cnn", (1, 28, 28))
+
+
+def test_digits_dense_cnn_learns():
+    """On 512 real digits, a dense CNN learns in a few steps."""
+    pytest.importorskip("sklearn")
+    results = convergence.study(
+        convergence.load("digits", 512, 200), convergence.Setup(epochs=3, batch_per_rank=16),
+        models=["cnn"], compressors=["none"], seeds=[0], progress=False, plot=False,
+    )
+    curve = results["rows"][0]["curve_mean"]
+    assert curve[-1] > 0.5 > curve[0]  # ten classes: chance is 0.1
+
+
+def test_plan_orders_runs_and_rejects_unknown_names():
+    runs = convergence.plan(["mlp"], ["terngrad", "regtopk", "none"], [0.01, 0.001], "on")
+    assert [r.label for r in runs] == ["dense", "regtop-k 1% +warm-up", "regtop-k 0.1% +warm-up", "terngrad"]
+    for bad in ({"compressors": ["topk", "fp8"]}, {"models": ["resnet"]}, {"warmup": "sometimes"}):
+        options = {"models": ["cnn"], "compressors": ["topk"], "ratios": [0.01], "warmup": "off", **bad}
+        with pytest.raises(ValueError, match="unknown"):
+            convergence.plan(**options)
+
+
+def test_options_precedence():
+    given = {"epochs": 7, "batch_size": None, "warmup_epochs": None, "train_size": None, "test_size": 50}
+    options = convergence.options_for("fashion-mnist", True, given)
+    assert options == {**convergence.QUICK, "epochs": 7, "test_size": 50}
+    assert convergence.options_for("digits", False, {})["epochs"] == convergence.DEFAULTS["digits"]["epochs"]
+
+
+def test_summary_of_seeds():
+    seeds = [{"test_accuracy": [0.1, 0.80, 0.90], "density": 0.02}, {"test_accuracy": [0.1, 0.70, 0.94],
+                                                                      "density": 0.04}]
+    for s in seeds:
+        s.update(bytes_per_step=10.0, dense_bytes_per_step=100.0, bytes_vs_dense=0.1, traffic_vs_dense=0.2)
+    dense = {"final_accuracy": {"mean": 0.93, "min": 0.925}}
+    row = convergence.summarize(convergence.Run("cnn", "topk", 0.01), seeds, dense, gap=0.5)
+    assert row["final_accuracy"]["mean"] == pytest.approx(0.92) and row["final_accuracy"]["min"] == 0.90
+    assert row["final_accuracy"]["std"] == pytest.approx(0.0282843, rel=1e-5)
+    assert row["gap_points"] == pytest.approx(-1.0) and not row["within_dense_spread"]
+    assert row["target_accuracy"] == pytest.approx(0.925) and row["epochs_to_target"] is None
+    assert row["density"] == pytest.approx(0.03)
+    assert convergence.first_epoch_at([0.95, 0.5, 0.93], 0.925) == 2  # the initial model does not count
+    table = convergence.markdown_table({"rows": [row]}).splitlines()
+    assert table[2] == "| cnn | top-k 1% | 0.9200 +- 0.0283 (0.9000-0.9400) | -1.00 pt | never | 0.1000 |"
