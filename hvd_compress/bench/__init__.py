@@ -28,8 +28,9 @@ def free_port() -> int:
 
 
 def save(results: Dict[str, Any], out: Optional[str], stem: str, plot: Optional[Callable] = None) -> None:
-    """Write ``out/<stem>.json`` and, with ``plot(results, path)``, ``out/<stem>.png`` (nothing without ``out``)."""
-    if out is None:
+    """Write ``out/<stem>.json`` and, with ``plot(results, path)``, ``out/<stem>.png`` (nothing without
+    ``out``: ``None`` or ``""``, as ``--out ''`` gives)."""
+    if not out:
         return
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
