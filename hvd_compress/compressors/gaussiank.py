@@ -43,5 +43,9 @@ class GaussianK(Sparsifier):
     def slots(self, numel: int) -> int:
         return reference.gaussiank_slots(self.k(numel))
 
-    def bucket_rows(self, a: Any, scores: Any, k: int, ops: Any) -> Any:
-        return ops.gaussiank_rows(a, scores, self.ratio, k)
+    def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
+        """Every row's Gaussian-k selection in its ``floor(4k/3)`` slots
+        (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); a row's flag is NaN where its
+        mean is not finite (NaN/Inf in the row)."""
+        positions, mean = rows.gaussiank(a, scores, self.ratio)
+        return positions, mean * 0

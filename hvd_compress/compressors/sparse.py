@@ -93,13 +93,15 @@ class Sparsifier(Compressor):
         return self.k(numel)
 
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
-        """``|a|``: Top-k's scores."""
+        """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""
         return a.abs()
 
-    def bucket_rows(self, a: Any, scores: Any, k: int, ops: Any) -> Any:
-        """The selection of each row of a size group (``(rows, slots)`` column indices): the ``k``
-        largest ``scores``."""
-        return ops.topk_rows(scores, k)
+    def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
+        """A fused bucket's selection, ``(positions, flags)``: every row's ``k`` largest ``scores``
+        (:meth:`~hvd_compress.kernels.torch_rows.Rows.topk`) and per row 0, or NaN where the row
+        holds NaN/Inf (its largest score is NaN or Inf)."""
+        positions, top = rows.topk(scores)
+        return positions, top * 0
 
     def warn_dense(self, name: str, numel: int) -> None:
         if name not in self._warned_dense and self.dense_is_cheaper(numel):
