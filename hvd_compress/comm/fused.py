@@ -152,7 +152,7 @@ class FusedBucket:
         self.flag_positions = torch.tensor([g.start + row * g.n for g in self.groups for row in range(g.rows)]
                                            + [self.n_compressed] * self.padded, dtype=self.index_dtype,
                                            device=self.device)
-        self.spare_flag = torch.zeros(int(self.padded), dtype=self.dtype, device=self.device)
+        self.spare_zero = torch.zeros(int(self.padded), dtype=self.dtype, device=self.device)
         #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
         self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
         self.wire_format = self._ternary_wire_format()
@@ -303,10 +303,7 @@ class FusedBucket:
         if dense is not None:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            parts = [tensors[i].reshape(-1) for i in self.compressed]
-            if self.padded:
-                parts.append(parts[0].new_zeros(1))
-            g = torch.cat(parts)
+            g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
             if self.compressor.payload_kind == "sparse":
                 self._launch_sparse(g, comm, out)
             else:
@@ -339,16 +336,22 @@ class FusedBucket:
         comp = self.compressor
         a = self._compensated(g)
         scores = comp.bucket_scores(a, self.posterior, ops)
-        idx, flags = comp.bucket_select(a, scores, self.rows, ops)
-        if self.residual is not None:
+        idx, probe = comp.bucket_select(a, scores, self.rows, ops)
+        K, count = self.k_total, len(self.compressed)
+        message = torch.empty(K + self.flag_count, dtype=self.dtype, device=self.device)
+        if a.dtype != self.dtype:  # values saturate to the gradient's dtype, the rest stays in the residual
             values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
+            message[:K].copy_(values)
         else:
-            values = a.index_select(0, idx)
+            values = torch.index_select(a, 0, idx, out=message[:K])
+            if self.residual is not None:
+                out.residual = a.index_fill_(0, idx, 0)
+        torch.mul(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
+        if self.padded:
+            message[K + count :].zero_()
         out.sent = (idx, values)
-        rows = [self.k_total + self.flag_count] * self.world
-        out.handles["values"] = comm.allgather_async(
-            torch.cat([values, flags.to(values.dtype), self.spare_flag]), f"{self.key}.values", rows
-        )
+        rows = [K + self.flag_count] * self.world
+        out.handles["values"] = comm.allgather_async(message, f"{self.key}.values", rows)
         positions = torch.empty(self.k_total + self.flag_count, dtype=self.index_dtype, device=self.device)
         out.handles["indices"] = comm.allgather_async(
             torch.cat([idx, self.flag_positions], out=positions), f"{self.key}.indices", rows
@@ -358,7 +361,6 @@ class FusedBucket:
         comp = self.compressor
         a = self._compensated(g)
         local, bound = self._scales(a)
-        bad = (~torch.isfinite(local)).to(self.acc)
         uniform = torch.empty(self.n_compressed, dtype=torch.float32, device=self.device)
         generator = comp.generator(ops, a)
         for i in sorted(self.compressed):  # draws in the order the tensors were added
@@ -367,6 +369,7 @@ class FusedBucket:
                        out=uniform[start : start + self.numels[i]])
         uniform = uniform.to(self.dtype)
         sanitized = torch.nan_to_num(local, nan=0.0, posinf=0.0)
+        bad = torch.ne(sanitized, local).to(self.acc)  # a scale (>= 0) is NaN or +Inf
         count = len(self.compressed)
         if comp.scalar_sharing:  # the codes need the Max over ranks: sent by Launched.complete
             handle = comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales")
@@ -501,11 +504,13 @@ class Launched:
         if b.compressor.scalar_sharing:
             if b.wire_format == "allreduce":
                 code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
-            else:
+            else:  # every rank's codes, summed in int8 (|sum| <= N) or int16
                 chunk = wire.two_bit_bytes(b.n_compressed)
-                code_sum = ops.sum_codes(
-                    [ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed) for r in range(b.world)]
-                )
+                code_sum = ops.unpack_two_bit(received[:chunk], b.n_compressed)
+                if b.world > 127:
+                    code_sum = code_sum.to(torch.int16)
+                for r in range(1, b.world):
+                    code_sum += ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
             bad = self.bad
             total = self._scaled_rows(code_sum, torch.where(bad, torch.nan, self.scale.to(b.acc)))
         else:

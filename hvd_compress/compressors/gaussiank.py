@@ -45,7 +45,6 @@ class GaussianK(Sparsifier):
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """Every row's Gaussian-k selection in its ``floor(4k/3)`` slots
-        (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); a row's flag is NaN where its
-        mean is not finite (NaN/Inf in the row)."""
-        positions, mean = rows.gaussiank(a, scores, self.ratio)
-        return positions, mean * 0
+        (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); the probe is each row's mean,
+        not finite where the row holds NaN/Inf."""
+        return rows.gaussiank(a, scores, self.ratio)

@@ -97,11 +97,10 @@ class Sparsifier(Compressor):
         return a.abs()
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
-        """A fused bucket's selection, ``(positions, flags)``: every row's ``k`` largest ``scores``
-        (:meth:`~hvd_compress.kernels.torch_rows.Rows.topk`) and per row 0, or NaN where the row
-        holds NaN/Inf (its largest score is NaN or Inf)."""
-        positions, top = rows.topk(scores)
-        return positions, top * 0
+        """A fused bucket's selection, ``(positions, probe)``: every row's ``k`` largest ``scores``
+        (:meth:`~hvd_compress.kernels.torch_rows.Rows.topk`), and per row a value that is NaN or
+        Inf exactly where the row holds NaN/Inf (its largest score), so ``0 * probe`` is its flag."""
+        return rows.topk(scores)
 
     def warn_dense(self, name: str, numel: int) -> None:
         if name not in self._warned_dense and self.dense_is_cheaper(numel):

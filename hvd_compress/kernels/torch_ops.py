@@ -408,26 +408,34 @@ def _wrap_int32(words: torch.Tensor) -> torch.Tensor:
     return (torch.remainder(words + (_WORD >> 1), _WORD) - (_WORD >> 1)).to(torch.int32)
 
 
-def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
-    """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``.
+def _shifts(bits: int, per_word: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``bits * i`` for the ``per_word`` fields of a word, made once per dtype and device."""
+    key = (bits, per_word, dtype, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = bits * torch.arange(per_word, dtype=dtype, device=device)
+    return _SHIFTS[key]
 
-    The fields are laid out transposed, field ``i`` of every word in row ``i``, in
-    the word's dtype, then combined by Horner's scheme from the last row,
-    ``w = (w << bits) | row``: the shift leaves the low ``bits`` bits zero and a
-    field is below ``2**bits``, so ``|`` is the reference's ``+`` (no carry). torch
-    shifts signed integers as unsigned, so a field reaching bit 31 of an int32 word
-    sets the sign bit, as the reference's cast to uint32 then view as int32.
+
+_SHIFTS: dict = {}
+
+
+def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
+    """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``:
+    ``w = sum_i (t_i + 1) << bits i``.
+
+    The shifted fields' bits are disjoint, so their sum is the reference's (no carry).
+    torch shifts signed integers as unsigned, so a field reaching bit 31 of an int32
+    word sets the sign bit, as the reference's cast to uint32 then view as int32; only
+    the last field can, so the int32 sum of the shifted fields never overflows.
     """
     numel = codes.shape[0]
     words = -(-numel // per_word)
-    if words * per_word > numel:  # padding codes -1: fields 0
-        codes = torch.cat([codes, codes.new_full((words * per_word - numel,), -1)])
-    fields = _empty(words * per_word, word, codes.device).view(per_word, words)
-    torch.add(codes.reshape(words, per_word).t(), 1, out=fields)
-    packed = _empty(words, word, codes.device).copy_(fields[per_word - 1])
-    for i in range(per_word - 2, -1, -1):
-        packed.bitwise_left_shift_(bits).bitwise_or_(fields[i])
-    return packed
+    fields = _empty(words * per_word, word, codes.device)
+    if words * per_word > numel:  # padding: fields 0
+        fields[numel:].zero_()
+    torch.add(codes, 1, out=fields[:numel])
+    shifted = fields.view(words, per_word).bitwise_left_shift_(_shifts(bits, per_word, word, codes.device))
+    return shifted.sum(dim=1, dtype=word)
 
 
 def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) -> torch.Tensor:
@@ -436,9 +444,8 @@ def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) ->
     An arithmetic shift of a negative int32 word brings sign bits in above bit
     ``31 - bits * i``, which the mask (``bits * (i + 1) <= 32``) drops.
     """
-    shifts = bits * torch.arange(per_word, dtype=words.dtype, device=words.device)
     fields = _empty(words.shape[0] * per_word, words.dtype, words.device).view(-1, per_word)
-    torch.bitwise_right_shift(words.unsqueeze(1), shifts, out=fields)
+    torch.bitwise_right_shift(words.unsqueeze(1), _shifts(bits, per_word, words.dtype, words.device), out=fields)
     return fields.bitwise_and_((1 << bits) - 1).view(-1)[:numel]
 
 

@@ -128,10 +128,10 @@ class Rows:
         self.slot_start = tensor(starts[slot_row])
         #: a slot's place in its row, from 0
         self.slot_rank = tensor(np.arange(self.width) - first_slot[slot_row], self.scan)
-        #: each row's last slot, then its first (Top-k's sorted slots: the k-th value and the largest)
-        self._ends = tensor(np.concatenate([last_slot, first_slot]))
-        #: the last slot of each slot's row, and how far before it the slot is, plus 1
-        self._last = tensor(last_slot[slot_row])
+        #: each row's last slot, its first, and each slot's row's last (Top-k's sorted slots: each
+        #: row's k-th value, its largest, and the k-th value of each slot's row)
+        self._ends = tensor(np.concatenate([last_slot, first_slot, last_slot[slot_row]]))
+        #: how far before its row's last slot a slot is, plus 1
         self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
         self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
@@ -167,8 +167,9 @@ class Rows:
         for _, view, k, width, _, (lo, hi) in self._views(bits):
             assert width == k, "Top-k fills every slot of a row"
             torch.topk(view, k, dim=1, out=(values[lo:hi].view(-1, k), local[lo:hi].view(-1, k)))
-        kth, top = values.index_select(0, self._ends).view(2, -1)  # each row's k-th value, its largest
-        tie = torch.eq(values, values.index_select(0, self._last))
+        ends = values.index_select(0, self._ends)
+        kth, top = ends[: self.count], ends[self.count : 2 * self.count]
+        tie = torch.eq(values, ends[2 * self.count :])
         return self._lowest_ties(bits, kth, tie, local), top.view(scores.dtype)
 
     def _lowest_ties(self, bits: torch.Tensor, kth: torch.Tensor, tie: torch.Tensor,
@@ -183,8 +184,14 @@ class Rows:
         for start, view, _, _, (r0, r1), _ in self._views(bits):
             torch.eq(view, kth[r0:r1, None], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         counted = torch.cumsum(marks, 0, dtype=self.scan)
-        found = torch.searchsorted(counted[1:], counted.index_select(0, self.slot_start).add_(self._from_end))
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(self._from_end))
         return torch.where(tie, found, local.add_(self.slot_start))
+
+    def _at_row_starts(self, counted: torch.Tensor) -> torch.Tensor:
+        """``counted`` at each slot's row start: the rows' entries are strided views (one per group),
+        gathered into one small vector, then spread over the slots."""
+        starts = [counted[start : start + count * n : n] for (start, count, n, _, _) in self.groups]
+        return torch.cat(starts).index_select(0, self.slot_row)
 
     def _topk_host(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         parts, top = [], []
@@ -204,7 +211,8 @@ class Rows:
         Phi^-1(1 - ratio / 2)``, the moments reduced in ``a``'s dtype (as
         :func:`torch_ops.gaussiank_thresholds`)."""
         moments = [torch.std_mean(view, dim=1, correction=0) for _, view, *_ in self._views(a)]
-        std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments]).double().view(2, -1)
+        both = torch.empty(2 * self.count, dtype=torch.float64, device=a.device)
+        std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments], out=both).view(2, -1)
         return mean.abs().add_(std.mul(reference.normal_tail_quantile(ratio))), mean
 
     def gaussiank(self, a: torch.Tensor, magnitude: torch.Tensor, ratio: float,
@@ -222,35 +230,42 @@ class Rows:
         first, mean = self.thresholds(a, ratio)
         if ops.on_host(a) if host is None else host:
             return self._gaussiank_host(magnitude, first), mean
-        factors, outcomes, pow3, bounds, next_rank = self._gaussiank_tables()
-        limits = ops.cast(first[:, None] * factors, magnitude.dtype)
-        counts = torch.empty((self.count, len(reference.GAUSSIANK_FACTORS)), dtype=torch.int64, device=a.device)
-        for _, view, _, _, (r0, r1), _ in self._views(magnitude):
-            torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :]), dim=1, out=counts[r0:r1])
+        factors, outcomes, pow3, bounds, next_rank, counts = self._gaussiank_tables()
+        nodes = len(reference.GAUSSIANK_FACTORS)
+        # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
+        if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
+            limits = torch.mul(first[:, None], factors, out=magnitude.new_empty((self.count, 2 * nodes)))
+        else:
+            limits = ops.cast(first[:, None] * factors, magnitude.dtype)
+        for _, view, _, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
+            torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below 2k/3, 1 in range, 2 above 4k/3
-        outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))
-        node = outcome.remainder(len(reference.GAUSSIANK_FACTORS))[:, None]
-        room = torch.where(outcome >= len(reference.GAUSSIANK_FACTORS), self.k, counts.gather(1, node)[:, 0])
-        limit = limits.gather(1, node)
+        outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
+        limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
         marks = self.marks(1 + self.end)
         for start, view, _, _, (r0, r1), _ in self._views(magnitude):
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         counted = torch.cumsum(marks, 0, dtype=self.scan)
-        found = torch.searchsorted(counted[1:], counted.index_select(0, self.slot_start).add_(next_rank))
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
         return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare), mean
 
     def _gaussiank_tables(self) -> Tuple[torch.Tensor, ...]:
-        """Built once: the factors, the outcome table, powers of 3, each row's integer bounds
-        ``[ceil(2k/3), floor(4k/3) + 1]`` and each slot's rank + 1."""
+        """Built once: the factors (twice), the outcome table, powers of 3 (then zeros), each row's integer
+        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer:
+        six counts per row, then ``k`` six times (the room of a cut set)."""
         if self._gaussiank is None:
+            nodes = len(reference.GAUSSIANK_FACTORS)
             bounds = [[math.ceil(reference.GAUSSIANK_LOW * k), math.floor(reference.GAUSSIANK_HIGH * k) + 1]
                       for start, count, n, k, width in self.groups for _ in range(count)]
+            counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
+            counts[:, nodes:] = self.k[:, None]
             self._gaussiank = (
-                torch.tensor(reference.GAUSSIANK_FACTORS, dtype=torch.float64, device=self.device),
+                torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
                 _OUTCOMES.to(self.device),
-                3 ** torch.arange(len(reference.GAUSSIANK_FACTORS), device=self.device),
+                torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
                 torch.tensor(bounds, dtype=torch.int64, device=self.device).view(-1, 2),
                 self.slot_rank + 1,
+                counts,
             )
         return self._gaussiank
 
