@@ -30,11 +30,11 @@ sparse (Top-k, Gaussian-k, RegTop-k), per bucket::
                                                 thresholds, one mark), then a fixed number
                                                 of kernels for the bucket
                                                 (:class:`~hvd_compress.kernels.torch_rows.Rows`)
-    send a[S] ++ f, S                           two allgathers (fixed size)
+    send a[S] ++ f, S ++ first entries          two allgathers (fixed size)
     r = a with a[S] set to 0
-    total = F spread over each tensor           (F: the flags' sum over ranks)
-    total += every rank's a[S] at S             one index_add per rank, in rank order
-    result = total / N;  flagged tensors: r as before the step (one where)
+    total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
+                                                one index_add per rank, in rank order
+    result = total / N;  flagged tensors: r as before the step (one where per group)
 
 TernGrad: per size group one ``aminmax`` (and ``std`` when clipping), so the
 scales ``max|clip(g)| = min(max|g|, bound)`` and non-finite flags of all
@@ -46,10 +46,10 @@ sums by its scales, NaN for a flagged tensor.
 
 Non-finite values behave as in the dense allreduce they replace: each rank
 sends a flag ``f_j`` per compressed tensor with its values, 0, or NaN when
-``a_j`` holds NaN/Inf (read off what the selection computes anyway: Top-k's
-largest score, Gaussian-k's first threshold); the flags' sum over ranks fills
-the tensor's result before the values are added, so a NaN/Inf on any rank
-makes that tensor non-finite on every rank (``torch.cuda.amp.GradScaler`` then
+``a_j`` holds NaN/Inf (``0 *`` what the selection computes anyway: Top-k's
+largest score, Gaussian-k's mean); every rank's flags are added at each
+tensor's first entry, so a NaN/Inf on any rank makes that tensor non-finite
+on every rank (``torch.cuda.amp.GradScaler`` then
 skips the step everywhere), and the tensor's residual and RegTop-k posterior
 keep their values from before the step. Dense tensors carry NaN/Inf through the
 sum themselves.

@@ -197,8 +197,8 @@ class Rows:
         parts, top = [], []
         for start, view, k, _, _, _ in self._views(scores):
             top.append(view.amax(dim=1))
-            for i, (row, largest) in enumerate(zip(view, ops.to_list(top[-1]))):
-                if largest == largest:
+            for i, (row, nan) in enumerate(zip(view, torch.isnan(top[-1]).numpy())):  # read as numpy's selection
+                if not nan:
                     chosen = ops.topk_indices(row, k)
                 else:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
                     chosen = Rows([(0, 1, row.shape[0], k, k)], row.device).topk(row, host=False)[0]
@@ -271,10 +271,10 @@ class Rows:
 
     def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)
-        thresholds = ops.to_list(first)
+        thresholds = first.numpy()
         for start, view, k, width, (r0, _), (lo, _) in self._views(magnitude):
             for i, row in enumerate(view):
-                chosen = ops.gaussiank_from(row, thresholds[r0 + i], k)
+                chosen = ops.gaussiank_from(row, float(thresholds[r0 + i]), k)
                 out[lo + i * width : lo + i * width + chosen.shape[0]] = chosen.long() + (start + i * row.shape[0])
         return out
 
