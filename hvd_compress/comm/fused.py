@@ -431,9 +431,9 @@ class FusedBucket:
             if bound is not None:
                 torch.minimum(rows, grp.column(bound), out=rows)
             rows.div_(grp.column(scale))
-        keep = torch.lt(uniform, ratio)
-        codes = torch.gt(a, 0).view(torch.int8) - torch.lt(a, 0).view(torch.int8)
-        return codes.mul_(keep)
+        keep = torch.lt(uniform, ratio).view(torch.int8)
+        # sign(g) keep = keep - 2 (keep and g < 0): where keep is 1, |g| > 0 (a 0 never passes u < 0)
+        return torch.sub(keep, torch.lt(a, 0).view(torch.int8).bitwise_and_(keep), alpha=2)
 
 
 class Launched:
