@@ -60,7 +60,7 @@ def gradients(rank: int, step: int, dtype, ties: bool = False):
     return grads
 
 
-def exchange_steps(comm, make, dtype, steps, ties=False, nan=None):
+def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan")):
     compressor = make()
     out = []
     for step in range(steps):
@@ -68,7 +68,7 @@ def exchange_steps(comm, make, dtype, steps, ties=False, nan=None):
         for name, g in gradients(comm.rank, step, dtype, ties).items():
             if nan == (comm.rank, step, name):
                 g = g.clone()
-                g.view(-1)[3] = float("nan")
+                g.view(-1)[3] = special
             exchange.add(name, g)
         exchange.launch()
         assert exchange.fused is not None, "the bucket did not take the fused path"
@@ -126,14 +126,17 @@ def test_sent_plus_residual_equals_produced():
         np.testing.assert_allclose(total.numpy(), produced.numpy(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("special, dtype", [(float("nan"), torch.float32), (float("-inf"), torch.float16)],
+                         ids=["nan-float32", "inf-float16"])
 @pytest.mark.parametrize("way", ["host", "accelerator"])
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad-feedback-unclipped", "fp16"])
-def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, way):
+def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, way, special, dtype):
+    """Also -Inf in a float16 gradient, whose values travel saturated (finite): the flag still goes."""
     ranks = 2
 
     with way_of(way):
         results = run_ranks(
-            ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], torch.float32, 3, nan=(1, 1, "a"))
+            ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, 3, nan=(1, 1, "a"), special=special)
         )
     for result in results:
         assert not torch.isfinite(result[1]["a"]).all(), "tensor 'a' should be non-finite on every rank"
