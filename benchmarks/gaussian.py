@@ -6,7 +6,7 @@ bell-shaped and takes its threshold from two moments instead of a sort::
     thr = |mean(a)| + std(a) * Phi^-1(1 - ratio / 2),   S = {j : |a_j| > thr}
 
 then corrects ``thr`` at most 3 times (x0.5 below ``2k/3`` selected, x1.5 above
-``4k/3``; hclhkbu/GaussianK-SGD), trimming to the ``k`` largest when it
+``4k/3``; hclhkbu/GaussianK-SGD), cutting a set to its first ``k`` when it
 overshoots (:func:`hvd_compress.kernels.reference.gaussiank_select`). So
 ``|S| <= 4k/3`` always, and ``|S| >= 2k/3`` unless every threshold tried
 selected fewer.

@@ -25,24 +25,34 @@ layout hash]``, read on the host); afterwards a step reads nothing back:
 sparse (Top-k, Gaussian-k, RegTop-k), per bucket::
 
     a = g + r                                   one cat, one add
-    S = bucket_rows(a, score(a))                one top-k per size group (Gaussian-k:
-                                                its correction, floor(4k/3) slots)
-    send a[S] ++ flags, S                       two allgathers (fixed size)
-    r = a with a[S] set to 0 (flagged tensors: r unchanged)
-    result = (sum over ranks, scatter-add in rank order) / N + F
+    S, f = select(a, score(a))                  per size group one top-k and one tie scan
+                                                (Gaussian-k: moments, one count of all its
+                                                thresholds, one mark), then a fixed number
+                                                of kernels for the bucket
+                                                (:class:`~hvd_compress.kernels.torch_rows.Rows`)
+    send a[S] ++ f, S ++ first entries          two allgathers (fixed size)
+    r = a with a[S] set to 0
+    total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
+                                                one index_add per rank, in rank order
+    result = total / N;  flagged tensors: r as before the step (one where per group)
 
-TernGrad: per-row clipping, scales ``max|g|`` and non-finite flags for all
-tensors at once, one allreduce-Max of ``scales ++ flags`` (waited for on the
-device stream where the transport allows), codes for the whole part with each
-tensor's own draws, one packed int32 allreduce (or 2-bit allgather).
+TernGrad: per size group one ``aminmax`` (and ``std`` when clipping), so the
+scales ``max|clip(g)| = min(max|g|, bound)`` and non-finite flags of all
+tensors come at once; one allreduce-Max of ``scales ++ flags`` (waited for on
+the device stream where the transport allows); codes for the whole part with
+each tensor's own draws (per group only the division by its scales), one packed
+int32 allreduce (or 2-bit allgather); the decode multiplies each group's code
+sums by its scales, NaN for a flagged tensor.
 
 Non-finite values behave as in the dense allreduce they replace: each rank
-adds a flag ``f_j = 0 * sum(a_j)`` (0, or NaN when ``a_j`` holds NaN/Inf) per
-compressed tensor to its values; the flags' sum over ranks is added to the
-tensor's result, so a NaN/Inf on any rank makes that tensor non-finite on every
-rank (``torch.cuda.amp.GradScaler`` then skips the step everywhere), and the
-tensor's residual and RegTop-k posterior keep their values from before the
-step. Dense tensors carry NaN/Inf through the sum themselves.
+sends a flag ``f_j`` per compressed tensor with its values, 0, or NaN when
+``a_j`` holds NaN/Inf (``0 *`` what the selection computes anyway: Top-k's
+largest score, Gaussian-k's mean); every rank's flags are added at each
+tensor's first entry, so a NaN/Inf on any rank makes that tensor non-finite
+on every rank (``torch.cuda.amp.GradScaler`` then
+skips the step everywhere), and the tensor's residual and RegTop-k posterior
+keep their values from before the step. Dense tensors carry NaN/Inf through the
+sum themselves.
 
 Results are those of the per-tensor compressors (and the Simulator) bit for
 bit: same selection (ties to the lower index), same sums in rank order, same
@@ -58,6 +68,7 @@ import torch
 
 from hvd_compress import wire
 from hvd_compress.kernels import torch_ops as ops
+from hvd_compress.kernels.torch_rows import Rows
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,17 +88,21 @@ def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 class Group:
-    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``;
-    a sparsifier selects ``k`` of each and sends ``slots`` (``k``; Gaussian-k: ``floor(4k/3)``)."""
+    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``
+    (rows ``first`` onwards of the compressed tensors); a sparsifier selects ``k`` of each and sends
+    ``slots`` (``k``; Gaussian-k: ``floor(4k/3)``)."""
 
-    def __init__(self, start: int, members: List[int], n: int, k: int, slots: int, device: torch.device) -> None:
+    def __init__(self, start: int, first: int, members: List[int], n: int, k: int, slots: int) -> None:
         self.start, self.members, self.rows, self.n, self.k, self.slots = start, members, len(members), n, k, slots
         self.stop = start + self.rows * n
-        #: offset of each row's first element, to turn row-local indices into work positions
-        self.row_base = (torch.arange(self.rows, dtype=torch.int64, device=device) * n + start)[:, None]
+        self.first, self.last = first, first + self.rows
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.start : self.stop].view(self.rows, self.n)
+
+    def column(self, per_row: torch.Tensor) -> torch.Tensor:
+        """This group's part of a per-compressed-tensor vector, as a column (broadcasts over a row)."""
+        return per_row[self.first : self.last, None]
 
 
 class FusedBucket:
@@ -111,7 +126,8 @@ class FusedBucket:
         sparse = compressor.payload_kind == "sparse"
         for n, members in by_size.items():
             k = compressor.k(n) if sparse else 0
-            self.groups.append(Group(start, members, n, k, compressor.slots(n) if sparse else 0, self.device))
+            first = sum(g.rows for g in self.groups)
+            self.groups.append(Group(start, first, members, n, k, compressor.slots(n) if sparse else 0))
             start += len(members) * n
         self.compressed = [i for g in self.groups for i in g.members]  # work order
         self.n_compressed = start
@@ -125,12 +141,20 @@ class FusedBucket:
         for g in self.groups:
             for row, i in enumerate(g.members):
                 self.offsets[i] = g.start + row * g.n
-        # each selected slot's compressed-tensor number (row in work order), for RegTop-k's posterior
-        ks = torch.tensor([g.slots for g in self.groups for _ in g.members], dtype=torch.int64)
-        self.slot_rows = torch.repeat_interleave(torch.arange(len(self.compressed)), ks).to(self.device)
-        #: element count of each compressed tensor (work order), to spread per-tensor values
-        self.lengths = torch.tensor([self.numels[i] for i in self.compressed], dtype=torch.int64,
-                                    device=self.device)
+        #: the selections of the compressed part (sparse); unused slots point at the spare entry
+        self.rows = Rows([(g.start, g.rows, g.n, g.k, g.slots) for g in self.groups], self.device,
+                         spare=self.n_compressed) if sparse and self.groups else None
+        #: each selected slot's compressed-tensor number (row in work order), for RegTop-k's posterior
+        self.slot_rows = self.rows.slot_row if self.rows is not None else None
+        #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
+        #: at the first work position of its tensor (the spare: its own)
+        self.flag_count = len(self.compressed) + self.padded
+        self.flag_positions = torch.tensor([g.start + row * g.n for g in self.groups for row in range(g.rows)]
+                                           + [self.n_compressed] * self.padded, dtype=self.index_dtype,
+                                           device=self.device)
+        self.spare_zero = torch.zeros(int(self.padded), dtype=self.dtype, device=self.device)
+        #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
+        self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
         self.wire_format = self._ternary_wire_format()
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
@@ -159,7 +183,7 @@ class FusedBucket:
         sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(torch, wire_dtype)))
         values = self.n_dense
         if count and comp.payload_kind == "sparse":
-            sent += self.k_total * (itemsize + size(self.index_dtype)) + count * itemsize
+            sent += self.k_total * (itemsize + size(self.index_dtype)) + self.flag_count * itemsize
             values += self.k_total
         elif count:
             codes = (4 * wire.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"
@@ -280,10 +304,7 @@ class FusedBucket:
         if dense is not None:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            parts = [tensors[i].reshape(-1) for i in self.compressed]
-            if self.padded:
-                parts.append(parts[0].new_zeros(1))
-            g = torch.cat(parts)
+            g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
             if self.compressor.payload_kind == "sparse":
                 self._launch_sparse(g, comm, out)
             else:
@@ -316,46 +337,31 @@ class FusedBucket:
         comp = self.compressor
         a = self._compensated(g)
         scores = comp.bucket_scores(a, self.posterior, ops)
-        idx = torch.cat([self._select(comp, grp, a, scores) for grp in self.groups])
-        flags = torch.cat([grp.view(a).sum(dim=1, dtype=torch.float32) for grp in self.groups]).mul_(0)
-        if self.residual is not None:
+        idx, probe = comp.bucket_select(a, scores, self.rows, ops)
+        K, count = self.k_total, len(self.compressed)
+        message = torch.empty(K + self.flag_count, dtype=self.dtype, device=self.device)
+        if a.dtype != self.dtype:  # values saturate to the gradient's dtype, the rest stays in the residual
             values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
+            message[:K].copy_(values)
         else:
-            values = a.index_select(0, idx)
-        out.sent = (idx, values)
-        rows = [self.k_total + len(self.compressed)] * self.world
-        out.handles["values"] = comm.allgather_async(
-            torch.cat([values, flags.to(values.dtype)]), f"{self.key}.values", rows
-        )
-        out.handles["indices"] = comm.allgather_async(
-            idx.to(self.index_dtype), f"{self.key}.indices", [self.k_total] * self.world
-        )
-
-    def _select(self, comp: Any, grp: Group, a: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Work positions of the slots of one size group (unused slots: the spare entry)."""
-        local = comp.bucket_rows(grp.view(a), grp.view(scores), grp.k, ops)
-        chosen = local + grp.row_base
+            values = torch.index_select(a, 0, idx, out=message[:K])
+            if self.residual is not None:
+                out.residual = a.index_fill_(0, idx, 0)
+        torch.mul(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
         if self.padded:
-            chosen = torch.where(local == grp.n, self.n_compressed, chosen)
-        return chosen.reshape(-1)
+            message[K + count :].zero_()
+        out.sent = (idx, values)
+        rows = [K + self.flag_count] * self.world
+        out.handles["values"] = comm.allgather_async(message, f"{self.key}.values", rows)
+        positions = torch.empty(self.k_total + self.flag_count, dtype=self.index_dtype, device=self.device)
+        out.handles["indices"] = comm.allgather_async(
+            torch.cat([idx, self.flag_positions], out=positions), f"{self.key}.indices", rows
+        )
 
     def _launch_ternary(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
         a = self._compensated(g)
-        clipped = a if comp.clip is None else torch.empty_like(a)
-        scales = []
-        for grp in self.groups:
-            rows = grp.view(a)
-            if comp.clip is not None:
-                std = torch.std(rows, dim=1, correction=0)
-                low, high = torch.aminmax(rows, dim=1)
-                bound = (std.double() * comp.clip).to(a.dtype)
-                bound = torch.where((bound == 0) | (low == high), torch.inf, bound)[:, None]
-                torch.clamp(rows, -bound, bound, out=grp.view(clipped))
-            low, high = torch.aminmax(grp.view(clipped), dim=1)
-            scales.append(torch.maximum(-low, high).abs())
-        local = torch.cat(scales).to(self.acc)
-        bad = (~torch.isfinite(local)).to(self.acc)
+        local, bound = self._scales(a)
         uniform = torch.empty(self.n_compressed, dtype=torch.float32, device=self.device)
         generator = comp.generator(ops, a)
         for i in sorted(self.compressed):  # draws in the order the tensors were added
@@ -364,6 +370,7 @@ class FusedBucket:
                        out=uniform[start : start + self.numels[i]])
         uniform = uniform.to(self.dtype)
         sanitized = torch.nan_to_num(local, nan=0.0, posinf=0.0)
+        bad = torch.ne(sanitized, local).to(self.acc)  # a scale (>= 0) is NaN or +Inf
         count = len(self.compressed)
         if comp.scalar_sharing:  # the codes need the Max over ranks: sent by Launched.complete
             handle = comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales")
@@ -371,21 +378,42 @@ class FusedBucket:
             def send_codes() -> None:
                 shared = comm.wait(handle)
                 out.bad = shared[count:] > 0
-                self._send_codes(a, clipped, uniform, shared[:count], comm, out)
+                self._send_codes(a, bound, uniform, shared[:count], comm, out)
 
             out.resume = send_codes
             return
         out.handles["scales"] = comm.allgather_async(
             torch.cat([sanitized, bad]), f"{self.key}.scales", [2 * count] * self.world
         )
-        self._send_codes(a, clipped, uniform, sanitized, comm, out)
+        self._send_codes(a, bound, uniform, sanitized, comm, out)
 
-    def _send_codes(self, a: torch.Tensor, clipped: torch.Tensor, uniform: torch.Tensor, scale: torch.Tensor,
-                    comm: Any, out: "Launched") -> None:
+    def _scales(self, a: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every compressed tensor's scale ``max|clip(g)|`` (in the accumulation dtype) and clipping
+        bound (``a``'s dtype; ``None`` without clipping): one ``aminmax`` (and ``std``) per group.
+
+        ``clip(g) = clamp(g, -b, b)`` is monotone, so ``max|clip(g)| = min(max(-min g, max g), b)``
+        exactly; ``b = c std(g)``, or +Inf where ``b = 0`` or ``g`` is constant (no clipping).
+        """
+        comp = self.compressor
+        extremes = [torch.aminmax(grp.view(a), dim=1) for grp in self.groups]
+        low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
+        local = torch.maximum(-low, high).abs()
+        if comp.clip is None:
+            return local.to(self.acc), None
+        std = torch.cat([torch.std(grp.view(a), dim=1, correction=0) for grp in self.groups])
+        bound = (std.double() * comp.clip).to(a.dtype)
+        bound = torch.where((bound == 0) | (low == high), torch.inf, bound)
+        return torch.minimum(local, bound).to(self.acc), bound
+
+    def _send_codes(self, a: torch.Tensor, bound: Optional[torch.Tensor], uniform: torch.Tensor,
+                    scale: torch.Tensor, comm: Any, out: "Launched") -> None:
         """TernGrad codes drawn with ``scale`` (one per compressed tensor): residual, then the code collective."""
-        codes = self._codes(clipped, scale.to(a.dtype), uniform)
-        if self.residual is not None:
-            out.residual = a.sub_(self._per_row(scale.to(a.dtype)) * codes.to(a.dtype))
+        scale_a = scale.to(a.dtype)
+        codes = self._codes(a, bound, scale_a, uniform)
+        if self.residual is not None:  # r = a - S t, per group in place
+            for grp in self.groups:
+                grp.view(a).addcmul_(grp.view(codes), grp.column(scale_a), value=-1)
+            out.residual = a
         out.scale = scale
         if self.wire_format == "allreduce":
             lanes = ops.pack_ternary(codes, self.world)
@@ -394,22 +422,20 @@ class FusedBucket:
             packed = ops.pack_two_bit(codes)
             out.handles["codes"] = comm.allgather_async(packed, f"{self.key}.codes2bit", [packed.shape[0]] * self.world)
 
-    def _per_row(self, per_tensor: torch.Tensor) -> torch.Tensor:
-        """A per-compressed-tensor vector spread over the compressed part (one value per element)."""
-        return torch.repeat_interleave(per_tensor, self.lengths, output_size=self.n_compressed)
-
-    def _codes(self, g: torch.Tensor, scale: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """TernGrad codes of every compressed tensor: ``sign(g) [u < |g| / S]`` with each tensor's ``S``."""
-        codes = torch.empty(self.n_compressed, dtype=torch.int8, device=self.device)
-        row = 0
+    def _codes(self, a: torch.Tensor, bound: Optional[torch.Tensor], scale: torch.Tensor,
+               uniform: torch.Tensor) -> torch.Tensor:
+        """TernGrad codes of every compressed tensor: ``sign(g) [u < |clip(g)| / S]`` with each tensor's ``S``;
+        ``|clip(g)| = min(|g|, b)`` and ``clip`` keeps the sign, so ``clip(g)`` is never formed."""
+        ratio = torch.abs(a)
         for grp in self.groups:
-            rows = grp.view(g)
-            ratio = rows.abs().div_(scale[row : row + grp.rows, None])
-            keep = torch.lt(grp.view(uniform), ratio)
-            signs = (rows > 0).view(torch.int8) - (rows < 0).view(torch.int8)
-            torch.mul(signs, keep, out=grp.view(codes))
-            row += grp.rows
-        return codes
+            rows = grp.view(ratio)
+            if bound is not None:
+                torch.minimum(rows, grp.column(bound), out=rows)
+            rows.div_(grp.column(scale))
+        keep = torch.lt(uniform, ratio).view(torch.int8)
+        # sign(g) keep = keep - 2 (keep and g < 0): where keep is 1, |g| > 0 (a 0 never passes u < 0)
+        return torch.sub(keep, torch.lt(a, 0).view(torch.int8).bitwise_and_(keep), alpha=2)
+
 
 class Launched:
     """One step of a :class:`FusedBucket`: the collectives in flight and what ``finish`` needs."""
@@ -458,22 +484,19 @@ class Launched:
 
     def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
         b = self.bucket
-        return ops.cast(ops.divide(total, b.world) if average else total, b.dtype)
+        return ops.cast(torch.div(total, b.divisor) if average else total, b.dtype)
 
     def _finish_sparse(self, comm: Any, average: bool) -> torch.Tensor:
         b = self.bucket
-        count = len(b.compressed)
-        values = comm.wait(self.handles["values"]).view(b.world, b.k_total + count)
-        indices = comm.wait(self.handles["indices"]).view(b.world, b.k_total)
+        values = comm.wait(self.handles["values"]).view(b.world, b.k_total + b.flag_count)
+        indices = comm.wait(self.handles["indices"]).view(b.world, b.k_total + b.flag_count)
         total = torch.zeros(b.n_compressed + b.padded, dtype=b.acc, device=b.device)
-        for rank in range(b.world):  # rank order: the same sums on every rank and device
-            total.index_add_(0, indices[rank].long(), values[rank, : b.k_total].to(b.acc))
-        flags = values[:, b.k_total :].to(b.acc).sum(dim=0)  # 0, or NaN where any rank was non-finite
-        bad = torch.isnan(flags)
+        for rank in range(b.world):  # rank order: the same sums on every rank and device; the flags
+            total.index_add_(0, indices[rank], values[rank].to(b.acc))  # (0 or NaN) add at first entries
+        bad = torch.isnan(values[:, b.k_total :].to(b.acc).sum(dim=0))  # NaN where any rank was non-finite
         b.compressor.bucket_observe(b, total, self.sent, bad, ops)
-        result = self._scaled(total, average)
-        self._poison_and_keep(result, flags, bad)
-        return result
+        self._keep(bad)
+        return self._scaled(total, average)
 
     def _finish_ternary(self, comm: Any, average: bool) -> torch.Tensor:
         b = self.bucket
@@ -482,47 +505,44 @@ class Launched:
         if b.compressor.scalar_sharing:
             if b.wire_format == "allreduce":
                 code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
-            else:
+            else:  # every rank's codes, summed in int8 (|sum| <= N) or int16
                 chunk = wire.two_bit_bytes(b.n_compressed)
-                code_sum = ops.sum_codes(
-                    [ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed) for r in range(b.world)]
-                )
-            total = self._scaled_rows(code_sum.to(b.acc), self.scale)
+                code_sum = ops.unpack_two_bit(received[:chunk], b.n_compressed)
+                if b.world > 127:
+                    code_sum = code_sum.to(torch.int16)
+                for r in range(1, b.world):
+                    code_sum += ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
             bad = self.bad
+            total = self._scaled_rows(code_sum, torch.where(bad, torch.nan, self.scale.to(b.acc)))
         else:
-            shared = comm.wait(self.handles["scales"]).view(b.world, 2 * count)
+            shared = comm.wait(self.handles["scales"]).view(b.world, 2 * count).to(b.acc)
+            bad = (shared[:, count:] > 0).any(dim=0)
             chunk = wire.two_bit_bytes(b.n_compressed)
             total = None
-            for r in range(b.world):  # rank order
+            for r in range(b.world):  # rank order; a flagged tensor: NaN from the first rank's part on
                 codes = ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
-                part = self._scaled_rows(codes.to(b.acc), shared[r, :count])
+                scale = torch.where(bad, torch.nan, shared[r, :count]) if r == 0 else shared[r, :count]
+                part = self._scaled_rows(codes, scale)
                 total = part if total is None else total.add_(part)
-            bad = (shared[:, count:] > 0).any(dim=0)
-        flags = torch.where(bad, torch.nan, 0.0).to(b.acc)
-        result = self._scaled(total, average)
-        self._poison_and_keep(result, flags, bad)
-        return result
+        self._keep(bad)
+        return self._scaled(total, average)
 
     def _scaled_rows(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``codes * S`` per compressed tensor, in the accumulation dtype (integer codes convert exactly)."""
         b = self.bucket
-        row = 0
+        total = torch.empty(b.n_compressed, dtype=b.acc, device=b.device)
         for grp in b.groups:
-            grp.view(codes).mul_(scale[row : row + grp.rows, None].to(b.acc))
-            row += grp.rows
-        return codes
+            torch.mul(grp.view(codes), grp.column(scale), out=grp.view(total))
+        return total
 
-    def _poison_and_keep(self, result: torch.Tensor, flags: torch.Tensor, bad: torch.Tensor) -> None:
-        """Flagged tensors: non-finite result on every rank, residual as before the step."""
+    def _keep(self, bad: torch.Tensor) -> None:
+        """The bucket takes the step's residual; flagged tensors keep theirs from before the step."""
         b = self.bucket
-        row = 0
+        if self.residual is None:
+            return
         for grp in b.groups:
-            grp.view(result).add_(flags[row : row + grp.rows, None].to(result.dtype))
-            if self.residual is not None:
-                keep = bad[row : row + grp.rows, None]
-                torch.where(keep, grp.view(b.residual), grp.view(self.residual), out=grp.view(self.residual))
-            row += grp.rows
-        if self.residual is not None:
-            b.residual = self.residual
+            torch.where(grp.column(bad), grp.view(b.residual), grp.view(self.residual), out=grp.view(self.residual))
+        b.residual = self.residual
 
 
 def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.Tensor], world: int) -> "FusedBucket":

@@ -5,17 +5,27 @@ Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning"
 
     thr = |mean(a)| + std(a) * Phi^-1(1 - ratio / 2),   S = {j : |a_j| > thr}
 
-then at most 3 evaluations correcting ``thr`` (x0.5 below 2k/3, x1.5 above 4k/3).
-No sort: ``|S|`` is close to ``k`` but varies per rank and step. The per-tensor
-exchange (numpy, TensorFlow) sends it variable-size, its count in the header. The
-fused torch path sends ``floor(4k/3)`` slots per tensor, the most the correction
-can select, unused ones padded: no count travels and nothing is read back, at up
-to a third more (value, index) bytes than Top-k's ``k`` (the wire statistics count
-the slots). On an accelerator that path also computes each row's ``k`` largest
-every step, for rows whose correction ends trimmed, so on GPUs Gaussian-k costs
-Top-k's selection plus its counting passes: choose Top-k there. The quantile is
-finite for ``ratio >= 1e-323`` (``ratio / 2`` must not round to 0); smaller
-ratios are rejected.
+then at most 3 evaluations correcting ``thr`` (x0.5 below 2k/3, x1.5 above 4k/3),
+round ``r`` at ``thr * f_r`` with ``f_r`` the product of the steps so far. No sort:
+``|S|`` is close to ``k`` but varies per rank and step. When the last evaluation
+is out of range and some evaluation selected more than ``4k/3`` entries, the
+smallest such set is cut to its first ``k`` indices, as the reference code cuts
+its last set (``indexes[0:k]``): every entry sent still lies above a threshold of
+the correction, the rest stays in the residual, and no evaluation needs more than
+a count. (Up to this release the cut kept the set's ``k`` largest entries, a top-k
+of the row that an accelerator had to run for every tensor at every step.)
+
+The per-tensor exchange (numpy, TensorFlow) sends ``S`` variable-size, its count in
+the header. The fused torch path sends ``floor(4k/3)`` slots per tensor, the most
+the correction can select, unused ones padded: no count travels and nothing is
+read back, at up to a third more (value, index) bytes than Top-k (the wire
+statistics count the slots). On an accelerator it counts the six thresholds a
+tensor can meet (``thr x {1/4, 1/2, 3/4, 1, 3/2, 9/4}``) in one pass and applies
+the rule to the counts (:meth:`hvd_compress.kernels.torch_rows.Rows.gaussiank`):
+a moments pass, a counting pass and a marking pass per size group, where Top-k runs
+one ``torch.topk`` (several passes inside) and a tie scan. The quantile is finite
+for ``ratio >= 1e-323`` (``ratio / 2`` must not round to 0); smaller ratios are
+rejected.
 """
 
 from __future__ import annotations
@@ -43,5 +53,8 @@ class GaussianK(Sparsifier):
     def slots(self, numel: int) -> int:
         return reference.gaussiank_slots(self.k(numel))
 
-    def bucket_rows(self, a: Any, scores: Any, k: int, ops: Any) -> Any:
-        return ops.gaussiank_rows(a, scores, self.ratio, k)
+    def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
+        """Every row's Gaussian-k selection in its ``floor(4k/3)`` slots
+        (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); the probe is each row's mean,
+        not finite where the row holds NaN/Inf."""
+        return rows.gaussiank(a, scores, self.ratio)

@@ -74,7 +74,8 @@ class RegTopK(Sparsifier):
             return a.abs()
         idx, distortion = posterior
         scores = a.abs().to(ops.accumulation_dtype(ops.promote(a.dtype, distortion.dtype)))
-        return scores.index_copy_(0, idx, ops.regtopk_scores(a.index_select(0, idx), distortion, self.mu))
+        damped = ops.regtopk_scores(a.index_select(0, idx), distortion, self.mu)
+        return scores.index_copy_(0, idx, damped.abs_())  # |.|: a NaN of 0 * Inf keeps the sign bit clear
 
     def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
         """``D = (T - s) / s`` at the sent slots (``s != 0``), else 1e8; tensors flagged non-finite: 1e8."""

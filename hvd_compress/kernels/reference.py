@@ -199,7 +199,7 @@ def gaussiank_slots(k: int) -> int:
     """The most entries :func:`gaussiank_select` returns for ``k``: ``floor(4k/3)``.
 
     A threshold in range selects at most ``4k/3``; the fallbacks select fewer than
-    ``2k/3`` (the last threshold, when nothing overshot) or exactly ``k`` (the trim).
+    ``2k/3`` (the last threshold, when nothing overshot) or exactly ``k`` (the cut).
     The fused path sends this many slots per tensor, so no count is exchanged.
     """
     return math.floor(GAUSSIANK_HIGH * k)
@@ -230,43 +230,56 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
     Follows hclhkbu/GaussianK-SGD ``compression.py``: up to ``GAUSSIANK_ROUNDS``
     evaluations; when fewer than ``2k/3`` entries pass, ``thr *= 0.5``; when more
     than ``4k/3`` pass, ``thr *= 1.5``; no sort, so ``|S|`` varies per rank and
-    step. One addition: the multiplicative steps can overshoot back and forth
-    (12 -> 398 -> 102 entries for k = 20); when the last evaluation is outside
-    ``[2k/3, 4k/3]`` and some evaluation selected more than ``4k/3`` entries, the
-    smallest such set is trimmed to its ``k`` largest, an exact Top-k over
-    ``|S|`` entries (as the DGC sampling compressor of the same file does).
+    step. The multiplicative steps can overshoot back and forth (12 -> 398 -> 102
+    entries for k = 20); when the last evaluation is outside ``[2k/3, 4k/3]`` and
+    some evaluation selected more than ``4k/3`` entries, the smallest such set is
+    cut to its first ``k`` indices, as the reference code cuts its last set
+    (``indexes[0:k]``): every entry kept still lies above a threshold of the
+    correction, and what is cut stays in the residual. No sort anywhere, so on an
+    accelerator the whole correction is a few counting passes (see
+    :func:`gaussiank_correct`).
     """
     k = num_selected(a.shape[0], ratio)
     magnitude = np.abs(a)
     selected = gaussiank_correct(
         lambda threshold: int(np.count_nonzero(magnitude > threshold)),
         lambda threshold: np.flatnonzero(magnitude > threshold),
-        lambda superset: superset[topk_indices(magnitude[superset], k)],
         gaussiank_threshold(a, ratio),
         k,
     )
     return selected.astype(index_dtype(a.shape[0]))
 
 
-def gaussiank_correct(count: Callable, select: Callable, trim: Callable, threshold: float, k: int):
+#: Every threshold the correction can evaluate, as multiples of the first: ``0.5^i 1.5^j`` for the
+#: paths of at most ``GAUSSIANK_ROUNDS - 1`` steps (exact in binary), ascending.
+GAUSSIANK_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.25)
+
+
+def gaussiank_correct(count: Callable, select: Callable, threshold: float, k: int):
     """The bounded threshold correction of Gaussian-k, for any framework.
 
     ``count(thr)`` is the number of ``|a_j| > thr``, ``select(thr)`` their
-    indices, ``trim(S)`` the ``k`` largest of ``S``. Each round only counts; the
-    indices are gathered once, for the threshold finally chosen.
+    indices, ascending. Each round only counts; the indices are gathered once,
+    for the threshold finally chosen. Round ``r`` evaluates ``threshold * f_r``,
+    ``f_r`` the product of the steps taken so far (one of
+    :data:`GAUSSIANK_FACTORS`, exact), rounded once: every threshold a row can
+    meet is known from the first, so an accelerator counts all of them in one
+    pass and applies this rule to the counts.
     """
     superset = None  # the lowest count above 4k/3 seen, and its threshold
+    factor = 1.0
     for _ in range(GAUSSIANK_ROUNDS):
-        selected = count(threshold)
+        current = threshold * factor
+        selected = count(current)
         if selected < GAUSSIANK_LOW * k:
-            last, threshold = threshold, threshold * GAUSSIANK_SHRINK
+            last, factor = current, factor * GAUSSIANK_SHRINK
         elif selected > GAUSSIANK_HIGH * k:
             if superset is None or selected < superset[0]:
-                superset = (selected, threshold)
-            last, threshold = threshold, threshold * GAUSSIANK_GROW
+                superset = (selected, current)
+            last, factor = current, factor * GAUSSIANK_GROW
         else:
-            return select(threshold)
-    return select(last) if superset is None else trim(select(superset[1]))
+            return select(current)
+    return select(last) if superset is None else select(superset[1])[:k]
 
 
 # --------------------------------------------------------------------------- #

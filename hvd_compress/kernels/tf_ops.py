@@ -14,7 +14,7 @@ the reference's count rule to its own threshold.
 Every function also traces inside ``tf.function`` for inputs of static shape,
 with the same results as eagerly: there is no Python branching on tensor values
 (Gaussian-k's three correction rounds are unrolled into scalar ``tf.where``s, its
-trim is a ``tf.cond``), and divisions by constants use ``DivNoNan``, which
+cut is a ``tf.cond``), and divisions by constants use ``DivNoNan``, which
 grappler does not turn into a multiplication by the reciprocal.
 ``count_nonfinite``, ``gaussiank_threshold`` and ``terngrad_scale`` return Python
 numbers when executing eagerly and scalar tensors in graph mode;
@@ -253,9 +253,9 @@ def gaussiank_threshold(a, ratio: float):
 
 def gaussiank_select(a, ratio: float) -> tf.Tensor:
     """:func:`reference.gaussiank_correct` unrolled: every round counts ``|a_j| > thr``
-    (``thr`` in float64, rounded once to ``a``'s dtype as numpy compares), scalar
-    ``tf.where``s keep the round that settles; one ``tf.where`` gathers the indices,
-    and a ``tf.cond`` trims an overshooting superset to its ``k`` largest."""
+    (``thr`` = the first threshold times the steps' product, in float64, rounded once to
+    ``a``'s dtype as numpy compares), scalar ``tf.where``s keep the round that settles;
+    one ``tf.where`` gathers the indices, and an overshooting superset keeps its first ``k``."""
     numel = a.shape[0]
     k = num_selected(numel, ratio)
     magnitude = tf.abs(a)
@@ -263,10 +263,12 @@ def gaussiank_select(a, ratio: float) -> tf.Tensor:
     def above(threshold):
         return magnitude > cast(threshold, magnitude.dtype)
 
-    threshold = chosen = last = superset = _threshold(a, ratio)
+    first = chosen = last = superset = _threshold(a, ratio)
+    factor = tf.constant(1.0, tf.float64)
     smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above 4k/3 seen so far
     done = tf.constant(False)
     for _ in range(GAUSSIANK_ROUNDS):
+        threshold = first * factor
         count = tf.cast(tf.math.count_nonzero(above(threshold)), tf.float64)
         low, high = count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
         settles = ~done & ~low & ~high
@@ -276,15 +278,11 @@ def gaussiank_select(a, ratio: float) -> tf.Tensor:
         moves = ~done & (low | high)
         last = tf.where(moves, threshold, last)
         step = tf.cast(tf.where(low, GAUSSIANK_SHRINK, GAUSSIANK_GROW), tf.float64)  # exact in float32
-        threshold = tf.where(moves, threshold * step, threshold)
+        factor = tf.where(moves, factor * step, factor)
         done = done | settles
     trim = ~done & (smallest <= numel)
     selected = tf.where(above(tf.where(done, chosen, tf.where(trim, superset, last))))[:, 0]
-    selected = tf.cond(
-        trim,
-        lambda: tf.gather(selected, _topk_positions(tf.gather(magnitude, selected), k)),
-        lambda: selected,
-    )
+    selected = tf.cond(trim, lambda: selected[:k], lambda: selected)
     return tf.cast(selected, index_dtype(numel))
 
 

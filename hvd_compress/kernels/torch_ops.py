@@ -5,8 +5,8 @@ error-feedback split and TernGrad's codes given the same draws; reductions
 (mean, std) agree within float rounding. Tensors stay on their device; the only
 host synchronisations of the per-tensor functions are the scalars the algorithms
 branch on (Gaussian-k's count, TernGrad's scale) and the sizes of ``nonzero``. The
-row functions of the fused path (``topk_rows``, ``gaussiank_rows``) read nothing
-back on an accelerator.
+selections of the fused path, which read nothing back on an accelerator, are
+:mod:`hvd_compress.kernels.torch_rows`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from hvd_compress.wire import ternary_field_bits
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
+    GAUSSIANK_FACTORS,
     GAUSSIANK_GROW,
     GAUSSIANK_HIGH,
     GAUSSIANK_LOW,
@@ -275,69 +276,6 @@ def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
     return topk_indices(torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)), k)
 
 
-def topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64, ``(rows, k)``.
-
-    Exactly ``k`` per row, ascending, ties to the lower index, and no host
-    synchronisation on an accelerator (:func:`topk_rows_keyed`; float64, which float32
-    keys cannot hold, :func:`topk_rows_exact`). On CPU each row goes through
-    :func:`topk_indices` (numpy's selection is faster there; a row whose ``k``-th score
-    is NaN, where the reference selects nothing, takes the keyed path).
-    """
-    if not on_host(scores):
-        return topk_rows_exact(scores, k) if scores.dtype == torch.float64 else topk_rows_keyed(scores, k)
-    if scores.dtype not in (torch.float32, torch.float64):
-        return topk_rows_keyed(scores, k)
-    rows = []
-    for row in scores:
-        chosen = topk_indices(row, k)
-        rows.append(chosen.long() if chosen.shape[0] == k else topk_rows_keyed(row[None], k)[0])
-    return torch.stack(rows) if rows else scores.new_empty((0, k), dtype=torch.int64)
-
-
-def topk_rows_keyed(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k of every row by one ``torch.topk`` of distinct int64 keys: ``bits(score) << 32 | (n - 1 - j)``.
-
-    For ``score >= 0`` the IEEE bits of a float32 grow with its value, so the keys
-    order the entries by score, then by lower index ``j``: the selection is the
-    reference's, ties included, of a fixed size (no count read back). NaN (its sign
-    bit cleared) ranks above +Inf. Scores must be non-negative and exact in float32
-    (float16, bfloat16, float32).
-    """
-    rows, n = scores.shape
-    bits = scores.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
-    keys = (bits & 0x7FFFFFFF).bitwise_left_shift_(32)
-    keys += torch.arange(n - 1, -1, -1, dtype=torch.int64, device=scores.device)
-    top = torch.topk(keys, k, dim=1, sorted=False).values
-    return torch.sort((n - 1) - (top & 0xFFFFFFFF), dim=1).values
-
-
-def topk_rows_exact(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k of every row by value, then tie rank: any float dtype, fixed sizes, no host synchronisation.
-
-    With ``s`` the scores, NaN read as +Inf, and ``v`` the k-th largest ``s`` of the row
-    (``torch.topk``'s values are exact, ties included), the selection is ``s > v`` and the
-    first ``k - count(s > v)`` ties ``s == v``, NaN ties ranked before +Inf ones (NaN ranks
-    above +Inf, as in :func:`topk_rows_keyed`), then by lower index: exactly ``k`` per row.
-    Column ``j`` of that mask goes to place ``cumsum(mask)_j - 1`` of a ``(rows, k + 1)``
-    buffer, every other column to its last place, which is dropped.
-    """
-    rows, n = scores.shape
-    if k == 0:
-        return scores.new_empty((rows, 0), dtype=torch.int64)
-    nan = torch.isnan(scores)
-    s = scores.masked_fill(nan, float("inf"))
-    v = torch.topk(s, k, dim=1, sorted=False).values.amin(1, keepdim=True)
-    above, ties = s > v, s == v
-    nan_ties = ties & nan
-    rank = torch.where(nan, nan_ties.cumsum(1), (ties & ~nan).cumsum(1) + nan_ties.sum(1, keepdim=True))
-    mask = above | (ties & (rank <= k - above.sum(1, keepdim=True)))
-    place = torch.where(mask, mask.cumsum(1) - 1, k)
-    columns = torch.arange(n, dtype=torch.int64, device=scores.device).expand(rows, n)
-    out = torch.empty((rows, k + 1), dtype=torch.int64, device=scores.device)
-    return out.scatter_(1, place, columns)[:, :k]
-
-
 # ------------------------------------------------------------------ Gaussian-k
 def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
     return float(gaussiank_thresholds(a[None], ratio).tolist()[0])
@@ -351,56 +289,15 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     return mean.double().abs_().add_(std.double().mul_(normal_tail_quantile(ratio)))
 
 
-def gaussiank_rows(
-    a: torch.Tensor, magnitude: torch.Tensor, ratio: float, k: int, read_back: Optional[bool] = None
-) -> torch.Tensor:
-    """:func:`gaussiank_select` of every row of ``a`` (``magnitude = |a|``), in ``gaussiank_slots(k)``
-    columns per row: int64 ``(rows, slots)``, ascending, unused slots holding ``n`` (one past the row).
-
-    On an accelerator (``read_back=False``) nothing is read back: the correction rounds
-    of every row run at once, each row's state (threshold, done, whether a superset
-    above ``4k/3`` was seen) kept in tensors, and all three evaluations always run
-    (rows already in range keep their choice). A row that ends trimmed takes its ``k``
-    largest ``|a_j|`` (the ``k`` largest of any superset above ``4k/3``), computed for
-    every row so as to be ready without a host read; a scan of the mask puts the chosen
-    entries in their slots. On CPU (``read_back=True``, the default there) reads cost
-    nothing: each row goes through :func:`gaussiank_select`, which stops at the first
-    threshold in range and trims only the superset.
-    """
-    rows, n = a.shape
-    slots = gaussiank_slots(k)
-    out = torch.full((rows, slots + 1), n, dtype=torch.int64, device=a.device)
-    if on_host(a) if read_back is None else read_back:
-        for row in range(rows):
-            chosen = gaussiank_select(a[row], ratio)
-            out[row, : chosen.shape[0]] = chosen
-        return out[:, :slots]
-    threshold = gaussiank_thresholds(a, ratio)
-    final, last = threshold.clone(), threshold.clone()
-    done = torch.zeros(rows, dtype=torch.bool, device=a.device)
-    superset = torch.zeros(rows, dtype=torch.bool, device=a.device)
-    for _ in range(GAUSSIANK_ROUNDS):
-        count = torch.gt(magnitude, cast(threshold, a.dtype)[:, None]).sum(dim=1)
-        active, below, above = ~done, count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
-        landed = active & ~below & ~above
-        final = torch.where(landed, threshold, final)
-        done |= landed
-        active &= ~landed
-        superset |= active & above
-        last = torch.where(active, threshold, last)
-        step = torch.where(below, GAUSSIANK_SHRINK, GAUSSIANK_GROW).to(torch.float64)
-        threshold = torch.where(active, threshold * step, threshold)
-    trim = ~done & superset
-    mask = torch.gt(magnitude, cast(torch.where(done, final, torch.where(trim, torch.inf, last)), a.dtype)[:, None])
-    top = topk_rows(magnitude, k)
-    mask.scatter_(1, top, mask.gather(1, top) | trim[:, None])
-    position = torch.where(mask, mask.cumsum(dim=1) - 1, slots)
-    columns = torch.arange(n, device=a.device).expand(rows, n)
-    return out.scatter_(1, position, columns)[:, :slots]
-
-
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
-    """One moments pass, then per correction round one comparison and one count; no sort of ``a``.
+    """One moments pass, then per correction round one comparison and one count; no sort of ``a``."""
+    k = num_selected(a.shape[0], ratio)
+    magnitude = torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device))
+    return gaussiank_from(magnitude, gaussiank_threshold(a, ratio), k)
+
+
+def gaussiank_from(magnitude: torch.Tensor, threshold: float, k: int) -> torch.Tensor:
+    """:func:`gaussiank_correct` on ``|a|`` from a first ``threshold``: the indices selected, ascending.
 
     On CUDA a round counts with ``nonzero`` (a count, one host synchronisation, then
     the indices), cheaper there than ``count_nonzero``, which converts the mask to
@@ -409,12 +306,11 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
     the correction can still choose is kept (the last round's and the smallest set
     above ``4k/3``).
     """
-    k = num_selected(a.shape[0], ratio)
-    magnitude = torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device))
+    numel, device = magnitude.shape[0], magnitude.device
     found = {}  # threshold -> (indices of |a_j| > threshold, or their mask; count)
 
     def count(threshold: float) -> int:
-        mask = torch.gt(magnitude, _rounded(threshold, a.dtype), out=_empty(a.shape[0], torch.bool, a.device))
+        mask = torch.gt(magnitude, _rounded(threshold, magnitude.dtype), out=_empty(numel, torch.bool, device))
         if mask.is_cuda:
             hits = torch.nonzero(mask).flatten()
             found[threshold] = (hits, hits.shape[0])
@@ -432,17 +328,9 @@ def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
         hits = found[threshold][0]
         return _flatnonzero(hits) if hits.dtype == torch.bool else hits
 
-    threshold = gaussiank_threshold(a, ratio)
     if threshold != threshold:  # NaN/Inf in a: no threshold selects anything, as in the reference
-        return torch.empty(0, dtype=index_dtype(a.shape[0]), device=a.device)
-    selected = gaussiank_correct(
-        count,
-        select,
-        lambda superset: superset[topk_indices(magnitude[superset], k).long()],
-        threshold,
-        k,
-    )
-    return selected.to(index_dtype(a.shape[0]))
+        return torch.empty(0, dtype=index_dtype(numel), device=device)
+    return gaussiank_correct(count, select, threshold, k).to(index_dtype(numel))
 
 
 # -------------------------------------------------------------------- RegTop-k
@@ -520,26 +408,34 @@ def _wrap_int32(words: torch.Tensor) -> torch.Tensor:
     return (torch.remainder(words + (_WORD >> 1), _WORD) - (_WORD >> 1)).to(torch.int32)
 
 
-def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
-    """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``.
+def _shifts(bits: int, per_word: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``bits * i`` for the ``per_word`` fields of a word, made once per dtype and device."""
+    key = (bits, per_word, dtype, device)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = bits * torch.arange(per_word, dtype=dtype, device=device)
+    return _SHIFTS[key]
 
-    The fields are laid out transposed, field ``i`` of every word in row ``i``, in
-    the word's dtype, then combined by Horner's scheme from the last row,
-    ``w = (w << bits) | row``: the shift leaves the low ``bits`` bits zero and a
-    field is below ``2**bits``, so ``|`` is the reference's ``+`` (no carry). torch
-    shifts signed integers as unsigned, so a field reaching bit 31 of an int32 word
-    sets the sign bit, as the reference's cast to uint32 then view as int32.
+
+_SHIFTS: dict = {}
+
+
+def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
+    """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``:
+    ``w = sum_i (t_i + 1) << bits i``.
+
+    The shifted fields' bits are disjoint, so their sum is the reference's (no carry).
+    torch shifts signed integers as unsigned, so a field reaching bit 31 of an int32
+    word sets the sign bit, as the reference's cast to uint32 then view as int32; only
+    the last field can, so the int32 sum of the shifted fields never overflows.
     """
     numel = codes.shape[0]
     words = -(-numel // per_word)
-    if words * per_word > numel:  # padding codes -1: fields 0
-        codes = torch.cat([codes, codes.new_full((words * per_word - numel,), -1)])
-    fields = _empty(words * per_word, word, codes.device).view(per_word, words)
-    torch.add(codes.reshape(words, per_word).t(), 1, out=fields)
-    packed = _empty(words, word, codes.device).copy_(fields[per_word - 1])
-    for i in range(per_word - 2, -1, -1):
-        packed.bitwise_left_shift_(bits).bitwise_or_(fields[i])
-    return packed
+    fields = _empty(words * per_word, word, codes.device)
+    if words * per_word > numel:  # padding: fields 0
+        fields[numel:].zero_()
+    torch.add(codes, 1, out=fields[:numel])
+    shifted = fields.view(words, per_word).bitwise_left_shift_(_shifts(bits, per_word, word, codes.device))
+    return shifted.sum(dim=1, dtype=word)
 
 
 def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) -> torch.Tensor:
@@ -548,9 +444,8 @@ def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) ->
     An arithmetic shift of a negative int32 word brings sign bits in above bit
     ``31 - bits * i``, which the mask (``bits * (i + 1) <= 32``) drops.
     """
-    shifts = bits * torch.arange(per_word, dtype=words.dtype, device=words.device)
     fields = _empty(words.shape[0] * per_word, words.dtype, words.device).view(-1, per_word)
-    torch.bitwise_right_shift(words.unsqueeze(1), shifts, out=fields)
+    torch.bitwise_right_shift(words.unsqueeze(1), _shifts(bits, per_word, words.dtype, words.device), out=fields)
     return fields.bitwise_and_((1 << bits) - 1).view(-1)[:numel]
 
 

@@ -132,8 +132,7 @@ def test_gaussiank_end_to_end_on_tiny_vector():
     # eval 1: thr = 3.96 -> none pass (0 < 0.67) -> thr = 1.98
     # eval 2: |a| > 1.98 -> {1, 3} (2 > 1.33) -> thr = 2.97
     # eval 3: |a| > 2.97 -> {1, 3} (still too many, and evaluations are exhausted)
-    # -> the smallest set above 4k/3, {1, 3}, is trimmed to its k = 1 largest:
-    #    |a_1| = |a_3| = 3, the tie goes to the lower index -> {1}
+    # -> the smallest set above 4k/3, {1, 3}, is cut to its first k = 1 index -> {1}
     gk = GaussianK(0.05, dense_below=0)
     payload = gk.encode(arr(1, 3, 1, 3), "w")
     np.testing.assert_array_equal(payload.indices, [1])

@@ -1,12 +1,12 @@
-"""Gaussian-k of the rows of a 2-D torch tensor (the fused path's selection) against the reference.
+"""Gaussian-k of the rows of a flat buffer (the fused path's selection, :class:`torch_rows.Rows`) against the reference.
 
-:func:`~hvd_compress.kernels.torch_ops.gaussiank_rows` runs the threshold correction of
-every row at once on the device. Row by row it must select what ``reference.gaussiank_select``
-selects from the same first threshold (the moments are reductions, equal within rounding
-only: the reference is handed the kernel's threshold), never more than
-``reference.gaussiank_slots(k)`` entries, with unused slots holding ``n``. Both ways of
-trimming an overshooting row run on every device: read back (CPU) and computed for every
-row (accelerators).
+On an accelerator :meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank` counts every
+threshold the correction can meet in one pass and applies the rule to the counts. Row by
+row it must select what ``reference.gaussiank_select`` selects from the same first threshold
+(the moments are reductions, equal within rounding only: the reference is handed the
+kernel's threshold), never more than ``reference.gaussiank_slots(k)`` entries, with unused
+slots holding ``n``. Both ways run on every device: read back (the CPU's, row by row) and
+the accelerator's.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import strategies as st
 
 from hvd_compress.kernels import reference as R
+from hvd_compress.kernels import torch_ops
+from hvd_compress.kernels.torch_rows import Rows, _OUTCOMES, gaussiank_rows
 from tests.kernels.frameworks import FLOATS
 from tests.kernels.frameworks import given_per_framework as given
 
@@ -49,7 +52,7 @@ def test_gaussiank_rows_follow_the_reference_row_by_row(K, dtype, read_back, dat
     rows, n = a.shape
     k = R.num_selected(n, ratio)
     tensor = K.tensor(a)
-    got = K.numpy(K.ops.gaussiank_rows(tensor, tensor.abs(), ratio, k, read_back=read_back))
+    got = K.numpy(gaussiank_rows(tensor, tensor.abs(), ratio, k, read_back=read_back))
     slots = R.gaussiank_slots(k)
     assert got.dtype == np.int64 and got.shape == (rows, slots)
     thresholds = K.numpy(K.ops.gaussiank_thresholds(tensor, ratio))
@@ -66,3 +69,49 @@ def test_gaussiank_never_selects_more_than_its_slots(K, k):
     """The bound the fused path's fixed payload rests on: every way out of the correction loop."""
     assert k <= R.gaussiank_slots(k) <= R.GAUSSIANK_HIGH * k
     assert R.GAUSSIANK_LOW * k < R.gaussiank_slots(k) + 1
+
+
+def test_the_outcome_table_is_the_reference_rule(K):
+    """Spot checks of the table the accelerator's way applies to its counts (0 below 2k/3,
+    1 in range, 2 above 4k/3, per threshold ``first * GAUSSIANK_FACTORS[i]``)."""
+    def code(**levels):  # levels by factor
+        return sum(levels.get(f"f{i}", 0) * 3**i for i in range(6))
+
+    settle_first = code(f3=1)
+    assert _OUTCOMES[settle_first] == 3  # in range at once
+    assert _OUTCOMES[code(f3=0, f1=1)] == 1  # below, halved, in range
+    assert _OUTCOMES[code(f3=2, f4=2, f5=1)] == 5  # above twice, then in range at 2.25 first
+    assert _OUTCOMES[code(f3=0, f1=2, f2=0)] == 1 + 6  # 12 -> 398 -> 102: the set at 0.5 first, cut
+    assert _OUTCOMES[code(f3=2, f4=0, f2=2)] == 3 + 6  # above, below, above: the smaller superset (first), cut
+    assert _OUTCOMES[code(f3=0, f1=0, f0=0)] == 0  # below every time: the last threshold
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_rows_of_several_groups_cut_an_overshooting_superset_to_its_first_k(K, dtype):
+    """The reference docstring's 12 -> 398 -> 102 case (first threshold 3.1 on 2000 normal
+    entries, k = 20) in a bucket of two groups, on the accelerator's way: the cut rows' slots
+    hold the first k of their set at threshold / 2, in index order; every row as the reference."""
+    rng = np.random.default_rng(0)
+    layout = [(0, 2, 2000, 20), (4000, 3, 300, 3)]
+    flat = rng.standard_normal(4900).astype(dtype)
+    ratio = 0.01
+    tensor = K.tensor(flat)
+    rows = Rows([(s, c, n, k, R.gaussiank_slots(k)) for s, c, n, k in layout], tensor.device, spare=4900)
+    first = torch.tensor([3.1, 3.1, 2.0, 2.6, 5.0], dtype=torch.float64, device=tensor.device)
+    thresholds = rows.thresholds
+    rows.thresholds = lambda a, r: (first, thresholds(a, r)[1])
+    with torch_ops.accelerator_path():
+        positions = K.numpy(rows.gaussiank(tensor, tensor.abs(), ratio)[0])
+    slot = row = 0
+    for start, count, n, k in layout:
+        for i in range(count):
+            a = flat[start + i * n : start + (i + 1) * n]
+            with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: float(first[row])):
+                want = R.gaussiank_select(a, ratio)
+            if row < 2:
+                counts = [int(np.sum(np.abs(a) > a.dtype.type(3.1 * f))) for f in (1.0, 0.5, 0.75)]
+                assert counts[0] < 2 * k / 3 and min(counts[1:]) > 4 * k / 3, counts  # the cut is taken
+                assert want.shape[0] == k
+            mine = positions[slot : slot + R.gaussiank_slots(k)]
+            np.testing.assert_array_equal(mine[mine < 4900] - (start + i * n), want)
+            slot, row = slot + R.gaussiank_slots(k), row + 1

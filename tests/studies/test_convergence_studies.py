@@ -93,7 +93,7 @@ def test_gaussian_cli(tmp_path):
         assert len(counts["selected"]) == len(counts["first_guess"]) == 8
         for per_rank in counts["selected"]:
             assert len(per_rank) == 2
-            # the correction accepts at most 4k/3 entries or trims to the k largest
+            # the correction accepts at most 4k/3 entries or cuts a larger set to its first k
             assert all(1 <= n <= GAUSSIANK_HIGH * k for n in per_rank), (name, k, per_rank)
     fc1 = next(row for row in results["layers"] if row["name"] == "fc1.weight")
     assert fc1["selected_within_2k3_4k3"] >= 0.9

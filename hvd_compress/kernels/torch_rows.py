@@ -1,0 +1,300 @@
+"""Row selections of the fused torch path: Top-k and Gaussian-k of every tensor of a bucket at once.
+
+The fused path (:mod:`hvd_compress.comm.fused`) lays a bucket's compressed tensors out in one
+flat work buffer, those of equal size next to each other. A :class:`Rows` is that layout
+(groups of equal-length rows) and selects for every row what :func:`reference.topk_indices` or
+:func:`reference.gaussiank_select` selects on that row alone, as work positions in a fixed
+number of slots per row. On an accelerator nothing is read back to the host, and a bucket
+costs a few kernels per group of equal-size tensors plus a fixed number for the whole bucket.
+
+Top-k (``k`` slots a row)::
+
+    per group:  torch.topk of the scores' bits, k per row         values (sorted), indices
+                the entries equal to their row's k-th value, marked
+    per bucket: one cumulative count over the marks and one binary search:
+                the slots holding a tie get the row's lowest-indexed ties
+
+Gaussian-k (``floor(4k/3)`` slots a row)::
+
+    per group:  std_mean of the rows                               first thresholds
+                |a| against the six thresholds the correction can meet, counted
+                |a| above the threshold the correction chose, marked
+    per bucket: the correction rule applied to the counts (a table of its outcomes)
+                one cumulative count over the marks and one binary search:
+                the marked entries in their row's slots, in index order
+
+Scores are non-negative with the sign bit clear (``|a|``, NaN included): read as integers of
+their width their order is the floats' order, NaN above +Inf, so ``torch.topk`` of the bits is
+exact for every float dtype and a tie is an equal bit pattern. On the CPU, outside
+:func:`~hvd_compress.kernels.torch_ops.accelerator_path`, each row takes the per-tensor
+kernels' host shortcuts instead (numpy's selection, a loop over the rows), faster there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from hvd_compress.kernels import reference
+from hvd_compress.kernels import torch_ops as ops
+
+#: The integers of each float dtype's width: same bits, same order for non-negative floats.
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+
+#: ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work position ``start``,
+#: each selecting ``k`` entries into ``width`` slots.
+Group = Tuple[int, int, int, int, int]
+
+
+class _Choice:
+    """What :func:`reference.gaussiank_correct` ends on: a threshold's index, and whether it was cut."""
+
+    def __init__(self, threshold: float, cut: bool = False) -> None:
+        self.threshold, self.cut = threshold, cut
+        self.code = reference.GAUSSIANK_FACTORS.index(threshold) + len(reference.GAUSSIANK_FACTORS) * cut
+
+    def __getitem__(self, _: slice) -> "_Choice":
+        return _Choice(self.threshold, cut=True)
+
+
+def _outcomes() -> torch.Tensor:
+    """The correction's choice for every classification of the candidate thresholds.
+
+    Entry ``sum_i level_i 3^i`` (``level_i``: 0 below ``2k/3``, 1 in range, 2 above ``4k/3``
+    for the threshold ``first * GAUSSIANK_FACTORS[i]``) is ``i + 6 cut``: the threshold
+    :func:`reference.gaussiank_correct` ends on and whether it cuts that set to its first
+    ``k``, found by running it on counts that classify so (above ``4k/3`` falling as the
+    threshold grows, as counts do).
+    """
+    factors, k = reference.GAUSSIANK_FACTORS, 3
+    table = []
+    for code in range(3 ** len(factors)):
+        levels = [code // 3**i % 3 for i in range(len(factors))]
+
+        def count(threshold: float, levels: List[int] = levels) -> int:
+            i = factors.index(threshold)
+            return (0, k, 2 * k + len(factors) - i)[levels[i]]
+
+        table.append(reference.gaussiank_correct(count, _Choice, 1.0, k).code)
+    return torch.tensor(table, dtype=torch.int64)
+
+
+_OUTCOMES = _outcomes()
+
+
+class Rows:
+    """A flat work buffer's rows, grouped by length, and the selections of all rows at once.
+
+    ``groups`` lists ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work
+    position ``start`` (row ``i`` at ``start + i n``), each selecting ``k`` entries into ``width``
+    slots (Top-k: ``k``; Gaussian-k: ``floor(4k/3)``); the groups' slots follow each other in
+    order. ``spare`` is the work position unused slots hold (Gaussian-k). Built once per
+    layout: the index tensors the selections need are made here, on ``device``, and the
+    selections reuse one scratch buffer of marks.
+    """
+
+    def __init__(self, groups: Sequence[Group], device, spare: Optional[int] = None) -> None:
+        self.groups = [tuple(int(x) for x in g) for g in groups]
+        self.device, self.spare = torch.device(device), spare
+        self.row_ranges: List[Tuple[int, int]] = []
+        self.slot_ranges: List[Tuple[int, int]] = []
+        row_start: List[int] = []
+        row_k: List[int] = []
+        row_width: List[int] = []
+        for start, count, n, k, width in self.groups:
+            rows, slots = len(row_start), sum(row_width)
+            self.row_ranges.append((rows, rows + count))
+            self.slot_ranges.append((slots, slots + count * width))
+            row_start += [start + i * n for i in range(count)]
+            row_k += [k] * count
+            row_width += [width] * count
+        self.count, self.width = len(row_start), sum(row_width)
+        self.end = max((start + count * n for start, count, n, _, _ in self.groups), default=0)
+        #: dtype of the cumulative counts of marks (one mark per work position)
+        self.scan = torch.int32 if 1 + self.end < 2**31 else torch.int64
+        slot_row = np.repeat(np.arange(self.count), row_width)
+        first_slot = np.cumsum([0] + row_width)[:-1]
+        last_slot = first_slot + np.asarray(row_width, dtype=np.int64) - 1
+        starts = np.asarray(row_start, dtype=np.int64)
+
+        def tensor(values, dtype=torch.int64) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(dtype).to(self.device)
+
+        self.slot_row = tensor(slot_row)
+        self.slot_start = tensor(starts[slot_row])
+        #: a slot's place in its row, from 0
+        self.slot_rank = tensor(np.arange(self.width) - first_slot[slot_row], self.scan)
+        #: each row's last slot, its first, and each slot's row's last (Top-k's sorted slots: each
+        #: row's k-th value, its largest, and the k-th value of each slot's row)
+        self._ends = tensor(np.concatenate([last_slot, first_slot, last_slot[slot_row]]))
+        #: how far before its row's last slot a slot is, plus 1
+        self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
+        self.k = tensor(row_k)
+        self._marks: Dict[int, torch.Tensor] = {}
+        self._gaussiank: Optional[Tuple[torch.Tensor, ...]] = None
+
+    def marks(self, size: int) -> torch.Tensor:
+        """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
+        buffer = self._marks.get(size)
+        if buffer is None:
+            buffer = self._marks[size] = torch.zeros(size, dtype=torch.bool, device=self.device)
+        return buffer
+
+    def _views(self, flat: torch.Tensor):
+        """Per group: its start, its ``(rows, n)`` view of ``flat`` (a work buffer), ``k``, ``width``
+        and its ranges of rows and of slots."""
+        for (start, count, n, k, width), rows, slots in zip(self.groups, self.row_ranges, self.slot_ranges):
+            yield start, flat[start : start + count * n].view(count, n), k, width, rows, slots
+
+    # ------------------------------------------------------------------- Top-k
+    def topk(self, scores: torch.Tensor, host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` largest ``scores`` of every row, ties to the lower index: ``(positions, top)``.
+
+        ``positions``: int64 work positions, each row's ``k`` in its slots (not in index
+        order); ``top``: each row's largest score (NaN above +Inf: a row holds NaN or Inf
+        exactly when ``top`` does). ``host``: the CPU's way (default: on the CPU, outside
+        ``accelerator_path``), each row through :func:`torch_ops.topk_indices`.
+        """
+        if ops.on_host(scores) and scores.dtype in (torch.float32, torch.float64) if host is None else host:
+            return self._topk_host(scores)
+        bits = scores.view(_BITS[scores.dtype])
+        values = torch.empty(self.width, dtype=bits.dtype, device=scores.device)
+        local = torch.empty(self.width, dtype=torch.int64, device=scores.device)
+        for _, view, k, width, _, (lo, hi) in self._views(bits):
+            assert width == k, "Top-k fills every slot of a row"
+            torch.topk(view, k, dim=1, out=(values[lo:hi].view(-1, k), local[lo:hi].view(-1, k)))
+        ends = values.index_select(0, self._ends)
+        kth, top = ends[: self.count], ends[self.count : 2 * self.count]
+        tie = torch.eq(values, ends[2 * self.count :])
+        return self._lowest_ties(bits, kth, tie, local), top.view(scores.dtype)
+
+    def _lowest_ties(self, bits: torch.Tensor, kth: torch.Tensor, tie: torch.Tensor,
+                     local: torch.Tensor) -> torch.Tensor:
+        """``torch.topk`` keeps any of the entries tied at a row's k-th value; the spec keeps the
+        lowest-indexed. Its values are sorted, so a row's tie slots are its last ``m``: the slot
+        ``e`` before the last gets the row's tie number ``e + 1`` in index order, found by a
+        binary search of ``c[row start] + e + 1`` in ``c = cumsum(marks)``, ``marks`` the entries
+        equal to their row's k-th value (after a leading 0).
+        """
+        marks = self.marks(1 + self.end)
+        for start, view, _, _, (r0, r1), _ in self._views(bits):
+            torch.eq(view, kth[r0:r1, None], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
+        counted = torch.cumsum(marks, 0, dtype=self.scan)
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(self._from_end))
+        return torch.where(tie, found, local.add_(self.slot_start))
+
+    def _at_row_starts(self, counted: torch.Tensor) -> torch.Tensor:
+        """``counted`` at each slot's row start: the rows' entries are strided views (one per group),
+        gathered into one small vector, then spread over the slots."""
+        starts = [counted[start : start + count * n : n] for (start, count, n, _, _) in self.groups]
+        return torch.cat(starts).index_select(0, self.slot_row)
+
+    def _topk_host(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        parts, top = [], []
+        for start, view, k, _, _, _ in self._views(scores):
+            top.append(view.amax(dim=1))
+            for i, (row, nan) in enumerate(zip(view, torch.isnan(top[-1]).numpy())):  # read as numpy's selection
+                if not nan:
+                    chosen = ops.topk_indices(row, k)
+                else:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
+                    chosen = Rows([(0, 1, row.shape[0], k, k)], row.device).topk(row, host=False)[0]
+                parts.append(chosen.long() + (start + i * row.shape[0]))
+        return torch.cat(parts), torch.cat(top)
+
+    # -------------------------------------------------------------- Gaussian-k
+    def thresholds(self, a: torch.Tensor, ratio: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """First Gaussian-k threshold of every row and its mean, float64: ``|mean| + std *
+        Phi^-1(1 - ratio / 2)``, the moments reduced in ``a``'s dtype (as
+        :func:`torch_ops.gaussiank_thresholds`)."""
+        moments = [torch.std_mean(view, dim=1, correction=0) for _, view, *_ in self._views(a)]
+        both = torch.empty(2 * self.count, dtype=torch.float64, device=a.device)
+        std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments], out=both).view(2, -1)
+        return mean.abs().add_(std.mul(reference.normal_tail_quantile(ratio))), mean
+
+    def gaussiank(self, a: torch.Tensor, magnitude: torch.Tensor, ratio: float,
+                  host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`reference.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, mean)``.
+
+        ``positions``: int64 work positions, each row's selection in index order in its
+        first slots, the other slots ``spare``; ``mean``: each row's mean (float64, NaN or
+        Inf for a row holding NaN or Inf). All six thresholds a row can meet are
+        counted in one pass per group, the rule is applied to the counts, and one pass
+        marks what the chosen threshold selects (cut to ``k`` where the rule cuts). On the
+        host (``host``, default on the CPU outside ``accelerator_path``) each row runs
+        :func:`torch_ops.gaussiank_from`, stopping at the first threshold in range.
+        """
+        first, mean = self.thresholds(a, ratio)
+        if ops.on_host(a) if host is None else host:
+            return self._gaussiank_host(magnitude, first), mean
+        factors, outcomes, pow3, bounds, next_rank, counts = self._gaussiank_tables()
+        nodes = len(reference.GAUSSIANK_FACTORS)
+        # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
+        if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
+            limits = torch.mul(first[:, None], factors, out=magnitude.new_empty((self.count, 2 * nodes)))
+        else:
+            limits = ops.cast(first[:, None] * factors, magnitude.dtype)
+        for _, view, _, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
+            torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
+        levels = torch.searchsorted(bounds, counts, right=True)  # 0 below 2k/3, 1 in range, 2 above 4k/3
+        outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
+        limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
+        marks = self.marks(1 + self.end)
+        for start, view, _, _, (r0, r1), _ in self._views(magnitude):
+            torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
+        counted = torch.cumsum(marks, 0, dtype=self.scan)
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
+        return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare), mean
+
+    def _gaussiank_tables(self) -> Tuple[torch.Tensor, ...]:
+        """Built once: the factors (twice), the outcome table, powers of 3 (then zeros), each row's integer
+        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer:
+        six counts per row, then ``k`` six times (the room of a cut set)."""
+        if self._gaussiank is None:
+            nodes = len(reference.GAUSSIANK_FACTORS)
+            bounds = [[math.ceil(reference.GAUSSIANK_LOW * k), math.floor(reference.GAUSSIANK_HIGH * k) + 1]
+                      for start, count, n, k, width in self.groups for _ in range(count)]
+            counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
+            counts[:, nodes:] = self.k[:, None]
+            self._gaussiank = (
+                torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
+                _OUTCOMES.to(self.device),
+                torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
+                torch.tensor(bounds, dtype=torch.int64, device=self.device).view(-1, 2),
+                self.slot_rank + 1,
+                counts,
+            )
+        return self._gaussiank
+
+    def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)
+        thresholds = first.numpy()
+        for start, view, k, width, (r0, _), (lo, _) in self._views(magnitude):
+            for i, row in enumerate(view):
+                chosen = ops.gaussiank_from(row, float(thresholds[r0 + i]), k)
+                out[lo + i * width : lo + i * width + chosen.shape[0]] = chosen.long() + (start + i * row.shape[0])
+        return out
+
+
+# ------------------------------------------------------------ one group, 2-D
+def topk_rows(scores: torch.Tensor, k: int, host: Optional[bool] = None) -> torch.Tensor:
+    """:func:`torch_ops.topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64
+    ``(rows, k)``, ascending, ties to the lower index, NaN above +Inf (see :meth:`Rows.topk`)."""
+    rows, n = scores.shape
+    plan = Rows([(0, rows, n, k, k)], scores.device)
+    positions = plan.topk(scores.reshape(-1), host)[0].view(rows, k)
+    return torch.sort(positions - plan.slot_start.view(rows, k), dim=1).values
+
+
+def gaussiank_rows(a: torch.Tensor, magnitude: torch.Tensor, ratio: float, k: int,
+                   read_back: Optional[bool] = None) -> torch.Tensor:
+    """:func:`torch_ops.gaussiank_select` of every row of a 2-D ``a`` (``magnitude = |a|``), in
+    ``gaussiank_slots(k)`` columns: int64 ``(rows, slots)``, ascending, unused slots holding ``n``."""
+    rows, n = a.shape
+    slots = reference.gaussiank_slots(k)
+    plan = Rows([(0, rows, n, k, slots)], a.device, spare=rows * n)
+    positions = plan.gaussiank(a.reshape(-1), magnitude.reshape(-1), ratio, read_back)[0].view(rows, slots)
+    return torch.where(positions == rows * n, n, positions - plan.slot_start.view(rows, slots))
