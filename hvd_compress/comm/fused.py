@@ -183,7 +183,8 @@ class FusedBucket:
         sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(torch, wire_dtype)))
         values = self.n_dense
         if count and comp.payload_kind == "sparse":
-            sent += self.k_total * (itemsize + size(self.index_dtype)) + self.flag_count * itemsize
+            # k (value, index) slots per tensor, and per tensor its flag with the flag's position
+            sent += (self.k_total + self.flag_count) * (itemsize + size(self.index_dtype))
             values += self.k_total
         elif count:
             codes = (4 * wire.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"

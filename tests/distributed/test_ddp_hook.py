@@ -359,7 +359,7 @@ def test_two_ranks_equal_simulator(trained, variant):
 
 def test_sparse_payloads_travel_sparse(trained):
     """Fixed-size payloads: k values + k indices per compressed tensor (Gaussian-k: floor(4k/3)
-    slots), one NaN flag each; the
+    slots), one NaN flag and its position each (Gaussian-k: one more, the spare entry); the
     dense biases in one allreduce; the layout header only when the layout is new (step 1; DDP's
     rebuilt order from step 2 is not a new layout for the exchange)."""
     sizes = [p.numel() for p in make_model().parameters()]
@@ -368,9 +368,9 @@ def test_sparse_payloads_travel_sparse(trained):
     k = sum(reference.num_selected(n, RATIO) for n in compressed)
     header = 2 * 8  # [config hash, layout hash] as int64
     dense = 4 * (numel - sum(compressed))
-    payload = dense + 4 * (k + len(compressed)) + 4 * k
+    payload = dense + 4 * (k + len(compressed)) + 4 * (k + len(compressed))
     slots = sum(reference.gaussiank_slots(reference.num_selected(n, RATIO)) for n in compressed)
-    padded = dense + 4 * (slots + len(compressed)) + 4 * slots
+    padded = dense + 8 * (slots + len(compressed) + 1)
     for result in trained:
         assert result["topk"]["bytes"] == [header + payload] + [payload] * (STEPS - 1)
         assert result["regtopk"]["bytes"] == [header + payload] + [payload] * (STEPS - 1)

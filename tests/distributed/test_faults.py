@@ -105,7 +105,7 @@ def test_compressors_outside_an_optimizer_are_buckets_of_their_own(ranks):
         assert ok["topk_dense"]["error"] < 1e-6 and ok["fp16"]["error"] < 1e-2, ok
         assert ok["topk_dense"]["bytes"] == 2 * (4000 + 4), ok
         assert ok["fp16"]["bytes"] == 2000 + (2000 + 4), ok
-        assert ok["topk"]["bytes"] == 2 * (100 * 8 + 4 + 4), ok  # k values + indices, NaN flag, placeholder
+        assert ok["topk"]["bytes"] == 2 * (100 * 8 + 8 + 4), ok  # k values + indices, NaN flag + its position, placeholder
 
 
 def test_grad_scaler_skips_exactly_the_steps_dense_training_skips(ranks):

@@ -56,13 +56,13 @@ def assert_equals_simulator(result, names, ranks):
 
 def expected_topk_bytes(path):
     """What one rank hands Horovod per step (mean of STEPS) with Top-k: k indices + values and one
-    NaN flag per weight, the dense biases (in the fused bucket's dense allreduce), at the first step
+    NaN flag with its position per weight, the dense biases (in the fused bucket's dense allreduce), at the first step
     only the int64 header ``[config, layout]`` of the single fused bucket, and (stock) a 4-byte
     placeholder per parameter for Horovod's allreduce."""
     params = [p for _, p in workload.make_model().named_parameters()]
     sparse = [p for p in params if p.numel() >= 1024]
     total = sum(4 * p.numel() for p in params if p.numel() < 1024)
-    total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) + 4 for p in sparse)
+    total += sum(8 * int(np.ceil(workload.RATIO * p.numel())) + 8 for p in sparse)
     placeholders = 4 * len(params) if path == "stock" else 0
     return total + placeholders + HEADER // STEPS
 
