@@ -88,6 +88,38 @@ check_temperature = check_between(
 )
 
 
+def check_momentum(value: Any, name: str) -> float:
+    """``value`` as a float in ``[0, 1)``: the decay of a sparsifier's velocity (DGC's momentum
+    correction; 0 turns it off). At 1 or above the velocity never forgets and grows without bound."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"hvd_compress: {name} must be a number in [0, 1), got {_got(value)}")
+    number = float(value)
+    if not 0.0 <= number < 1.0:  # also rejects NaN
+        raise ValueError(
+            f"hvd_compress: {name} must be in [0, 1) (0 turns momentum correction off; DGC uses 0.9), "
+            f"got {value!r}"
+        )
+    return number
+
+
+def check_single_momentum(compressor: Any, param_groups: Any, where: str) -> None:
+    """``ValueError`` when both ``compressor`` (momentum correction) and a ``param_group`` of the
+    wrapped optimizer apply momentum: the update would decay twice (``m`` on the compressor's
+    velocity, then the optimizer's own buffer on the average of the velocities)."""
+    own = float(getattr(compressor, "momentum", 0.0) or 0.0)
+    if not own:
+        return
+    for index, group in enumerate(param_groups):
+        theirs = group.get("momentum", 0.0) if isinstance(group, dict) else 0.0
+        if theirs:
+            raise ValueError(
+                f"hvd_compress: {where}: the compressor applies momentum itself ({compressor!r}: momentum="
+                f"{own:g}, DGC's momentum correction) and the optimizer's param_group {index} has momentum="
+                f"{theirs!r}: momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: "
+                f"the compressor owns the momentum), or the compressor momentum=0"
+            )
+
+
 #: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every
 #: rank, as in a dense allreduce) or ``"raise"`` (strict: every rank raises at that step).
 NONFINITE = ("propagate", "raise")
