@@ -54,7 +54,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import open_exchange
-from hvd_compress.compressors.validation import check_single_momentum
+from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
 CAP_ENV = "HVD_COMPRESS_BUCKET_CAP_MB"
 DEFAULT_CAP_MB = 25.0
@@ -93,7 +93,8 @@ class Plan:
     def __init__(self, optimizer: Any, compressor: Any = None) -> None:
         """``compressor``: the one Horovod was given; one with momentum correction refuses an optimizer
         with momentum of its own (:func:`~hvd_compress.compressors.validation.check_single_momentum`)."""
-        check_single_momentum(compressor, optimizer.param_groups, "horovod.torch.DistributedOptimizer")
+        momenta = param_group_momenta(optimizer.param_groups)
+        check_single_momentum(compressor, momenta, "horovod.torch.DistributedOptimizer")
         self.owner = weakref.ref(optimizer)
         names = optimizer._parameter_names
         required = getattr(optimizer, "_requires_update", None)

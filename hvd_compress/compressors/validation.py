@@ -102,21 +102,27 @@ def check_momentum(value: Any, name: str) -> float:
     return number
 
 
-def check_single_momentum(compressor: Any, param_groups: Any, where: str) -> None:
-    """``ValueError`` when both ``compressor`` (momentum correction) and a ``param_group`` of the
-    wrapped optimizer apply momentum: the update would decay twice (``m`` on the compressor's
-    velocity, then the optimizer's own buffer on the average of the velocities)."""
+def param_group_momenta(param_groups: Any) -> list:
+    """``[("param_group i", momentum)]`` of a torch optimizer's ``param_groups`` (0 where a group has none)."""
+    return [(f"param_group {i}", group.get("momentum", 0.0) if isinstance(group, dict) else 0.0)
+            for i, group in enumerate(param_groups)]
+
+
+def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
+    """``ValueError`` when both ``compressor`` (momentum correction) and the wrapped optimizer apply
+    momentum: the update would decay twice (``m`` on the compressor's velocity, then the optimizer's
+    own buffer on the average of the velocities). ``momenta``: ``(part of the optimizer, momentum)``
+    pairs (:func:`param_group_momenta`)."""
     own = float(getattr(compressor, "momentum", 0.0) or 0.0)
     if not own:
         return
-    for index, group in enumerate(param_groups):
-        theirs = group.get("momentum", 0.0) if isinstance(group, dict) else 0.0
-        if theirs:
+    for part, theirs in momenta:
+        if isinstance(theirs, numbers.Real) and theirs:
             raise ValueError(
                 f"hvd_compress: {where}: the compressor applies momentum itself ({compressor!r}: momentum="
-                f"{own:g}, DGC's momentum correction) and the optimizer's param_group {index} has momentum="
-                f"{theirs!r}: momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: "
-                f"the compressor owns the momentum), or the compressor momentum=0"
+                f"{own:g}, DGC's momentum correction) and the optimizer's {part} has momentum={theirs!r}: "
+                f"momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: the "
+                f"compressor owns the momentum), or the compressor momentum=0"
             )
 
 

@@ -214,7 +214,8 @@ def momentum_update(velocity, g, momentum: float) -> tf.Tensor:
 
 def momentum_mask(velocity, indices) -> tf.Tensor:
     """``u`` with ``u[S] = 0`` (a new tensor: TensorFlow's are immutable)."""
-    return tf.tensor_scatter_nd_update(velocity, tf.reshape(indices, [-1, 1]), tf.zeros_like(tf.gather(velocity, indices)))
+    zeros = tf.zeros_like(tf.gather(velocity, indices))
+    return tf.tensor_scatter_nd_update(velocity, tf.reshape(indices, [-1, 1]), zeros)
 
 
 def saturate(a, dtype) -> tf.Tensor:

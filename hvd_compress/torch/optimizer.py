@@ -31,7 +31,7 @@ import torch
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.nonfinite import raise_if_nonfinite
 from hvd_compress.compressors import Compressor, as_compressor
-from hvd_compress.compressors.validation import check_single_momentum
+from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
 
 def _is_sum(op: Any) -> bool:
@@ -284,7 +284,9 @@ def DistributedOptimizer(
     raises ``ValueError`` here.
     """
     compression = as_compressor(compression)
-    check_single_momentum(compression, optimizer.param_groups, "hvd_compress.torch.DistributedOptimizer")
+    check_single_momentum(
+        compression, param_group_momenta(optimizer.param_groups), "hvd_compress.torch.DistributedOptimizer"
+    )
     if nonfinite is not None:
         compression.nonfinite = nonfinite  # in its configuration: ranks that disagree stop at once
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))

@@ -72,7 +72,8 @@ def spec_run(kind: str, grads, m: float, ratio: float, mu: float = 5.0):
         elif kind == "gaussiank":
             S = reference.gaussiank_select(a, ratio)
         else:
-            S = reference.topk_select(a, k) if posterior is None else reference.regtopk_select_sparse(a, *posterior, mu, k)
+            S = (reference.topk_select(a, k) if posterior is None
+                 else reference.regtopk_select_sparse(a, *posterior, mu, k))
         sent = np.zeros_like(a)
         sent[S] = a[S]
         r = a.copy()
