@@ -33,7 +33,9 @@ Switching keeps every gradient: a bucket that goes dense travels through
 with its first dense gradient (the fused path's dense-kind flush,
 :meth:`~hvd_compress.comm.fused.FusedBucket.adopt`; the per-tensor path adds it
 in :meth:`DenseView._encode`), so ``sum of what was sent + residual == sum of
-gradients`` holds across the switch. Going dense drops the tensor's other
+gradients`` holds across the switch. Under momentum correction (a sparsifier's
+``momentum``) a dense bucket sends each tensor's velocity ``u = m u + g``, and the
+velocity carries over both ways. Going dense drops the tensor's other
 state: RegTop-k's posterior restarts at ``D = 1e8`` (plain Top-k for the first
 step back), TernGrad's random stream is not advanced while dense. A bucket
 that goes back to compressed starts with a zero residual.
@@ -56,6 +58,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.compressors.base import Compressor, WireStats
+from hvd_compress.compressors.sparse import updated_velocity
 from hvd_compress.wire import DensePayload
 from hvd_compress.compressors.validation import check_count
 from hvd_compress.kernels import ops_for
@@ -165,15 +168,30 @@ class DenseView(InnerState):
         self._generators: Dict[str, Any] = {}
         self._saved_generators: Dict[str, Any] = {}
 
+    #: the inner compressor's momentum correction: its tensors sent dense send their velocity
+    momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
+
     def config(self) -> Dict[str, Any]:
         return {"type": "Dense", "of": repr(self.inner)}
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        if self.momentum:  # u = m u + g, sent with the residual left to flush
+            u = updated_velocity(self.memory, flat, name, shape, self.momentum, ops)
+            residual = self.memory.peek(name, "residual")
+            sent = u if residual is None else u + ops.cast(ops.reshape(residual, (-1,)), u.dtype)
+            self.memory.reset(name)
+            self.memory.track(name, shape)
+            self.memory.set(name, "velocity", u)
+            return DensePayload(values=ops.saturate(sent, flat.dtype), dtype=flat.dtype)
         residual = self.memory.peek(name, "residual")
         if residual is not None:
             flat = flat + ops.cast(ops.reshape(residual, (-1,)), flat.dtype)
         self.memory.reset(name)
         return DensePayload(values=flat, dtype=flat.dtype)
+
+    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
+        """With momentum correction: the velocity, put back when the tensor's sum is non-finite."""
+        return {"velocity": self.memory.peek(name, "velocity")} if self.momentum else None
 
 
 # ------------------------------------------------------------------ measuring
@@ -315,6 +333,7 @@ class Auto(InnerState):
     dense_wire_dtype = property(lambda self: self.inner.dense_wire_dtype)
     dense_below = property(lambda self: getattr(self.inner, "dense_below", 0))
     error_feedback = property(lambda self: getattr(self.inner, "error_feedback", False))
+    momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
 
     @property
     def ratio(self) -> float:

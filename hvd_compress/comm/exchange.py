@@ -72,6 +72,7 @@ class BucketExchange:
         self.resume: Any = None  # what launch left for complete()
         self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
         self.kept_residuals: Dict[str, Any] = {}  # TernGrad without shared scales: residuals before encode
+        self.kept_state: Dict[str, Any] = {}  # momentum correction: residual and velocity before encode
 
     def add(self, name: str, tensor: Any) -> None:
         """Add one gradient of the bucket (encoded by ``launch``)."""
@@ -81,9 +82,10 @@ class BucketExchange:
 
     @property
     def only_dense(self) -> bool:
-        """Every tensor added so far travels dense and has no residual to flush (None, FP16, small tensors)."""
+        """Every tensor added so far travels dense and has no residual to flush nor velocity to apply
+        (None, FP16, small tensors without momentum correction)."""
         compressor = self.compressor
-        return all(
+        return not getattr(compressor, "momentum", 0.0) and all(
             compressor.fused_kind(elements(t)) == "dense" and compressor.memory.peek(n, "residual") is None
             for n, t in self.added
         )
@@ -101,6 +103,9 @@ class BucketExchange:
                     if scale is not None:
                         self.ternary.append((name, tensor, scale))
                         continue
+                kept = self.compressor.step_state(name, elements(tensor))
+                if kept is not None:
+                    self.kept_state[name] = kept
                 payload = self.compressor.encode(tensor, name)
             except NonFiniteGradientError:
                 self._add_nonfinite(name, tensor)
@@ -228,10 +233,13 @@ class BucketExchange:
         total = self.comm.wait(self.handles["dense"])
         sizes = [elements(p.values) for _, p in self.dense]
         acc = self.ops.accumulation_dtype(total.dtype)
-        return {
-            name: self._result(name, self.ops.cast(part, acc), p.dtype)
-            for (name, p), part in zip(self.dense, self.ops.split(total, sizes))
-        }
+        results = {}
+        for (name, p), part in zip(self.dense, self.ops.split(total, sizes)):
+            part = self.ops.cast(part, acc)
+            if name in self.kept_state and self.ops.count_nonfinite(part):  # velocity as before the step
+                self.compressor.restore_step_state(name, self.kept_state[name])
+            results[name] = self._result(name, part, p.dtype)
+        return results
 
     def _check_header(self) -> None:
         self.rows = self.ops.to_list(self.comm.wait(self.handles["header"]))
@@ -269,7 +277,9 @@ class BucketExchange:
         back what it sent and the step's gradient, so its residual is as before the step."""
         ops, numel = self.ops, sent.numel
         residual = self.compressor.memory.peek(name, "residual")
-        if name not in self.nonfinite and residual is not None:
+        if name in self.kept_state:  # momentum correction: residual and velocity put back as they were
+            self.compressor.restore_step_state(name, self.kept_state[name])
+        elif name not in self.nonfinite and residual is not None:
             flat = ops.reshape(residual, (-1,))
             returned = ops.cast(ops.sparse_sum([sent.indices], [sent.values], numel), flat.dtype)
             gradient = ops.cast(ops.reshape(dict(self.added)[name], (-1,)), flat.dtype)

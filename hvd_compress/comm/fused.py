@@ -17,7 +17,8 @@ compressor configuration, world size) and holds
 - the state: the compressed part's error-feedback residual as one flat buffer
   (in at least float32: a float16 gradient's residual cannot overflow; values
   travel in the gradient's dtype, saturated, the rest stays in the residual),
-  RegTop-k's posterior as fixed-size ``(indices, D)`` vectors.
+  RegTop-k's posterior as fixed-size ``(indices, D)`` vectors; under momentum
+  correction the velocities of both parts, flat buffers like the residual.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
 layout hash]``, read on the host); afterwards a step reads nothing back:
@@ -35,6 +36,14 @@ sparse (Top-k, Gaussian-k, RegTop-k), per bucket::
     total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
                                                 one index_add per rank, in rank order
     result = total / N;  flagged tensors: r as before the step (one where per group)
+
+with momentum correction (``momentum=m``, :mod:`hvd_compress.compressors.sparse`), a
+velocity buffer of the compressed part's layout, and one of the dense part's::
+
+    u = m u + g;  a = r + u                     one mul, one add each
+    ... as above ...;  u[S] = 0                 one index_fill
+    dense part: send u (+ a flushed residual); after the sum, a tensor whose sum holds
+    NaN/Inf keeps its u from before the step    (one index_add of total * 0, one where)
 
 TernGrad: per size group one ``aminmax`` (and ``std`` when clipping), so the
 scales ``max|clip(g)| = min(max|g|, bound)`` and non-finite flags of all
@@ -155,12 +164,23 @@ class FusedBucket:
         self.spare_zero = torch.zeros(int(self.padded), dtype=self.dtype, device=self.device)
         #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
         self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
+        #: momentum correction's decay (0: off); the dense part's tensors by element, to flag them
+        self.momentum = float(getattr(compressor, "momentum", 0.0) or 0.0)
+        self.dense_offsets: Dict[int, int] = {}
+        for i in self.dense:
+            self.dense_offsets[i] = sum(self.numels[j] for j in self.dense_offsets)
+        self.dense_rows = torch.repeat_interleave(
+            torch.arange(len(self.dense), device=self.device),
+            torch.tensor([self.numels[i] for i in self.dense], dtype=torch.int64, device=self.device),
+        ) if self.momentum and self.dense else None
         self.wire_format = self._ternary_wire_format()
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
         self.signature = wire.header_hash(layout)
         # state
         self.residual: Optional[torch.Tensor] = None
+        self.velocity: Optional[torch.Tensor] = None  # compressed part, the residual's layout
+        self.dense_velocity: Optional[torch.Tensor] = None  # dense part, in the order of self.dense
         self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.flush_into_dense: Dict[int, torch.Tensor] = {}
         self.checked = False
@@ -240,28 +260,21 @@ class FusedBucket:
         """Take each tensor's state from the compressor's per-name memory (checkpoints, other layouts)."""
         comp = self.compressor
         feedback = getattr(comp, "error_feedback", False)
-        residuals = []
         post_idx, post_val = [], []
         for i in self.compressed:
-            name, shape = self.names[i], self.shapes[i]
-            memory.track(name, shape)
-            r = memory.peek(name, "residual")
-            if feedback:
-                residuals.append(
-                    r.reshape(-1).to(self.acc)
-                    if r is not None
-                    else torch.zeros(self.numels[i], dtype=self.acc, device=self.device)
-                )
-            idx = memory.peek(name, "posterior_indices")
+            memory.track(self.names[i], self.shapes[i])
+            idx = memory.peek(self.names[i], "posterior_indices")
             if idx is not None:
                 post_idx.append(idx.to(torch.int64) + self.offsets[i])
-                post_val.append(memory.peek(name, "posterior_values"))
-        if feedback and residuals:
-            if self.padded:
-                residuals.append(torch.zeros(1, dtype=self.acc, device=self.device))
-            self.residual = torch.cat(residuals).to(self.device)
+                post_val.append(memory.peek(self.names[i], "posterior_values"))
+        if feedback and self.compressed:
+            self.residual = self._gathered(memory, "residual", self.compressed, self.padded)
+        if self.momentum and self.compressed:
+            self.velocity = self._gathered(memory, "velocity", self.compressed, self.padded)
         if post_idx:
             self.posterior = (torch.cat(post_idx).to(self.device), torch.cat(post_val).to(self.device))
+        if self.momentum and self.dense:
+            self.dense_velocity = self._gathered(memory, "velocity", self.dense, False)
         for i in self.dense:
             name = self.names[i]
             r = memory.peek(name, "residual")
@@ -272,6 +285,18 @@ class FusedBucket:
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
 
+    def _gathered(self, memory: Any, key: str, members: List[int], spare: bool) -> torch.Tensor:
+        """The arrays ``key`` of tensors ``members`` as one flat buffer in the accumulation dtype (zeros
+        where a tensor has none), and a 0 for the spare entry with ``spare``."""
+        parts = []
+        for i in members:
+            value = memory.peek(self.names[i], key)
+            parts.append(value.reshape(-1).to(self.acc) if value is not None and value.numel() == self.numels[i]
+                         else torch.zeros(self.numels[i], dtype=self.acc, device=self.device))
+        if spare:
+            parts.append(torch.zeros(1, dtype=self.acc, device=self.device))
+        return torch.cat(parts).to(self.device)
+
     def flush(self, memory: Any) -> None:
         """Write each tensor's state back to the per-name memory (views; no copy of the residual)."""
         for i in self.compressed:
@@ -279,13 +304,21 @@ class FusedBucket:
             memory.track(name, shape)
             if self.residual is not None:
                 memory.set(name, "residual", self.residual[start : start + n].view(shape))
+            if self.velocity is not None:
+                memory.set(name, "velocity", self.velocity[start : start + n].view(shape))
             if self.posterior is not None:
                 idx, values = self.posterior
                 mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
                 memory.set(name, "posterior_indices", (idx[mine] - start).to(ops.index_dtype(n)))
                 memory.set(name, "posterior_values", values[mine])
         for i, r in self.flush_into_dense.items():
+            memory.track(self.names[i], self.shapes[i])
             memory.set(self.names[i], "residual", r.view(self.shapes[i]))
+        if self.dense_velocity is not None:
+            for i, start in self.dense_offsets.items():
+                memory.track(self.names[i], self.shapes[i])
+                velocity = self.dense_velocity[start : start + self.numels[i]]
+                memory.set(self.names[i], "velocity", velocity.view(self.shapes[i]))
 
     # ------------------------------------------------------------------ encode
     def launch(self, tensors: List[torch.Tensor], comm: Any, complete: bool = True) -> "Launched":
@@ -301,7 +334,7 @@ class FusedBucket:
                 self.check(comm)
             else:
                 out.header = self.start_check(comm)
-        dense = self._dense_input(tensors)
+        dense = self._dense_input(tensors) if not self.momentum else self._dense_velocity_input(tensors, out)
         if dense is not None:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
@@ -328,6 +361,26 @@ class FusedBucket:
         wire_dtype = self.compressor.dense_wire_dtype
         return flat if wire_dtype is None else ops.cast(flat, getattr(torch, wire_dtype))
 
+    def _dense_velocity_input(self, tensors: List[torch.Tensor], out: "Launched") -> Optional[torch.Tensor]:
+        """Momentum correction's dense part: ``u = m u + g``; send ``u`` (plus a flushed residual, once)."""
+        if not self.dense:
+            return None
+        g = torch.cat([tensors[i].reshape(-1) for i in self.dense])
+        out.dense_velocity = u = ops.momentum_update(self.dense_velocity, g, self.momentum)
+        sent = u.clone()  # the collective may write into its input
+        for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush)
+            start = self.dense_offsets[i]
+            sent[start : start + self.numels[i]].add_(self.flush_into_dense.pop(i))
+        wire_dtype = self.compressor.dense_wire_dtype
+        return ops.saturate(sent, self.dtype if wire_dtype is None else getattr(torch, wire_dtype))
+
+    def keep_dense_velocity(self, total: torch.Tensor, velocity: torch.Tensor) -> None:
+        """The dense part's new velocity, but a tensor whose sum holds NaN/Inf keeps its old one."""
+        flags = torch.zeros(len(self.dense), dtype=total.dtype, device=self.device)
+        flags.index_add_(0, self.dense_rows, total * 0)  # NaN where a tensor's sum holds NaN/Inf
+        bad = torch.isnan(flags).index_select(0, self.dense_rows)
+        self.dense_velocity = torch.where(bad, self.dense_velocity, velocity, out=velocity)
+
     def _compensated(self, g: torch.Tensor) -> torch.Tensor:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
         if self.residual is None:
@@ -336,18 +389,27 @@ class FusedBucket:
 
     def _launch_sparse(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
         comp = self.compressor
-        a = self._compensated(g)
+        if self.momentum:  # u = m u + g; a = r + u
+            out.velocity = u = ops.momentum_update(self.velocity, g, self.momentum)
+            a = u if self.residual is None else torch.add(u, self.residual)
+        else:
+            a = self._compensated(g)
         scores = comp.bucket_scores(a, self.posterior, ops)
         idx, probe = comp.bucket_select(a, scores, self.rows, ops)
         K, count = self.k_total, len(self.compressed)
         message = torch.empty(K + self.flag_count, dtype=self.dtype, device=self.device)
-        if a.dtype != self.dtype:  # values saturate to the gradient's dtype, the rest stays in the residual
+        if a.dtype != self.dtype and self.residual is not None:  # values saturate to the gradient's dtype,
             values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
+            message[:K].copy_(values)  # the rest stays in the residual
+        elif a.dtype != self.dtype:  # the velocity without error feedback: its values saturate, the rest goes
+            values = ops.saturate(a.index_select(0, idx), self.dtype)
             message[:K].copy_(values)
         else:
             values = torch.index_select(a, 0, idx, out=message[:K])
             if self.residual is not None:
                 out.residual = a.index_fill_(0, idx, 0)
+        if self.momentum:
+            ops.momentum_mask(out.velocity, idx)  # u[S] = 0 (the spare entry's slots: it stays 0)
         torch.mul(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
         if self.padded:
             message[K + count :].zero_()
@@ -445,6 +507,8 @@ class Launched:
         self.bucket = bucket
         self.handles: Dict[str, Any] = {}
         self.residual: Optional[torch.Tensor] = None
+        self.velocity: Optional[torch.Tensor] = None  # momentum correction: this step's, masked
+        self.dense_velocity: Optional[torch.Tensor] = None
         self.sent: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.scale: Optional[torch.Tensor] = None
         self.bad: Optional[torch.Tensor] = None
@@ -468,6 +532,8 @@ class Launched:
         results: Dict[str, torch.Tensor] = {}
         if b.dense:
             total = comm.wait(self.handles["dense"]).to(b.acc)
+            if self.dense_velocity is not None:
+                b.keep_dense_velocity(total, self.dense_velocity)
             flat = self._scaled(total, average)
             start = 0
             for i in b.dense:
@@ -537,13 +603,18 @@ class Launched:
         return total
 
     def _keep(self, bad: torch.Tensor) -> None:
-        """The bucket takes the step's residual; flagged tensors keep theirs from before the step."""
+        """The bucket takes the step's residual (and velocity); flagged tensors keep theirs from before the step."""
         b = self.bucket
-        if self.residual is None:
-            return
-        for grp in b.groups:
-            torch.where(grp.column(bad), grp.view(b.residual), grp.view(self.residual), out=grp.view(self.residual))
-        b.residual = self.residual
+        if self.residual is not None:
+            for grp in b.groups:
+                torch.where(grp.column(bad), grp.view(b.residual), grp.view(self.residual),
+                            out=grp.view(self.residual))
+            b.residual = self.residual
+        if self.velocity is not None:
+            for grp in b.groups:
+                torch.where(grp.column(bad), grp.view(b.velocity), grp.view(self.velocity),
+                            out=grp.view(self.velocity))
+            b.velocity = self.velocity
 
 
 def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.Tensor], world: int) -> "FusedBucket":

@@ -102,11 +102,11 @@ class _Calls:
     #: the buckets of each calling Horovod optimizer, by ``id``
     plans: Dict[int, Plan] = field(default_factory=dict)
 
-    def plan_of(self, optimizer: Any) -> Plan:
+    def plan_of(self, optimizer: Any, compressor: Any) -> Plan:
         """``optimizer``'s :class:`~hvd_compress.comm.horovod_buckets.Plan`, made at its first call."""
         plan = self.plans.get(id(optimizer))
         if plan is None or plan.owner() is not optimizer:
-            plan = self.plans[id(optimizer)] = Plan(optimizer)
+            plan = self.plans[id(optimizer)] = Plan(optimizer, compressor)
         return plan
 
     def complete_pending(self) -> None:
@@ -230,7 +230,7 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
     if name is None:
         optimizer, name = caller(tensor)
         if optimizer is not None and name is not None:
-            plan = calls.plan_of(optimizer)
+            plan = calls.plan_of(optimizer, compressor)
             if name in plan:
                 return plan.record(compressor, _communicator(), calls, name, tensor)
     seen = (name, tuple(tensor.shape), tensor.dtype)

@@ -36,6 +36,10 @@ Every tensor of a sparsifier travels through the bucket, those it sends dense
 tensor that turns dense sends its residual with its first dense gradient, and
 the statistics count every byte (the bucket's payload, and here the placeholders).
 
+A compressor with momentum correction (``TopK(0.01, momentum=0.9)``) owns the
+momentum: the plan raises ``ValueError`` (on every rank, from the first backward)
+when a ``param_group`` of the optimizer has ``momentum`` of its own.
+
 Horovod's reduction of the placeholder is the scaling it applies: ``1`` for
 ``op=Average`` (whatever ``gradient_predivide_factor``), ``N`` for ``op=Sum``;
 a bucket's result is the average, or the sum divided by ``N / reduction``. The
@@ -50,6 +54,7 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import open_exchange
+from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
 CAP_ENV = "HVD_COMPRESS_BUCKET_CAP_MB"
 DEFAULT_CAP_MB = 25.0
@@ -85,7 +90,11 @@ def cut(named: List[Tuple[str, Any]], cap: int) -> List[List[str]]:
 class Plan:
     """The buckets of one Horovod optimizer's parameters, the same on every rank (module docstring)."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, compressor: Any = None) -> None:
+        """``compressor``: the one Horovod was given; one with momentum correction refuses an optimizer
+        with momentum of its own (:func:`~hvd_compress.compressors.validation.check_single_momentum`)."""
+        momenta = param_group_momenta(optimizer.param_groups)
+        check_single_momentum(compressor, momenta, "horovod.torch.DistributedOptimizer")
         self.owner = weakref.ref(optimizer)
         names = optimizer._parameter_names
         required = getattr(optimizer, "_requires_update", None)

@@ -271,6 +271,19 @@ class Compressor:
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""
 
+    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
+        """Hook: the per-tensor arrays that a step whose exchanged result is non-finite must put back
+        (``{key: array or None}``, taken before ``encode``); ``None``: the exchange's own rules apply."""
+        return None
+
+    def restore_step_state(self, name: str, kept: Dict[str, Any]) -> None:
+        """Put back what :meth:`step_state` took (``None``: the array did not exist)."""
+        for key, value in kept.items():
+            if value is None:
+                self.memory.discard(name, key)
+            else:
+                self.memory.set(name, key, value)
+
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
         self._flush_buckets()

@@ -8,8 +8,9 @@ and bytes, the random streams' states), and :func:`check_state` verifies, before
 of it is used:
 
 - the structure (``config``, ``tensors``) and the algorithm it came from;
-- per tensor: the residual's size (any shape of the tensor's size: routes keep it
-  flat or in the parameter's shape), a floating dtype and finite values; RegTop-k's
+- per tensor: the residual's and the momentum-correction velocity's size (any shape
+  of the tensor's size: routes keep them flat or in the parameter's shape), a floating
+  dtype and finite values; RegTop-k's
   ``posterior_indices``/``sent_indices`` integers in ``[0, size)``, its
   ``posterior_values``/``sent_values`` finite floats of the same length;
 - every random stream's state, by setting it on a fresh stream of its framework;
@@ -35,6 +36,7 @@ from hvd_compress import kernels
 #: the same length (indices and their values).
 ARRAYS = {
     "residual": ("float", None),
+    "velocity": ("float", None),
     "posterior_indices": ("index", "posterior_values"),
     "posterior_values": ("float", "posterior_indices"),
     "sent_indices": ("index", "sent_values"),
@@ -135,15 +137,16 @@ def _check_tensor(name: str, entry: Dict[str, Any]) -> None:
         if array.dtype.kind != "f":
             raise _broken(f"the {key} of '{name}' has dtype {array.dtype}")
         bad = int(array.size - np.isfinite(array).sum())
-        if bad and key == "residual":
-            raise ValueError(f"hvd_compress: the checkpoint's residual of '{name}' holds {bad} NaN/Inf; "
+        if bad and key in ("residual", "velocity"):
+            raise ValueError(f"hvd_compress: the checkpoint's {key} of '{name}' holds {bad} NaN/Inf; "
                              f"resume from an earlier checkpoint, or without the compressor state")
         if bad:
             raise _broken(f"the {key} of '{name}' hold {bad} NaN/Inf")
-    residual = arrays.get("residual")
-    if residual is not None and residual.size != numel:
-        raise _broken(f"the residual of '{name}' has {residual.size} elements, its shape "
-                      f"{tuple(entry['shape'])} {numel}")
+    for key in ("residual", "velocity"):
+        array = arrays.get(key)
+        if array is not None and array.size != numel:
+            raise _broken(f"the {key} of '{name}' has {array.size} elements, its shape "
+                          f"{tuple(entry['shape'])} {numel}")
     for key, (_, partner) in ARRAYS.items():
         if partner and key in arrays and arrays.get(partner) is None:
             raise _broken(f"'{name}' has {key} without {partner}")

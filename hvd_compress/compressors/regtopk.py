@@ -39,6 +39,7 @@ class RegTopK(Sparsifier):
         dense_below: int = DENSE_BELOW,
         dense_when_cheaper: bool = True,
         seed: int = 0,
+        momentum: float = 0.0,
     ) -> None:
         super().__init__(
             ratio,
@@ -46,6 +47,7 @@ class RegTopK(Sparsifier):
             dense_below=dense_below,
             dense_when_cheaper=dense_when_cheaper,
             seed=seed,
+            momentum=momentum,
         )
         self.mu = mu
 

@@ -1,7 +1,7 @@
 """Error-feedback memory: per-tensor state of a compressor (residuals and friends).
 
-Each tensor name owns a few named arrays (``residual``, RegTop-k's
-``distortion``...). The state is part of training: it is saved with
+Each tensor name owns a few named arrays (``residual``, ``velocity`` under
+momentum correction, RegTop-k's posterior...). The state is part of training: it is saved with
 :meth:`TensorMemory.state_dict` and restored with :meth:`load_state_dict`.
 """
 
@@ -63,6 +63,10 @@ class TensorMemory:
 
     def set(self, name: str, key: str, value: Any) -> None:
         self._slots.setdefault(name, {})[key] = value
+
+    def discard(self, name: str, key: str) -> None:
+        """Forget the array ``key`` of ``name`` (if any); its other arrays stay."""
+        self._slots.get(name, {}).pop(key, None)
 
     def slots(self, name: str) -> Dict[str, Any]:
         """Every array of ``name`` by key (a copy of the mapping)."""

@@ -8,20 +8,43 @@ so the sum over steps of ``g`` equals the sum of what was sent plus ``r``. ``r``
 ``a`` are kept in at least float32; a float16/bfloat16 gradient's values travel in
 its own dtype, saturated, and ``r[S]`` keeps the rounding (and anything beyond range).
 Tensors smaller than ``dense_below`` elements (biases, norms) are sent dense.
+
+Momentum correction (``momentum=m > 0``; Lin et al., "Deep Gradient Compression",
+ICLR 2018, arXiv:1712.01887, section 3.2): error feedback accumulates the velocity
+of momentum SGD instead of the gradient, and a sent entry's momentum is spent::
+
+    u = m u + g;  a = r + u;  S = select(a);  send a[S];  r = a with a[S] = 0;  u[S] = 0
+
+``u`` is kept like ``r`` (at least float32, per tensor, in checkpoints as
+``velocity``). Tensors sent dense (under ``dense_below``, or ``N k >= d``) send
+``u`` (plus a residual left to flush) unmasked: the average of the ranks'
+velocities is momentum SGD's velocity of the average gradient, so they train as
+momentum SGD. The option owns the momentum: the optimizer must run without its
+own (plain SGD; the torch optimizers raise ``ValueError`` otherwise). A step
+whose exchanged tensor is non-finite leaves ``u`` (and ``r``) as before the step.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
+from hvd_compress import kernels
 from hvd_compress.kernels import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
 from hvd_compress.wire import DensePayload, SparsePayload
-from hvd_compress.compressors.validation import check_bool, check_count, checked
+from hvd_compress.compressors.validation import check_bool, check_count, check_momentum, checked
 
 #: Tensors below this many elements go dense by default.
 DENSE_BELOW = 1024
+
+
+def updated_velocity(memory: Any, flat: Any, name: str, shape: tuple, momentum: float, ops: Any) -> Any:
+    """``u = m u + g`` for tensor ``name`` (its velocity in ``memory``, zeros at first), flat, in at least
+    float32: a new array; ``memory`` is left as it was (the caller stores ``u``, masked or not)."""
+    acc = ops.accumulation_dtype(flat.dtype)
+    velocity = memory.get(name, "velocity", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
+    return ops.momentum_update(ops.cast(ops.reshape(velocity, (-1,)), acc), flat, momentum)
 
 
 class Sparsifier(Compressor):
@@ -40,6 +63,11 @@ class Sparsifier(Compressor):
     dense_when_cheaper = checked(
         "dense_when_cheaper", check_bool, "Send a tensor dense where N ranks x k >= its size (a bool)."
     )
+    momentum = checked(
+        "momentum", check_momentum,
+        "DGC's momentum correction: decay m of the velocity u = m u + g that error feedback accumulates, "
+        "in [0, 1) (0: off). The optimizer then runs without momentum.",
+    )
 
     def __init__(
         self,
@@ -48,12 +76,14 @@ class Sparsifier(Compressor):
         dense_below: int = DENSE_BELOW,
         dense_when_cheaper: bool = True,
         seed: int = 0,
+        momentum: float = 0.0,
     ) -> None:
         super().__init__(seed=seed)
         self.ratio = ratio
         self.error_feedback = error_feedback
         self.dense_below = dense_below
         self.dense_when_cheaper = dense_when_cheaper
+        self.momentum = momentum
         self._warned_dense: set = set()
 
     @property
@@ -72,6 +102,7 @@ class Sparsifier(Compressor):
             "error_feedback": self.error_feedback,
             "dense_below": self.dense_below,
             "dense_when_cheaper": self.dense_when_cheaper,
+            **({"momentum": self.momentum} if self.momentum else {}),
         }
 
     def k(self, numel: int) -> int:
@@ -112,33 +143,80 @@ class Sparsifier(Compressor):
                 stacklevel=4,
             )
 
+    def velocity(self, name: str) -> Optional[Any]:
+        """Momentum-correction velocity ``u`` of ``name`` in the tensor's shape (``None`` if it has none)."""
+        self._flush_buckets()
+        velocity = self.memory.peek(name, "velocity")
+        if velocity is None:
+            return None
+        return kernels.ops_for(velocity).reshape(velocity, self.memory.shape(name))
+
+    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
+        """With momentum: the arrays a step whose result is non-finite must put back (``r``, ``u``;
+        ``u`` only for a tensor sent dense, whose flushed residual is gone as on the fused path)."""
+        if not self.momentum:
+            return None
+        keys = ("velocity",) if self.fused_kind(numel) == "dense" else ("residual", "velocity")
+        return {key: self.memory.peek(name, key) for key in keys}
+
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        if flat.shape[0] < self.dense_below:
+        numel = flat.shape[0]
+        if self.momentum:
+            return self._encode_velocity(flat, name, shape, ops)
+        if numel < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
         self.memory.track(name, shape)
         a = self._compensated(flat, name, shape, ops)
-        if self.dense_is_cheaper(flat.shape[0]):
+        if self.dense_is_cheaper(numel):
             return self._send_dense(a, flat.dtype, name, ops)
+        return self._send_sparse(a, flat.dtype, name, shape, ops)
+
+    def _encode_velocity(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        """Momentum correction: ``u = m u + g``, then ``u`` is what error feedback compresses
+        (sent dense as it is, or ``a = r + u`` sparsified and ``u[S] = 0``)."""
+        u = updated_velocity(self.memory, flat, name, shape, self.momentum, ops)
+        if self.fused_kind(flat.shape[0]) == "dense":
+            return self._send_velocity(u, flat.dtype, name, ops)
+        a = self._compensated(u, name, shape, ops)
+        payload = self._send_sparse(a, flat.dtype, name, shape, ops)
+        self.memory.set(name, "velocity", ops.momentum_mask(u, payload.indices))
+        return payload
+
+    def _send_sparse(self, a: Any, dtype: Any, name: str, shape: tuple, ops: Any) -> SparsePayload:
+        """``send a[S]``; ``r = a`` with ``a[S] = 0`` (``a`` is the caller's buffer)."""
         indices = self._select(a, name, shape, ops)
-        values, residual = ops.error_feedback_split(
-            a, indices, in_place=self.error_feedback, wire_dtype=flat.dtype
-        )
+        values, residual = ops.error_feedback_split(a, indices, in_place=self.error_feedback, wire_dtype=dtype)
         if self.error_feedback:
             self.memory.set(name, "residual", residual)
         self._sent(name, indices, values)
-        return SparsePayload(values=values, indices=indices, numel=flat.shape[0])
+        return SparsePayload(values=values, indices=indices, numel=a.shape[0])
+
+    def _send_velocity(self, u: Any, dtype: Any, name: str, ops: Any) -> DensePayload:
+        """A tensor sent dense under momentum correction: ``u`` (plus the residual left from when it was
+        compressed, once), unmasked, in the gradient's ``dtype`` (saturated)."""
+        if u.shape[0] >= self.dense_below:
+            self._warn_dense_once(name, u.shape[0])
+        residual = self.memory.peek(name, "residual")
+        sent = u if residual is None else u + ops.cast(ops.reshape(residual, (-1,)), u.dtype)
+        self.memory.discard(name, "residual")
+        self.memory.set(name, "velocity", u)
+        self._sent(name, None, None)
+        return DensePayload(values=ops.saturate(sent, dtype), dtype=dtype)
+
+    def _warn_dense_once(self, name: str, numel: int) -> None:
+        if name not in self._warned_dense and self.dense_is_cheaper(numel):
+            self._warned_dense.add(name)
+            warnings.warn(
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
+                f"k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
+                "payloads would move more bytes than a dense allreduce",
+                stacklevel=5,
+            )
 
     def _send_dense(self, a: Any, dtype: Any, name: str, ops: Any) -> DensePayload:
         """All of ``a`` (gradient + residual) in the gradient's ``dtype``: the residual keeps only
         what that dtype cannot carry (nothing, unless ``a`` is beyond its range)."""
-        if name not in self._warned_dense:
-            self._warned_dense.add(name)
-            warnings.warn(
-                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
-                f"k = {self.k(a.shape[0])} >= {a.shape[0]} elements, where allgathering sparse "
-                "payloads would move more bytes than a dense allreduce",
-                stacklevel=4,
-            )
+        self._warn_dense_once(name, a.shape[0])
         sent = ops.saturate(a, dtype)
         if self.error_feedback:
             self.memory.set(name, "residual", a - ops.cast(sent, a.dtype))

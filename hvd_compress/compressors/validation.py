@@ -88,6 +88,44 @@ check_temperature = check_between(
 )
 
 
+def check_momentum(value: Any, name: str) -> float:
+    """``value`` as a float in ``[0, 1)``: the decay of a sparsifier's velocity (DGC's momentum
+    correction; 0 turns it off). At 1 or above the velocity never forgets and grows without bound."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"hvd_compress: {name} must be a number in [0, 1), got {_got(value)}")
+    number = float(value)
+    if not 0.0 <= number < 1.0:  # also rejects NaN
+        raise ValueError(
+            f"hvd_compress: {name} must be in [0, 1) (0 turns momentum correction off; DGC uses 0.9), "
+            f"got {value!r}"
+        )
+    return number
+
+
+def param_group_momenta(param_groups: Any) -> list:
+    """``[("param_group i", momentum)]`` of a torch optimizer's ``param_groups`` (0 where a group has none)."""
+    return [(f"param_group {i}", group.get("momentum", 0.0) if isinstance(group, dict) else 0.0)
+            for i, group in enumerate(param_groups)]
+
+
+def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
+    """``ValueError`` when both ``compressor`` (momentum correction) and the wrapped optimizer apply
+    momentum: the update would decay twice (``m`` on the compressor's velocity, then the optimizer's
+    own buffer on the average of the velocities). ``momenta``: ``(part of the optimizer, momentum)``
+    pairs (:func:`param_group_momenta`)."""
+    own = float(getattr(compressor, "momentum", 0.0) or 0.0)
+    if not own:
+        return
+    for part, theirs in momenta:
+        if isinstance(theirs, numbers.Real) and theirs:
+            raise ValueError(
+                f"hvd_compress: {where}: the compressor applies momentum itself ({compressor!r}: momentum="
+                f"{own:g}, DGC's momentum correction) and the optimizer's {part} has momentum={theirs!r}: "
+                f"momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: the "
+                f"compressor owns the momentum), or the compressor momentum=0"
+            )
+
+
 #: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every
 #: rank, as in a dense allreduce) or ``"raise"`` (strict: every rank raises at that step).
 NONFINITE = ("propagate", "raise")

@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401
 from hvd_compress.compressors import as_compressor
+from hvd_compress.compressors.validation import check_single_momentum
 from hvd_compress.keras.versions import KERAS, KERAS3, broadcast_variables, uses_keras3  # noqa: F401
 
 if KERAS3:
@@ -48,6 +49,14 @@ def _is_keras3_optimizer(optimizer: Any) -> bool:
     return version.startswith("3") and isinstance(optimizer, keras.optimizers.Optimizer)
 
 
+def _momenta(optimizer: Any) -> list:
+    """``[("SGD config", momentum)]`` from the optimizer's config (SGD, RMSprop...); ``[]`` if unreadable."""
+    try:
+        return [(f"{type(optimizer).__name__} config", optimizer.get_config().get("momentum", 0.0))]
+    except Exception:  # noqa: BLE001  (a custom optimizer's config is its own business)
+        return []
+
+
 def DistributedOptimizer(
     optimizer: Any,
     compression: Any = None,
@@ -62,6 +71,10 @@ def DistributedOptimizer(
     ``opt.compression``; ``op``: ``hvd.Average`` (default) or ``hvd.Sum``;
     ``communicator``: default Horovod's. Keras 2 passes other keyword
     arguments to Horovod's ``DistributedOptimizer``; Keras 3 accepts ``name``.
+
+    A sparsifier with momentum correction (``TopK(0.01, momentum=0.9)``) owns the
+    momentum: wrap a plain ``SGD(learning_rate)``; an optimizer whose config has
+    ``momentum > 0`` raises ``ValueError``.
     """
     if KERAS3 != _is_keras3_optimizer(optimizer):
         kind = "a Keras 3" if _is_keras3_optimizer(optimizer) else "not a Keras 3"
@@ -72,6 +85,7 @@ def DistributedOptimizer(
             "TF_USE_LEGACY_KERAS=1 for Keras 2 (tf_keras), unset or 0 for Keras 3"
         )
     compression = as_compressor(compression)
+    check_single_momentum(compression, _momenta(optimizer), "hvd_compress.keras.DistributedOptimizer")
     if not KERAS3:  # Horovod's optimizer; its compression state a checkpoint dependency
         import horovod.tensorflow.keras as horovod_keras
 

@@ -154,6 +154,20 @@ def error_feedback_split(
     return sent, residual
 
 
+def momentum_update(velocity: np.ndarray, g: np.ndarray, momentum: float) -> np.ndarray:
+    """``u = m u + g`` (a new array in the velocity's dtype, at least float32): the velocity of Deep
+    Gradient Compression's momentum correction (Lin et al. 2018, section 3.2), which error feedback
+    then accumulates instead of the gradient. ``m`` is rounded to that dtype first; one multiply,
+    then one add (no fused multiply-add), as every kernel module computes it."""
+    return velocity * velocity.dtype.type(momentum) + g.astype(velocity.dtype)
+
+
+def momentum_mask(velocity: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """``u[S] = 0`` in place (momentum factor masking: a sent entry's momentum is spent); returns ``u``."""
+    velocity[indices] = 0
+    return velocity
+
+
 def saturate(a: np.ndarray, dtype) -> np.ndarray:
     """``a`` rounded to ``dtype``, values beyond its finite range clipped to it (NaN stays NaN)."""
     dtype = np.dtype(dtype)

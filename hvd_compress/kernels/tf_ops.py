@@ -207,6 +207,17 @@ def error_feedback_split(a, indices, in_place: bool = False, wire_dtype=None) ->
     return sent, tf.tensor_scatter_nd_update(a, positions, values - tf.cast(sent, a.dtype))
 
 
+def momentum_update(velocity, g, momentum: float) -> tf.Tensor:
+    """``u = m u + g`` in the velocity's dtype (see the reference)."""
+    return velocity * tf.constant(momentum, velocity.dtype) + tf.cast(g, velocity.dtype)
+
+
+def momentum_mask(velocity, indices) -> tf.Tensor:
+    """``u`` with ``u[S] = 0`` (a new tensor: TensorFlow's are immutable)."""
+    zeros = tf.zeros_like(tf.gather(velocity, indices))
+    return tf.tensor_scatter_nd_update(velocity, tf.reshape(indices, [-1, 1]), zeros)
+
+
 def saturate(a, dtype) -> tf.Tensor:
     """``a`` rounded to ``dtype``, values beyond its finite range clipped to it."""
     dtype = tf.as_dtype(dtype)

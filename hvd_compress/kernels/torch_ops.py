@@ -239,6 +239,16 @@ def error_feedback_split(
     return sent, residual.index_copy_(0, idx, values.sub_(sent.to(a.dtype)))
 
 
+def momentum_update(velocity: torch.Tensor, g: torch.Tensor, momentum: float) -> torch.Tensor:
+    """``u = m u + g``, a new tensor in the velocity's dtype (see the reference)."""
+    return torch.mul(velocity, momentum).add_(g)
+
+
+def momentum_mask(velocity: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``u[S] = 0`` in place; returns ``u``."""
+    return velocity.index_fill_(0, indices.long(), 0)
+
+
 def saturate(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a`` rounded to ``dtype``, values beyond its finite range clipped to it (NaN stays NaN)."""
     if a.dtype == dtype:

@@ -14,6 +14,12 @@ and inside ``tf.function``. Everything not defined here (``init``, ``rank``,
 own. Compression state (residuals...) goes into checkpoints with
 :class:`CompressionCheckpoint`. Our compressors also work as the
 ``compression=`` of stock ``horovod.tensorflow`` (one exchange per gradient).
+
+Momentum correction (``Compression.topk(0.01, momentum=0.9)``, Deep Gradient
+Compression's): the compressor keeps each tensor's velocity and hands back the
+average of the ranks' velocities, so apply it with a plain ``SGD(learning_rate)``
+(``momentum=0``). The tape cannot see the optimizer: one with momentum of its own
+would apply momentum twice.
 """
 
 from __future__ import annotations

@@ -29,6 +29,12 @@ empty) and copies the hook's result into it, so the result must be sparse too.
 The hook densifies the gradient, compresses it like any other (with a warning
 once per parameter, as the drop-in optimizer does) and returns the average as a
 sparse tensor holding every row. Zero-size parameters are an empty dense part.
+
+Momentum correction (``RegTopK(0.01, momentum=0.9)``, Deep Gradient Compression's):
+the hook returns the average of the ranks' velocities ``u = m u + g``, so the
+optimizer stepping DDP's parameters must run without momentum of its own
+(``torch.optim.SGD(params, lr)``). The hook never sees the optimizer and cannot
+check this: with ``SGD(..., momentum=0.9)`` momentum would be applied twice.
 """
 
 import warnings

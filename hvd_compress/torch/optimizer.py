@@ -31,6 +31,7 @@ import torch
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.nonfinite import raise_if_nonfinite
 from hvd_compress.compressors import Compressor, as_compressor
+from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
 
 def _is_sum(op: Any) -> bool:
@@ -276,8 +277,16 @@ def DistributedOptimizer(
     rank at a step whose gradients hold NaN/Inf, one host read per step; default: the
     compressor's ``nonfinite``, ``"propagate"``: NaN/Inf reach every rank's gradient as
     in a dense allreduce). ``compression`` is one of our compressors (default: none).
+
+    A sparsifier with momentum correction (``TopK(0.01, momentum=0.9)``, Deep Gradient
+    Compression's) owns the momentum: ``optimizer`` must run without its own
+    (``torch.optim.SGD(params, lr, momentum=0)``); a ``param_group`` with ``momentum > 0``
+    raises ``ValueError`` here.
     """
     compression = as_compressor(compression)
+    check_single_momentum(
+        compression, param_group_momenta(optimizer.param_groups), "hvd_compress.torch.DistributedOptimizer"
+    )
     if nonfinite is not None:
         compression.nonfinite = nonfinite  # in its configuration: ranks that disagree stop at once
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__))

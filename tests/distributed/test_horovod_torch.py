@@ -101,7 +101,7 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_pat
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])
 def test_four_ranks_mpirun_equal_simulator(path, tmp_path):
-    names = ["regtopk", "terngrad", "gaussiank"]
+    names = ["regtopk", "terngrad", "gaussiank", "topk-momentum"]
     assert_equals_simulator(run_workload("mpirun", 4, names, tmp_path, "--path", path), names, 4)
 
 

@@ -46,6 +46,9 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 def compressor(name: str, seed: int = 0):
+    """``topk``, ``fp16``...; ``<sparsifier>-momentum``: with momentum correction (the optimizer is plain SGD)."""
+    if name.endswith("-momentum"):
+        return Compression.by_name(name[: -len("-momentum")], RATIO, seed=seed, momentum=0.9)
     return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": seed}))
 
 

@@ -249,6 +249,23 @@ def test_error_feedback_split_to_float16_saturates_and_keeps_the_rest(K, data, s
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+@given("few", data=st.data(), momentum=st.sampled_from([0.9, 0.5, 0.99, 1e-3]))
+def test_momentum_update_and_mask_match_reference(K, dtype, data, momentum):
+    """Momentum correction: ``u = m u + g`` in the velocity's dtype (at least float32; one multiply,
+    then one add), then ``u[S] = 0``."""
+    g = data.draw(float_arrays(dtype), label="g")
+    u = data.draw(float_arrays(R.accumulation_dtype(g.dtype), min_size=g.size, max_size=g.size), label="u")
+    indices = data.draw(index_sets(g.size), label="indices")
+    updated = R.momentum_update(u, g, momentum)
+    want = (updated, R.momentum_mask(updated.copy(), indices))
+
+    def kernels_of(v, x, i):
+        return K.ops.momentum_update(v, x, momentum), K.ops.momentum_mask(K.ops.momentum_update(v, x, momentum), i)
+
+    K.check(kernels_of, [K.tensor(u), K.tensor(g), K.tensor(indices)], want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 @given("few", data=st.data(), factor=st.sampled_from([1.0, 1.0, 1.37, 3.1e1, 1 + 2**-30]))
 def test_terngrad_codes_match_reference_given_the_same_uniforms(K, dtype, data, factor):
     """The scale as a Python float (eager callers) and as the kernel's own ``terngrad_scale``

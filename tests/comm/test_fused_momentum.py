@@ -1,0 +1,235 @@
+"""Momentum correction on the fused torch bucket (:mod:`hvd_compress.comm.fused`) against the per-tensor path.
+
+Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
+holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
+one sent dense because ``N k >= d``; the results, residuals and velocities must be
+the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on the
+CPU's way and the accelerator's. The dense tensors' averages differ only where a
+half-precision wire rounds the sum (the Simulator sums in float32). Also: a NaN step
+leaves every residual and velocity as before (and equals the per-tensor exchange),
+a change of density moves the velocities between the dense and compressed parts,
+a checkpoint mid-training resumes exactly, ``Auto`` sending a bucket dense sends the
+velocities, and a steady step reads nothing back to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_compress import Auto, GaussianK, RegTopK, TopK  # noqa: E402
+from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
+from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.kernels import torch_ops  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+
+RANKS = 3
+#: "one" is under dense_below; "three": 3 ranks x k = 3 >= 3, sent dense; the rest compressed
+SHAPES = {"a": (40, 50), "one": (1,), "c": (2000,), "three": (3,), "d": (40, 50), "f": (33, 61)}
+DENSE = ("one", "three")
+COMPRESSORS = {
+    "topk": lambda: TopK(0.05, dense_below=2, momentum=0.9),
+    "topk-no-feedback": lambda: TopK(0.05, dense_below=2, momentum=0.9, error_feedback=False),
+    "gaussiank": lambda: GaussianK(0.05, dense_below=2, momentum=0.9),
+    "regtopk": lambda: RegTopK(0.05, dense_below=2, momentum=0.9, seed=1),
+}
+
+
+def way_of(way: str):
+    return torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext()
+
+
+def gradients(rank: int, step: int, dtype, nan=None):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    grads = {name: (torch.round(torch.randn(shape, generator=generator) * 2) / 2).to(dtype)
+             for name, shape in SHAPES.items()}  # few distinct magnitudes: ties at the k-th value
+    for name in (nan or {}).get((rank, step), ()):
+        grads[name].view(-1)[0] = float("nan")
+    return grads
+
+
+def state_of(compressor):
+    return {n: (compressor.residual(n), compressor.velocity(n)) for n in SHAPES}
+
+
+def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False):
+    """This rank's results and state after each step; ``ratios[step]`` sets the density before the step."""
+    out = []
+    for step in range(steps):
+        if ratios and step in ratios:
+            compressor.ratio = ratios[step]
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in gradients(comm.rank, step, dtype, nan).items():
+            exchange.add(name, g.numpy() if numpy else g)
+        exchange.launch()
+        assert (exchange.fused is not None) != numpy
+        results = {n: torch.as_tensor(t).clone() for n, t in exchange.finish(average=True).items()}
+        out.append((results, {n: tuple(None if x is None else torch.as_tensor(x).clone() for x in pair)
+                              for n, pair in state_of(compressor).items()}))
+    return out
+
+
+def assert_state_equal(got, want, where):
+    for name in SHAPES:
+        for label, a, b in zip(("residual", "velocity"), got[name], want[name]):
+            assert (a is None) == (b is None), f"{where} {name} {label}"
+            if a is not None:
+                assert torch.equal(torch.as_tensor(a).double(), torch.as_tensor(b).double()), f"{where} {name} {label}"
+
+
+@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", COMPRESSORS)
+def test_fused_bucket_equals_simulator(kind, dtype, way):
+    steps = 3
+    with way_of(way):
+        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps))
+    sim = Simulator(RANKS, COMPRESSORS[kind]())
+    half = dtype in (torch.float16, torch.bfloat16)
+    for step in range(steps):
+        per_rank = [gradients(r, step, dtype) for r in range(RANKS)]
+        expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
+        for rank, (got, state) in enumerate(r[step] for r in results):
+            for name in SHAPES:
+                want = expected[name]
+                assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+                # a half-precision wire rounds the dense sum before the division; the Simulator does not
+                tolerance = torch.finfo(dtype).eps * float(want.double().abs().max()) if half and name in DENSE else 0
+                np.testing.assert_allclose(got[name].double().numpy(), want.double().numpy(), rtol=0, atol=tolerance,
+                                           err_msg=f"{kind} {dtype} step {step} {name}")
+            assert_state_equal(state, state_of(sim.compressors[rank]), f"{kind} {dtype} step {step} rank {rank}")
+
+
+@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("kind", ["topk", "regtopk"])
+def test_nan_step_keeps_residuals_and_velocities_and_equals_the_per_tensor_path(kind, way):
+    """NaN on rank 1 at step 1 in a compressed tensor and in a dense one: those results are NaN on
+    every rank; every rank's residual and velocity of them are as before the step; the per-tensor
+    exchange (numpy) gives the same results and state at every step."""
+    nan = {(1, 1): ("a", "three")}
+    with way_of(way):
+        fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan))
+    per_tensor = run_ranks(
+        RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan, numpy=True)
+    )
+    for rank, (mine, theirs) in enumerate(zip(fused, per_tensor)):
+        for name in ("a", "three"):
+            assert torch.isnan(mine[1][0][name]).any(), f"'{name}' should be NaN on rank {rank}"
+            for label, before, after in zip(("residual", "velocity"), mine[0][1][name], mine[1][1][name]):
+                assert (before is None and after is None) or torch.equal(before, after), (rank, name, label)
+        for step in range(3):
+            for name in SHAPES:
+                assert torch.equal(mine[step][0][name], theirs[step][0][name].to(torch.float32)) or (
+                    torch.isnan(mine[step][0][name]).any() and torch.isnan(theirs[step][0][name]).any()
+                ), (rank, step, name)
+            assert_state_equal(mine[step][1], theirs[step][1], f"rank {rank} step {step}")
+    finite = [r[2][0][n] for r in fused for n in SHAPES]
+    assert all(torch.isfinite(t).all() for t in finite), "the step after the NaN trains normally"
+
+
+def test_density_change_moves_velocities_between_dense_and_compressed():
+    """A warm-up's last steps: at 40% every tensor is sent dense (N k >= d), then 5%: the velocities move
+    from the bucket's dense part to its compressed part (and back), as the Simulator's per-tensor state."""
+    ratios = {0: 0.4, 2: 0.05, 3: 0.4, 4: 0.05}
+    make = COMPRESSORS["topk"]
+    results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios))
+    sim = Simulator(RANKS, make())
+    for step in range(6):
+        for c in sim.compressors:
+            c.ratio = ratios.get(step, c.ratio)
+        expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in SHAPES})
+        for rank, (got, state) in enumerate(r[step] for r in results):
+            for name in SHAPES:
+                assert torch.equal(got[name], expected[name]), (step, name)
+            assert_state_equal(state, state_of(sim.compressors[rank]), f"step {step} rank {rank}")
+
+
+def test_checkpoint_mid_training_resumes_exactly():
+    comm = SingleProcessCommunicator()
+
+    def run(compressor, steps, start=0):
+        out = None
+        for step in range(start, start + steps):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in gradients(0, step, torch.float32).items():
+                exchange.add(name, g)
+            exchange.launch()
+            out = exchange.finish()
+        return out
+
+    make = lambda: RegTopK(0.05, dense_below=2, momentum=0.9, dense_when_cheaper=False)  # noqa: E731
+    straight = run(make(), 5)
+    first = make()
+    run(first, 2)
+    state = first.state_dict()
+    assert all(state["tensors"][n]["velocity"] is not None for n in SHAPES)
+    resumed = make()
+    resumed.load_state_dict(state)
+    again = run(resumed, 3, start=2)
+    for name in SHAPES:
+        assert torch.equal(again[name], straight[name]), name
+
+
+def test_auto_sending_a_bucket_dense_sends_the_velocities():
+    """``Auto(..., pin="dense")``: each tensor's average is the velocity of momentum SGD fed the average
+    gradient (fused torch bucket and per-tensor numpy alike)."""
+    m, steps = 0.9, 4
+
+    def work(comm, numpy):
+        auto = Auto(TopK(0.05, momentum=m), pin="dense", log=False)
+        out = []
+        for step in range(steps):
+            exchange = auto.make_exchange(comm, "bucket")
+            for name, g in gradients(comm.rank, step, torch.float32).items():
+                exchange.add(name, g.numpy() if numpy else g)
+            exchange.launch()
+            out.append({n: torch.as_tensor(t) for n, t in exchange.finish(average=True).items()})
+        return out
+
+    velocity = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in SHAPES.items()}
+    expected = []
+    for step in range(steps):
+        for n in SHAPES:
+            velocity[n] = m * velocity[n] + torch.stack([gradients(r, step, torch.float32)[n] for r in range(RANKS)]
+                                                        ).double().mean(0)
+        expected.append({n: v.clone() for n, v in velocity.items()})
+    for numpy in (False, True):
+        for result in run_ranks(RANKS, lambda comm: work(comm, numpy)):
+            for step in range(steps):
+                for n in SHAPES:
+                    np.testing.assert_allclose(result[step][n].double().numpy(), expected[step][n].numpy(),
+                                               rtol=1e-5, atol=1e-5, err_msg=f"numpy={numpy} step {step} {n}")
+
+
+def test_steady_state_step_reads_nothing_back():
+    """The drop-in optimizer with momentum correction: after the first step, no host read on the
+    accelerator's code path (see tests/comm/test_fused.py)."""
+    from tests.distributed import torch_horovod as workload
+
+    import hvd_compress.torch as hvd_torch
+
+    model = workload.make_model()
+    optimizer = hvd_torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        compression=TopK(0.05, momentum=0.9), communicator=SingleProcessCommunicator(),
+    )
+    data = workload.batches(0, 3)
+
+    def step(x, y):
+        optimizer.zero_grad()
+        workload.loss_fn(model, x, y).backward()
+        optimizer.step()
+
+    step(*data[0])
+    with count_host_reads() as reads, torch_ops.accelerator_path():
+        for x, y in data[1:]:
+            step(x, y)
+    syncing = {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
+    assert not syncing, f"host reads in a steady-state step: {syncing} at {reads.sites.most_common(5)}"
+    assert optimizer._compression.velocity("0.bias") is not None  # the dense bias has one too
