@@ -1,6 +1,7 @@
 # Makefile: entry points for hvd_compress development and CI.
 #   make setup   create/refresh .venv with the full stack (ci/setup.sh; idempotent)
-#   make test    setup, then pytest inside .venv    (extra args: make test PYTEST_ARGS='-k topk')
+#   make test    setup, then pytest inside .venv    (extra args: make test PYTEST_ARGS='-k topk');
+#                it lists the 25 slowest tests at the end (CI's time budget)
 #   make demo    setup, then `hvd-compress demo` and a 2-process horovodrun of examples/pytorch_train.py
 #   make clean   remove .venv (the Horovod wheel cache in ~/.cache/hvd_compress is kept)
 # Test and demo runs (only those; nothing is exported to the calling shell) get:
@@ -24,7 +25,7 @@ setup:
 
 # HVD_COMPRESS_REQUIRE_HOROVOD=1: setup installed Horovod, so its tests fail instead of skipping.
 test: setup
-	$(RUN) HVD_COMPRESS_REQUIRE_HOROVOD=1 $(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(RUN) HVD_COMPRESS_REQUIRE_HOROVOD=1 $(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The demo: every compressor on 4 simulated ranks (a comparison table), then a real
 # 2-process Horovod run of examples/pytorch_train.py with RegTop-k.

@@ -3,6 +3,7 @@
 ``collectives --out PREFIX``: every rank checks MPICommunicator's collectives
 against numpy (every rank can compute every rank's input: they are seeded by
 rank) and writes ``PREFIX.<rank>`` with the number of checks that passed.
+``collectives train ...`` does both in one job, in that order.
 
 ``train --compression NAMES... --out FILE``: trains
 :func:`tests.distributed.torch_horovod.make_model` like that workload, but with
@@ -195,7 +196,7 @@ def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarr
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["collectives", "train"])
+    parser.add_argument("mode", nargs="+", choices=["collectives", "train"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--compression", nargs="+", default=[])
     parser.add_argument("--steps", type=int, default=4)
@@ -209,9 +210,10 @@ def main() -> None:
     import hvd_compress.mpi as hvd
 
     comm = hvd.communicator()
-    if args.mode == "collectives":
+    if "collectives" in args.mode:
         count = check_collectives(comm)
         Path(f"{args.out}.{comm.rank}").write_text(str(count))
+    if "train" not in args.mode:
         return
     arrays = {}
     for name in args.compression:

@@ -5,12 +5,16 @@ Stock ``horovod.tensorflow`` / ``horovod.tensorflow.keras`` with
 ``hvd_compress.keras``. The final weights must equal the in-process Simulator
 fed the same gradients (1e-6 absolute; FP16 1e-4, since Horovod sums float16 in
 float16), and the bytes handed to the collectives must be the compressed ones.
+
+One ``horovodrun`` job (module fixture) runs every scenario below in turn, the
+misconfigured ones included (they must raise on every rank, and the job goes on);
+each test checks its scenario's part of the job's results.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import time
 
 import numpy as np
 import pytest
@@ -19,7 +23,25 @@ from tests.distributed import launch
 
 SPARSE = ["topk", "gaussiank", "regtopk"]
 ALL = SPARSE + ["terngrad", "fp16", "none"]
+KERAS = ["topk", "regtopk", "terngrad"]
 STEPS = 4
+
+#: label -> (path, compressors, options): see tests/distributed/tf_horovod.py
+SCENARIOS = {
+    "tape": ("tape", ALL, []),
+    "tape-dropin": ("tape-dropin", ALL, []),
+    "keras": ("keras", KERAS, []),
+    "keras-dropin": ("keras-dropin", KERAS, []),
+    "eager": ("tape-dropin", ["gaussiank", "regtopk"], ["eager"]),
+    "nan": ("tape-dropin", ["regtopk"], ["rank1-nan"]),
+    "ratio-tape": ("tape", ["topk"], ["rank1-ratio=0.1"]),
+    "ratio-keras-dropin": ("keras-dropin", ["topk"], ["rank1-ratio=0.1"]),
+    "rank1-none": ("tape", ["topk"], ["rank1-compression=none"]),
+    "rank1-fp16": ("tape", ["topk"], ["rank1-compression=fp16"]),
+}
+
+#: Seconds the job may take (a hang, after a NaN gradient or an error on both ranks, fails every test)
+LIMIT = 300
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,33 +51,43 @@ def _horovod():
     launch.require("horovod.tensorflow")
 
 
-def run_workload(path, names, tmp_path, *extra, expect_success=True):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "result.npz"
-    done = launch.run(
-        "horovodrun",
-        2,
-        "tests.distributed.tf_horovod",
-        "--compression",
-        *names,
-        "--steps",
-        str(STEPS),
-        "--path",
-        path,
-        "--out",
-        str(out),
-        *extra,
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The one job: (finished process, path of its results; error files are ``OUT.LABEL.error.RANK``)."""
+    out = tmp_path_factory.mktemp("tf_horovod") / "result.npz"
+    scenarios = []
+    for label, (path, names, options) in SCENARIOS.items():
+        scenarios += ["--scenario", f"{label}={':'.join([path, ','.join(names), *options])}"]
+    done, _ = launch.run_to_the_end(
+        "horovodrun", 2, "tests.distributed.tf_horovod", *scenarios, "--steps", str(STEPS), "--out", str(out),
+        limit=LIMIT,
     )
-    if not expect_success:
-        return done, out
+    return done, out
+
+
+def results(job, label):
+    """Scenario ``label``'s weights (``NAME/wI``) and ``wire`` (bytes per step, per name and rank)."""
+    done, out = job
     assert done.returncode == 0, launch.output(done)
-    return np.load(out)
+    for rank in (0, 1):
+        error = out.parent / f"{out.name}.{label}.error.{rank}"
+        assert not error.exists(), f"{label}: rank {rank} raised {error.read_text()}"
+    loaded = np.load(out)
+    prefix = f"{label}/"
+    weights = {key[len(prefix):]: loaded[key] for key in loaded.files if key.startswith(prefix)}
+    assert weights, f"{label}: no weights in {sorted(loaded.files)}"
+    return weights, json.loads(str(loaded["wire"]))[label]
+
+
+@functools.lru_cache(maxsize=None)
+def simulated(name):
+    from tests.distributed import tf_horovod as workload
+
+    return workload.simulate(name, 2, STEPS)
 
 
 def assert_equals_simulator(result, names):
-    from tests.distributed import tf_horovod as workload
-
-    launch.assert_equals_simulator(result, names, lambda name: workload.simulate(name, 2, STEPS))
+    launch.assert_equals_simulator(result, names, simulated)
 
 
 def topk_bytes(dropin):
@@ -75,10 +107,9 @@ def topk_bytes(dropin):
 
 
 @pytest.mark.parametrize("path", ["tape", "tape-dropin"])
-def test_gradient_tape_equals_simulator_and_sends_compressed_bytes(path, tmp_path):
-    result = run_workload(path, ALL, tmp_path)
+def test_gradient_tape_equals_simulator_and_sends_compressed_bytes(path, job):
+    result, wire = results(job, path)
     assert_equals_simulator(result, ALL)
-    wire = json.loads(str(result["wire"]))
     assert wire["topk"] == [topk_bytes(path == "tape-dropin")] * 2
     from tests.distributed import tf_horovod as workload
 
@@ -88,43 +119,42 @@ def test_gradient_tape_equals_simulator_and_sends_compressed_bytes(path, tmp_pat
 
 
 @pytest.mark.parametrize("path", ["keras", "keras-dropin"])
-def test_keras_fit_equals_simulator(path, tmp_path):
-    names = ["topk", "regtopk", "terngrad"]
-    assert_equals_simulator(run_workload(path, names, tmp_path), names)
+def test_keras_fit_equals_simulator(path, job):
+    assert_equals_simulator(results(job, path)[0], KERAS)
 
 
-def test_dropin_tape_in_eager_mode_equals_simulator(tmp_path):
-    names = ["gaussiank", "regtopk"]
-    assert_equals_simulator(run_workload("tape-dropin", names, tmp_path, "--eager"), names)
+def test_dropin_tape_in_eager_mode_equals_simulator(job):
+    assert_equals_simulator(results(job, "eager")[0], ["gaussiank", "regtopk"])
 
 
 @pytest.mark.parametrize("path", ["tape", "keras-dropin"])
-def test_mismatched_ratio_fails_on_every_rank(path, tmp_path):
-    done, out = run_workload(path, ["topk"], tmp_path, "--rank1-ratio", "0.1", expect_success=False)
-    assert_every_rank_says(done, out, "ranks disagree")
+def test_mismatched_ratio_fails_on_every_rank(path, job):
+    assert_every_rank_says(job, f"ratio-{path}", "ranks disagree")
 
 
 @pytest.mark.parametrize("rank1", ["none", "fp16"])
-def test_different_compressors_fail_on_every_rank_on_the_stock_route(rank1, tmp_path):
+def test_different_compressors_fail_on_every_rank_on_the_stock_route(rank1, job):
     """Top-k on rank 0, a dense compressor on rank 1: our error naming both, not Horovod's."""
-    done, out = run_workload("tape", ["topk"], tmp_path, "--rank1-compression", rank1, expect_success=False)
     expected = {"none": "NoneCompressor", "fp16": "FP16"}[rank1]
-    assert_every_rank_says(done, out, f"ranks run different compressors: rank 0 TopK, rank 1 {expected}")
+    message = f"ranks run different compressors: rank 0 TopK, rank 1 {expected}"
+    assert_every_rank_says(job, f"rank1-{rank1}", message)
 
 
-def assert_every_rank_says(done, out, message):
-    assert done.returncode != 0
+def assert_every_rank_says(job, label, message):
+    """Scenario ``label`` raised ``message`` on both ranks (and trained nothing)."""
+    done, out = job
+    assert done.returncode == 0, launch.output(done)
     for rank in (0, 1):
-        error = out.parent / f"{out.name}.error.{rank}"
-        assert error.exists(), f"rank {rank} reported no error:\n{launch.output(done)}"
-        assert message in error.read_text(), (rank, error.read_text())
+        error = out.parent / f"{out.name}.{label}.error.{rank}"
+        assert error.exists(), f"{label}: rank {rank} reported no error:\n{launch.output(done)}"
+        assert message in error.read_text(), (label, rank, error.read_text())
+    assert not [key for key in np.load(out).files if key.startswith(f"{label}/")], label
 
 
-def test_nan_gradient_on_one_rank_reaches_every_rank_as_in_a_dense_allreduce(tmp_path):
-    """Rank 1's NaN data: no rank raises or hangs, and the NaN reaches the weights of every rank
-    (rank 0 writes its own, which only a NaN gradient from rank 1 can have made non-finite)."""
-    started = time.monotonic()
-    result = run_workload("tape-dropin", ["regtopk"], tmp_path, "--rank1-nan")
-    assert time.monotonic() - started < 120, "the job hung after a NaN gradient"
-    weights = [result[key] for key in result.files if key.startswith("regtopk/")]
-    assert weights and any(not np.isfinite(w).all() for w in weights), sorted(result.files)
+def test_nan_gradient_on_one_rank_reaches_every_rank_as_in_a_dense_allreduce(job):
+    """Rank 1's NaN data: no rank raises or hangs (the job ends within the fixture's limit), and
+    the NaN reaches the weights of every rank (rank 0 writes its own, which only a NaN gradient
+    from rank 1 can have made non-finite)."""
+    result, _ = results(job, "nan")
+    weights = [result[key] for key in result if key.startswith("regtopk/")]
+    assert weights and any(not np.isfinite(w).all() for w in weights), sorted(result)

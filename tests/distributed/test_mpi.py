@@ -1,6 +1,6 @@
 """The mpi4py transport under ``mpirun``: MPICommunicator's collectives, the MPI optimizer, the example.
 
-- collectives (``mpirun -np 2`` and ``-np 4``) against numpy: SUM/MAX allreduce of
+- collectives (``mpirun -np 2`` and ``-np 4``, each job then trains) against numpy: SUM/MAX allreduce of
   float and int dtypes (int32 sums wrap around), variable-size allgather with
   empty contributions, numpy and torch inputs, broadcast;
 - ``hvd_compress.mpi.DistributedOptimizer`` on 4 processes == the in-process
@@ -39,35 +39,50 @@ def _mpi4py():
     launch.require_mpi()
 
 
+NAMES = ["topk", "regtopk", "terngrad", "gaussiank"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One ``mpirun -np 4`` job: the collectives, then the optimizer with every name of NAMES."""
+    launch.require_mpi()
+    out = tmp_path_factory.mktemp("mpi4") / "result.npz"
+    done = launch.run(
+        "mpirun", 4, MODULE, "collectives", "train", "--compression", *NAMES, "--steps", str(STEPS),
+        "--out", str(out), timeout=180,
+    )
+    return done, out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One ``mpirun -np 2`` job: the collectives, then Top-k with another ratio on rank 1, which
+    every rank must report ("ranks disagree") before the job exits with an error."""
+    launch.require_mpi()
+    out = tmp_path_factory.mktemp("mpi2") / "x.npz"
+    start = time.monotonic()
+    done = launch.run(
+        "mpirun", 2, MODULE, "collectives", "train", "--compression", "topk", "--steps", "2",
+        "--rank1-ratio", "0.2", "--out", str(out), timeout=120,
+    )
+    return done, out, time.monotonic() - start
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_collectives_match_numpy(ranks, tmp_path):
-    prefix = tmp_path / "checks"
-    done = launch.run("mpirun", ranks, MODULE, "collectives", "--out", str(prefix), timeout=120)
-    assert done.returncode == 0, launch.output(done)
-    counts = [int((tmp_path / f"checks.{r}").read_text()) for r in range(ranks)]
+def test_collectives_match_numpy(ranks, request):
+    done, out, *_ = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[ranks])
+    files = [out.parent / f"{out.name}.{r}" for r in range(ranks)]
+    assert all(f.exists() for f in files), launch.output(done)
+    counts = [int(f.read_text()) for f in files]
     assert counts == [counts[0]] * ranks and counts[0] > 100, counts
 
 
-def test_mpi_optimizer_equals_simulator(tmp_path):
-    names = ["topk", "regtopk", "terngrad", "gaussiank"]
-    out = tmp_path / "result.npz"
-    done = launch.run(
-        "mpirun",
-        4,
-        MODULE,
-        "train",
-        "--compression",
-        *names,
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-        timeout=180,
-    )
+def test_mpi_optimizer_equals_simulator(four_ranks):
+    done, out = four_ranks
     assert done.returncode == 0, launch.output(done)
     result = np.load(out)
     assert int(result["size"]) == 4
-    for name in names:
+    for name in NAMES:
         for param, value in workload.simulate(name, 4, STEPS).items():
             np.testing.assert_allclose(
                 result[f"{name}/{param}"],
@@ -78,30 +93,14 @@ def test_mpi_optimizer_equals_simulator(tmp_path):
             )
 
 
-def test_mismatched_ratio_fails_every_rank_fast(tmp_path):
-    start = time.monotonic()
-    out = tmp_path / "x.npz"
-    done = launch.run(
-        "mpirun",
-        2,
-        MODULE,
-        "train",
-        "--compression",
-        "topk",
-        "--steps",
-        "2",
-        "--rank1-ratio",
-        "0.2",
-        "--out",
-        str(out),
-        timeout=120,
-    )
-    elapsed = time.monotonic() - start
+def test_mismatched_ratio_fails_every_rank_fast(two_ranks):
+    done, out, elapsed = two_ranks
     assert done.returncode != 0
     assert "ranks disagree" in done.stdout + done.stderr, launch.output(done)
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     for rank in (0, 1):
-        assert "ranks disagree" in (tmp_path / f"x.npz.error.{rank}").read_text()
+        assert "ranks disagree" in (out.parent / f"{out.name}.error.{rank}").read_text()
+    assert not out.exists()
 
 
 #: Seconds a failing job may take: a hang runs into ``launch.run_to_the_end``'s limit (60 s) instead.
@@ -182,8 +181,9 @@ def test_abort_hook_opt_out(monkeypatch):
 
 
 def test_mpi_example_trains():
-    done = launch.run(
-        "mpirun", 2, "examples.mpi_train", "--epochs", "1", "--compression", "regtopk", timeout=180
+    done = launch.run(  # --batch-size 64: 64 steps instead of 128, progress still clear
+        "mpirun", 2, "examples.mpi_train", "--epochs", "1", "--batch-size", "64", "--compression", "regtopk",
+        timeout=180,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]

@@ -1,13 +1,20 @@
 """Trains a small Keras model a few steps with Horovod's TensorFlow API and each compressor.
 
-Run by the tests under ``horovodrun --gloo``. ``--path``: ``tape`` (stock
-``horovod.tensorflow.DistributedGradientTape(tape, compression=...)``),
-``tape-dropin`` (``hvd_compress.tensorflow.DistributedGradientTape``),
-``keras`` (stock ``horovod.tensorflow.keras.DistributedOptimizer`` in
-``model.fit``) or ``keras-dropin`` (``hvd_compress.keras.DistributedOptimizer``).
-Rank 0 writes the final weights and the bytes each rank handed to our
-collectives per step to ``--out`` (an ``.npz``); :func:`simulate` computes the
-same training in one process with the :class:`~hvd_compress.simulator.Simulator`.
+Run by the tests under ``horovodrun --gloo``: one job runs every scenario given with
+``--scenario LABEL=PATH:NAME,NAME[:OPTION...]``, one after the other (the start-up of a TF job and
+AutoGraph's first conversion of the exchange cost more than the scenarios themselves). ``PATH``:
+``tape`` (stock ``horovod.tensorflow.DistributedGradientTape(tape, compression=...)``),
+``tape-dropin`` (``hvd_compress.tensorflow.DistributedGradientTape``), ``keras`` (stock
+``horovod.tensorflow.keras.DistributedOptimizer`` in ``model.fit``) or ``keras-dropin``
+(``hvd_compress.keras.DistributedOptimizer``). ``OPTION``: ``eager`` (tape paths: no
+``tf.function``), ``rank1-nan`` (NaN data on rank 1), ``rank1-ratio=R`` or
+``rank1-compression=NAME`` (rank 1 misconfigured: the scenario must raise on every rank).
+
+Rank 0 writes the final weights (``LABEL/NAME/wI``) and the bytes each rank handed to our
+collectives per step (``wire``: JSON, per label and name) to ``--out`` (an ``.npz``). A scenario
+that raises ``ValueError`` or a TensorFlow ``OpError`` writes ``OUT.LABEL.error.RANK`` on each rank
+that raised, then the ranks meet at a barrier and go on with the next scenario; :func:`simulate`
+computes the same training in one process with the :class:`~hvd_compress.simulator.Simulator`.
 """
 
 from __future__ import annotations
@@ -141,35 +148,69 @@ def train_keras(compression, args: argparse.Namespace) -> tf.keras.Model:
     return model
 
 
+PATHS = ["tape", "tape-dropin", "keras", "keras-dropin"]
+
+
+def parse_scenario(text: str) -> argparse.Namespace:
+    """``LABEL=PATH:NAME,NAME[:OPTION...]`` (see the module docstring) as the options of one run."""
+    label, _, spec = text.partition("=")
+    path, names, *options = spec.split(":")
+    if path not in PATHS or not label or not names:
+        raise argparse.ArgumentTypeError(f"bad scenario {text!r}")
+    run = argparse.Namespace(
+        label=label, path=path, names=names.split(","), eager=False, rank1_nan=False,
+        rank1_ratio=None, rank1_compression=None,
+    )
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "eager":
+            run.eager = True
+        elif key == "rank1-nan":
+            run.rank1_nan = True
+        elif key == "rank1-ratio":
+            run.rank1_ratio = float(value)
+        elif key == "rank1-compression":
+            run.rank1_compression = value
+        else:
+            raise argparse.ArgumentTypeError(f"bad option {option!r} in scenario {text!r}")
+    return run
+
+
+def run_scenario(run: argparse.Namespace, steps: int, counter: ByteCounter, hvd):
+    """Trains each of ``run.names``; (final weights by ``NAME/wI``, bytes per step by name)."""
+    run.steps = steps
+    arrays, wire = {}, {}
+    for name in run.names:
+        compression = compressor(run.rank1_compression if hvd.rank() == 1 and run.rank1_compression else name)
+        if hvd.rank() == 1 and run.rank1_ratio is not None:
+            compression.ratio = run.rank1_ratio
+        counter.bytes = 0
+        model = (train_keras if run.path.startswith("keras") else train_tape)(compression, run)
+        for key, value in weights(model).items():
+            arrays[f"{name}/{key}"] = value
+        wire[name] = hvd.allgather_object(counter.bytes // steps)
+    return arrays, wire
+
+
 def main() -> None:
     import horovod.tensorflow as hvd
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compression", nargs="+", required=True)
+    parser.add_argument("--scenario", type=parse_scenario, action="append", required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--path", choices=["tape", "tape-dropin", "keras", "keras-dropin"], default="tape")
-    parser.add_argument("--eager", action="store_true", help="tape paths: no tf.function")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
-    parser.add_argument("--rank1-compression", help="another compressor on rank 1 (error test)")
-    parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
     args = parser.parse_args()
     hvd.init()
     counter = ByteCounter()
     arrays, wire = {}, {}
-    for name in args.compression:
-        compression = compressor(args.rank1_compression if hvd.rank() == 1 and args.rank1_compression else name)
-        if hvd.rank() == 1 and args.rank1_ratio is not None:
-            compression.ratio = args.rank1_ratio
-        counter.bytes = 0
+    for run in args.scenario:
         try:
-            model = (train_keras if args.path.startswith("keras") else train_tape)(compression, args)
+            trained, wire[run.label] = run_scenario(run, args.steps, counter, hvd)
         except (ValueError, tf.errors.OpError) as error:
-            Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
-            raise
-        for key, value in weights(model).items():
-            arrays[f"{name}/{key}"] = value
-        wire[name] = hvd.allgather_object(counter.bytes // args.steps)
+            Path(f"{args.out}.{run.label}.error.{hvd.rank()}").write_text(str(error))
+            hvd.allgather_object(run.label, name=f"after_{run.label}")  # both ranks got here
+            continue
+        arrays.update({f"{run.label}/{key}": value for key, value in trained.items()})
     if hvd.rank() == 0:
         np.savez(args.out, **arrays, wire=json.dumps(wire), size=hvd.size())
 
