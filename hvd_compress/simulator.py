@@ -60,6 +60,10 @@ class Simulator:
         """Each rank's error-feedback residual of ``name``."""
         return [c.residual(name) for c in self.compressors]
 
+    def velocities(self, name: str) -> List[Optional[np.ndarray]]:
+        """Each rank's momentum-correction velocity of ``name`` (``None`` without ``momentum``)."""
+        return [c.velocity(name) if hasattr(c, "velocity") else None for c in self.compressors]
+
     def step(self, grads: Mapping[str, Sequence[Any]]) -> Dict[str, np.ndarray]:
         """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``.
 

@@ -361,6 +361,11 @@ class Auto(InnerState):
     def residual(self, name: str):
         return self.inner.residual(name)
 
+    def velocity(self, name: str):
+        """The inner sparsifier's momentum-correction velocity of ``name`` (``None`` without)."""
+        velocity = getattr(self.inner, "velocity", None)
+        return None if velocity is None else velocity(name)
+
     def reset(self, name: Optional[str] = None) -> None:
         self.inner.reset(name)
 

@@ -190,6 +190,8 @@ def test_auto_sending_a_bucket_dense_sends_the_velocities():
                 exchange.add(name, g.numpy() if numpy else g)
             exchange.launch()
             out.append({n: torch.as_tensor(t) for n, t in exchange.finish(average=True).items()})
+        own = sum(m ** (steps - 1 - t) * gradients(comm.rank, t, torch.float32)["a"].double() for t in range(steps))
+        np.testing.assert_allclose(np.asarray(auto.velocity("a"), dtype=np.float64), own.numpy(), rtol=1e-5, atol=1e-5)
         return out
 
     velocity = {n: torch.zeros(shape, dtype=torch.float64) for n, shape in SHAPES.items()}
@@ -233,3 +235,40 @@ def test_steady_state_step_reads_nothing_back():
     syncing = {k: n for k, n in reads.by_kind.items() if k not in ("numpy", "cpu")}
     assert not syncing, f"host reads in a steady-state step: {syncing} at {reads.sites.most_common(5)}"
     assert optimizer._compression.velocity("0.bias") is not None  # the dense bias has one too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", COMPRESSORS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_cuda_steady_state_step_never_synchronizes_and_equals_the_cpu(kind, dtype):
+    """On a GPU: ``torch.cuda.set_sync_debug_mode("error")`` around steady-state exchanges (the NaN
+    step's flags and the dense velocities' kept values included); the state equals the CPU's way (but
+    Gaussian-k's, whose moments the GPU may round differently)."""
+    comm = SingleProcessCommunicator()
+    on_gpu, on_cpu = COMPRESSORS[kind](), COMPRESSORS[kind]()
+    nan = {(0, 2): ("a", "three")}
+
+    def step(compressor, index, device):
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in gradients(0, index, dtype, nan).items():
+            exchange.add(name, g.to(device))
+        exchange.launch()
+        return exchange.finish()
+
+    step(on_gpu, 0, "cuda")  # the layout check reads its header once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for index in range(1, 4):
+            step(on_gpu, index, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    if kind.startswith("gaussiank"):
+        return
+    with torch_ops.accelerator_path():
+        for index in range(4):
+            step(on_cpu, index, "cpu")
+    want = {n: tuple(None if x is None else x.cpu() for x in pair) for n, pair in state_of(on_cpu).items()}
+    got = {n: tuple(None if x is None else x.cpu() for x in pair) for n, pair in state_of(on_gpu).items()}
+    assert_state_equal(got, want, f"{kind} {dtype}")
