@@ -11,8 +11,9 @@
 #        HVD_BUILD_JOBS           parallel compile jobs, default: number of CPUs
 #
 # The cached wheel lives in $HVD_COMPRESS_CACHE/wheels/<key>/, where <key> names the
-# Horovod, torch and TensorFlow versions, the Python tag and cpu/nccl; a second run
-# (or another clone on this machine) installs it instead of rebuilding.
+# Horovod, torch and TensorFlow versions, the Python tag, cpu/nccl, the machine and a hash
+# of this script and ci/cxx17; a second run (or another clone on this machine) installs it
+# instead of rebuilding, and a changed build recipe builds afresh.
 #
 # Build workarounds, needed for torch 2.13 / TensorFlow 2.21:
 #  - CXX=ci/cxx17: torch headers need C++17, Horovod's CMakeLists forces C++14.
@@ -55,7 +56,9 @@ if [[ -z "${HOROVOD_GPU_OPERATIONS:-}" ]] && command -v nvcc >/dev/null && nvidi
   export HOROVOD_GPU_OPERATIONS=NCCL
 fi
 FLAVOR=cpu; [[ -n "${HOROVOD_GPU_OPERATIONS:-}" ]] && FLAVOR="$(tr '[:upper:]' '[:lower:]' <<<"$HOROVOD_GPU_OPERATIONS")"
-KEY="horovod-$HVD-torch$TORCH-tf$TF-$PYTAG-$FLAVOR-$(uname -m)"
+# the build recipe's own hash too: a wheel built by an older version of this script is not reused
+RECIPE="$(cat "$ROOT/ci/build_horovod.sh" "$ROOT/ci/cxx17" | sha256sum | cut -c1-8)"
+KEY="horovod-$HVD-torch$TORCH-tf$TF-$PYTAG-$FLAVOR-$(uname -m)-$RECIPE"
 WHEEL_DIR="$CACHE/$KEY"
 WHEEL="$(ls "$WHEEL_DIR"/horovod-*.whl 2>/dev/null | head -n1 || true)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/hvd-build.XXXXXX")"
