@@ -222,9 +222,9 @@ class WaitOnce:
 
 
 class AutoExchange:
-    """One bucket's exchange for :class:`Auto` (``add``/``only_dense``/``launch``/``in_flight``/``finish``,
-    as :class:`~hvd_compress.comm.exchange.BucketExchange`). The bucket's way is settled when the
-    route first asks (``only_dense`` or ``launch``), after its tensors are added."""
+    """One bucket's exchange for :class:`Auto` (``add``/``launch``/``in_flight``/``finish``, as
+    :class:`~hvd_compress.comm.exchange.BucketExchange`). The bucket's way is settled at ``launch``,
+    after its tensors are added."""
 
     def __init__(self, auto: "Auto", comm: Any, key: str) -> None:
         self.auto, self.key = auto, key
@@ -248,10 +248,6 @@ class AutoExchange:
             for name, tensor in self.added:
                 self.exchange.add(name, tensor)
         return self.exchange
-
-    @property
-    def only_dense(self) -> bool:
-        return self._resolved().only_dense
 
     def launch(self, complete: bool = True) -> None:
         """As :meth:`BucketExchange.launch`; a measuring exchange always waits for its collectives

@@ -80,16 +80,6 @@ class BucketExchange:
         self.shapes[name] = tuple(tensor.shape)
         self.added.append((name, tensor))
 
-    @property
-    def only_dense(self) -> bool:
-        """Every tensor added so far travels dense and has no residual to flush nor velocity to apply
-        (None, FP16, small tensors without momentum correction)."""
-        compressor = self.compressor
-        return not getattr(compressor, "momentum", 0.0) and all(
-            compressor.fused_kind(elements(t)) == "dense" and compressor.memory.peek(n, "residual") is None
-            for n, t in self.added
-        )
-
     def _encode(self) -> None:
         """Per-tensor path: encode every tensor (TernGrad: measure its scale; codes come after sharing)."""
         for name, tensor in self.added:
