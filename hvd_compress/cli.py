@@ -64,6 +64,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _wrote(args: argparse.Namespace) -> int:
+    """Name the files a benchmark wrote (``--json``, ``--plot``); the command's exit status."""
+    for path in (args.json, args.plot):
+        if path:
+            print(f"Wrote {path}")
+    return 0
+
+
 def _bench_train_step(args: argparse.Namespace) -> int:
     from hvd_compress.bench import train_step
 
@@ -86,10 +94,7 @@ def _bench_train_step(args: argparse.Namespace) -> int:
         json_path=args.json or None,
         plot_path=args.plot or None,
     )
-    for path in (args.json, args.plot):
-        if path:
-            print(f"Wrote {path}")
-    return 0
+    return _wrote(args)
 
 
 def _bench_trace(args: argparse.Namespace) -> int:
@@ -112,10 +117,7 @@ def _bench_trace(args: argparse.Namespace) -> int:
         json_path=args.json or None,
         plot_path=args.plot or None,
     )
-    for path in (args.json, args.plot):
-        if path:
-            print(f"Wrote {path}")
-    return 0
+    return _wrote(args)
 
 
 def _names(choices: Sequence[str]) -> Callable[[str], List[str]]:

@@ -186,22 +186,8 @@ def run(
 
     ratio = check_ratio(ratio)
     _check(model, device, warmup, routes, compressors)
-    if dropin_comm not in train_step.DROPIN_COMMS:
-        raise ValueError(f"hvd_compress: dropin_comm must be one of {', '.join(train_step.DROPIN_COMMS)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("hvd_compress: --device cuda asked for, but torch.cuda.is_available() is False")
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    load = workload(model, dev, seed)
-
-    hvd, horovod_note = None, None
-    if "ours-stock-horovod" in routes or ("ours-dropin" in routes and dropin_comm != "torch"):
-        hvd, horovod_note = train_step.init_horovod()
-    todo, skipped = [], []
-    for route, compressor in plan(routes, compressors):
-        if route == "ours-stock-horovod" and hvd is None:
-            skipped.append({"route": route, "compressor": compressor, "note": f"skipped: {horovod_note}"})
-        else:
-            todo.append((route, compressor))
+    load = workload(model, train_step.torch_device(device, dropin_comm), seed)
+    hvd, horovod_note, todo, skipped = train_step.rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
     with train_step.process_group(device == "cuda") as backend:

@@ -538,6 +538,38 @@ def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int
             )
 
 
+def torch_device(device: str, dropin_comm: str) -> Any:
+    """The device rows run on (``"cpu"`` or ``"cuda"``, the current one, made current), after checking
+    ``dropin_comm`` and that CUDA is there when asked for."""
+    import torch
+
+    if dropin_comm not in DROPIN_COMMS:
+        raise ValueError(f"hvd_compress: dropin_comm must be one of {', '.join(DROPIN_COMMS)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("hvd_compress: --device cuda asked for, but torch.cuda.is_available() is False")
+    if device != "cuda":
+        return torch.device("cpu")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def rows_to_run(planned: Sequence[Tuple[str, str]], routes: Sequence[str], dropin_comm: str):
+    """``(hvd, note, todo, skipped)``: Horovod initialised when a route needs it (``None`` otherwise or
+    when it cannot start, ``note`` saying why), the ``(route, compressor)`` rows to run, and the stock
+    rows skipped without it."""
+    hvd, horovod_note = None, None
+    if "ours-stock-horovod" in routes or ("ours-dropin" in routes and dropin_comm != "torch"):
+        hvd, horovod_note = init_horovod()
+    todo, skipped = [], []
+    for route, compressor in planned:
+        if route == "ours-stock-horovod" and hvd is None:
+            skipped.append({"route": route, "compressor": compressor, "note": f"skipped: {horovod_note}"})
+        else:
+            todo.append((route, compressor))
+    return hvd, horovod_note, todo, skipped
+
+
 # ==================================================================== run
 def run(
     model: str = "mlp",
@@ -563,26 +595,10 @@ def run(
 
     ratio = check_ratio(ratio)
     _check(model, device, steps, warmup, batch, routes, compressors)
-    if dropin_comm not in DROPIN_COMMS:
-        raise ValueError(f"hvd_compress: dropin_comm must be one of {', '.join(DROPIN_COMMS)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("hvd_compress: --device cuda asked for, but torch.cuda.is_available() is False")
     batch = int(batch) if batch is not None else DEFAULT_BATCH[model]
-    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    if device == "cuda":
-        torch.cuda.set_device(dev)
+    dev = torch_device(device, dropin_comm)
     workload = Workload(model, dev, batch, seed)  # raises early when torchvision/transformers is missing
-
-    hvd, horovod_note = None, None
-    wants_horovod = "ours-stock-horovod" in routes or ("ours-dropin" in routes and dropin_comm != "torch")
-    if wants_horovod:
-        hvd, horovod_note = init_horovod()
-    todo, skipped = [], []
-    for route, compressor in plan(routes, compressors):
-        if route == "ours-stock-horovod" and hvd is None:
-            skipped.append({"route": route, "compressor": compressor, "note": f"skipped: {horovod_note}"})
-        else:
-            todo.append((route, compressor))
+    hvd, horovod_note, todo, skipped = rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
     rows: List[Dict[str, Any]] = []
