@@ -7,6 +7,7 @@ fresh process, TensorFlow first, and importing TensorFlow there cost about 2.5 s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -36,6 +37,28 @@ def require(module: str) -> None:
         if os.environ.get("HVD_COMPRESS_REQUIRE_HOROVOD") == "1":
             raise
         pytest.skip(f"{module} is not installed: {error}", allow_module_level=True)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, size: int, port: int, timeout_s: float = 30.0) -> Iterator[None]:
+    """``torch.distributed`` over Gloo for one rank started by ``torch.multiprocessing.spawn``.
+
+    When the body succeeds, every rank meets at a barrier before the group is destroyed: a
+    rank that closes its sockets while a peer's Gloo threads still read them aborts that
+    peer ("terminate called without an active exception", SIGABRT). When the body raises,
+    the group is destroyed at once, since the peers may never reach a barrier.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def require_horovod_torch() -> None:

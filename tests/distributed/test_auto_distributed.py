@@ -59,16 +59,16 @@ def test_tensorflow_routes_ranks_agree(tmp_path):
 
 
 def _ddp_rank(rank: int, port: int, out: str) -> None:
-    import os
+    with launch.gloo_group(rank, 2, port):
+        _ddp_train(rank, out)
 
+
+def _ddp_train(rank: int, out: str) -> None:
     import torch
-    import torch.distributed as dist
 
     from hvd_compress import Auto, TopK
     from hvd_compress.torch import CompressionState, ddp_hook
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     model = workload.make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     auto = Auto(TopK(workload.RATIO), warmup=2, decide_every=3, log=False)
@@ -80,7 +80,6 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
         opt.step()
     params = {n: p.detach().numpy() for n, p in model.named_parameters()}
     np.savez(f"{out}.{rank}.npz", **params, decisions=json.dumps(auto.stats.decisions, sort_keys=True))
-    dist.destroy_process_group()
 
 
 def test_ddp_hook_ranks_agree(tmp_path):

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import pickle
 import socket
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +39,7 @@ from hvd_compress import wire  # noqa: E402
 from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
+from tests.distributed import launch  # noqa: E402
 from tests.distributed.faults_torch import Odd  # noqa: E402  (a sparse embedding, a zero-size parameter)
 
 RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
@@ -267,13 +266,9 @@ def job(rank: int, out: Path) -> None:
 
 
 def _entry(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(seconds=30))
-    try:
+    with launch.gloo_group(rank, RANKS, port):
         job(rank, Path(out))
-    finally:
-        dist.destroy_process_group()
 
 
 def spawn(out: Path, timeout: float = 60.0) -> None:

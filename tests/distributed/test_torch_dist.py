@@ -6,10 +6,8 @@ on the same gradients (tolerance 1e-6, as the Horovod and MPI runs).
 """
 
 import json
-import os
 import socket
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 mp = pytest.importorskip("torch.multiprocessing")
 
+from tests.distributed import launch  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 
 RANKS = 2
@@ -76,13 +75,9 @@ def workload_steps():
 
 
 def _entry(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=RANKS, timeout=timedelta(seconds=30))
-    try:
+    with launch.gloo_group(rank, RANKS, port):
         job(rank, out)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
