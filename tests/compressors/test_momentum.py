@@ -108,12 +108,8 @@ def _as(framework: str, g: np.ndarray):
     if framework == "numpy":
         return g
     if framework == "torch":
-        import torch
-
-        return torch.from_numpy(g.copy())
-    import tensorflow as tf
-
-    return tf.constant(g)
+        return pytest.importorskip("torch").from_numpy(g.copy())
+    return pytest.importorskip("tensorflow").constant(g)
 
 
 def test_dense_tensors_train_as_momentum_sgd_of_the_average():

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from hypothesis import strategies as st
 
-from hvd_compress.kernels import reference as R
-from hvd_compress.kernels import torch_ops
-from hvd_compress.kernels.torch_rows import Rows, topk_rows
-from tests.kernels.frameworks import given_per_framework as given
+torch = pytest.importorskip("torch")
+from hypothesis import strategies as st  # noqa: E402
+
+from hvd_compress.kernels import reference as R  # noqa: E402
+from hvd_compress.kernels import torch_ops  # noqa: E402
+from hvd_compress.kernels.torch_rows import Rows, topk_rows  # noqa: E402
+from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 
 pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=True)
 WAYS = {"host": True, "accelerator": False}
