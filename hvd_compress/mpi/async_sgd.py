@@ -1,6 +1,8 @@
 """Asynchronous SGD with gradient clipping over MPI (parameter server on rank 0).
 
-Paper 003 (asynchronous SGD with clipping; sub-Weibull gradient noise): workers
+Samuel Erickson, Mikael Johansson, "Clipping Makes Distributed and Federated
+Asynchronous SGD Robust to Stragglers", arXiv:2606.13287, 2026
+(<https://arxiv.org/abs/2606.13287>; sub-Weibull gradient noise): workers
 compute gradients on a possibly stale model ``x_{t - tau_t}`` and the server
 applies them as they arrive,
 
