@@ -37,7 +37,7 @@ demo: setup
 	@echo
 	@echo "== 2 processes under horovodrun --gloo: examples/pytorch_train.py, RegTop-k at 1% =="
 	@set -o pipefail; $(RUN) TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 --gloo \
-	  $(VENV)/bin/python examples/pytorch_train.py --compression regtopk --ratio 0.01 --epochs 3 2>&1 \
+	  $(VENV)/bin/python examples/pytorch_train.py --compression regtopk --ratio 0.01 --epochs 5 2>&1 \
 	  | sed -n 's/^\[0\]<stdout>://p'
 
 clean:

@@ -20,8 +20,6 @@ def test_pytorch_example_trains_and_reports_savings(path, compression):
         "examples.pytorch_train",
         "--epochs",
         "2",
-        "--batch-size",  # 64 steps an epoch instead of 128: the loss still falls by half
-        "64",
         "--path",
         path,
         "--compression",
