@@ -8,7 +8,8 @@ float16), named ``ddp.bucket0.<position>`` from DDP's construction-time layout
 in reverse; each run records and checks both). Also: NaN
 gradients on one rank become non-finite gradients on every rank with nothing
 lost, another ratio on one rank makes every rank raise, and a checkpoint
-(pickle or state_dict) resumes bit for bit; GradScaler with an overflow on one rank
+(pickle or state_dict) resumes bit for bit; the dense-switch probe loses nothing and
+``compressor.stats`` equals the bytes handed to the collectives; GradScaler with an overflow on one rank
 skips exactly the steps DDP without a hook skips; ``nn.Embedding(sparse=True)``
 and a zero-size parameter train (the sparse gradient densified and compressed,
 mass conserved). One spawn runs it all (each start costs seconds).
@@ -40,6 +41,7 @@ from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
 from tests.distributed import launch  # noqa: E402
+from tests.distributed import switch_probe as probe  # noqa: E402
 from tests.distributed.faults_torch import Odd  # noqa: E402  (a sparse embedding, a zero-size parameter)
 
 RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
@@ -80,10 +82,17 @@ def wire_format(variant: str):
 class Wire:
     """Counts the collectives ddp.py calls (bytes handed in, and uneven all_to_all calls)."""
 
+    ATTRS = ("all_gather", "all_reduce", "all_to_all_single")
+
     def __init__(self) -> None:
         self.bytes, self.alltoall = 0, 0
-        for attr in ("all_gather", "all_reduce", "all_to_all_single"):
+        self.originals = {attr: getattr(dist, attr) for attr in self.ATTRS}
+        for attr in self.ATTRS:
             setattr(dist, attr, self._counting(attr, getattr(dist, attr)))
+
+    def restore(self) -> None:
+        for attr, function in self.originals.items():
+            setattr(dist, attr, function)
 
     def _counting(self, attr, function):
         def wrapper(*args, **kwargs):
@@ -197,6 +206,38 @@ def sparse_training(rank: int, compression, steps: int = 2) -> dict:
     return result
 
 
+class Probe(torch.nn.Module):
+    """The dense-switch probe's one parameter (:mod:`tests.distributed.switch_probe`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(probe.SIZE))
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        return (self.w * row).sum()
+
+
+def switch_probe(rank: int) -> dict:
+    """The dense-switch probe through the hook: its relative error (0: nothing lost), and the bytes
+    handed to the collectives next to what ``compressor.stats`` counted."""
+    model = Probe()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    compression = TopK(probe.SPARSE)
+    ddp.register_comm_hook(CompressionState(compression), ddp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=probe.LR)
+    wire = Wire()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sends 'ddp.bucket0.0' dense"
+        for step, row in enumerate(torch.from_numpy(probe.gradients(rank))):
+            compression.ratio = probe.ratio(step)
+            optimizer.zero_grad()
+            ddp(row).backward()
+            optimizer.step()
+    wire.restore()
+    return {"error": probe.relative_error(-model.w.detach().numpy(), RANKS),
+            "handed": wire.bytes, "counted": compression.stats.bytes_sent}
+
+
 def job(rank: int, out: Path) -> None:
     """Every training run, then the misconfigured one, which must raise on every rank."""
     wire = Wire()
@@ -205,13 +246,16 @@ def job(rank: int, out: Path) -> None:
         layouts = []
         alltoall = wire.alltoall
         with wire_format(variant):
-            params, _, per_step = train(rank, variant, STEPS, wire=wire, layouts=layouts)
+            params, state, per_step = train(rank, variant, STEPS, wire=wire, layouts=layouts)
         result[variant] = {
             "params": params,
             "layouts": layouts,
             "bytes": per_step,
+            "counted": state.compressor.stats.bytes_sent,
             "alltoall": wire.alltoall - alltoall,
         }
+    wire.restore()
+    result["switch"] = switch_probe(rank)
     for variant, how in RESUMED:
         params, state, _ = train(rank, variant, STEPS // 2)
         if how == "pickle":
@@ -373,6 +417,24 @@ def test_sparse_payloads_travel_sparse(trained):
         # Gaussian-k: floor(4k/3) slots per tensor, whatever the counts, so no uneven allgather
         assert result["gaussiank"]["bytes"] == [header + padded] + [padded] * (STEPS - 1)
         assert result["gaussiank"]["alltoall"] == 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_statistics_count_every_byte_handed_to_the_collectives(trained, variant):
+    """compressor.stats.bytes_sent == the bytes the hook handed to torch.distributed over the run
+    (payloads, flags, the dense part and the first step's header)."""
+    for rank, result in enumerate(trained):
+        assert result[variant]["counted"] == sum(result[variant]["bytes"]), (rank, result[variant]["bytes"])
+
+
+def test_a_tensor_that_turns_dense_sends_its_residual(trained):
+    """The dense-switch probe (``tests/distributed/switch_probe.py``) through the hook: the weights
+    moved by exactly lr x the sum of the mean gradients (float32 rounding), nothing read a residual
+    before the check; the statistics equal the bytes handed over there too."""
+    for rank, result in enumerate(trained):
+        case = result["switch"]
+        assert case["error"] < 1e-5, (rank, case)
+        assert case["counted"] == case["handed"], (rank, case)
 
 
 @pytest.mark.parametrize("variant", ["topk", "regtopk", "terngrad", "fp16"])
