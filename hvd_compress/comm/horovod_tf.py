@@ -183,6 +183,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
     name = _next_name()
+    compressor.route = "horovod.tensorflow"
     check_agreement(compressor, name, tensor)
     numel = tensor.shape.num_elements()
     if compressor.payload_kind == "dense" and compressor.dense_wire_dtype is None:  # None

@@ -22,6 +22,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, TernGrad, TopK
+from tests.distributed import route_checkpoints as moves
 from tests.distributed import switch_probe as probe
 
 LR = 0.1
@@ -264,6 +265,25 @@ def dense_switch_keeps_residual() -> dict:
                 opt.step()
         out[route] = probe.relative_error(-w.detach().numpy(), hvd().size())
     return out
+
+
+@case
+def checkpoint_between_routes() -> dict:
+    """Compressor state saved on stock horovod.torch and loaded on the drop-in or the Simulator, and
+    the other way round (:mod:`tests.distributed.route_checkpoints`): how far each run is from the
+    Simulator's run without a break; and the messages of what is refused (positional names)."""
+    pairs = [("stock", "dropin"), ("dropin", "stock"), ("stock", "Simulator"), ("Simulator", "stock")]
+    rank, size = hvd().rank(), hvd().size()
+    differences = moves.matrix(pairs, rank, size, gather=hvd().allgather_object)
+    initial = moves.initial()
+    _, unnamed = moves.train("stock", "regtopk", rank, 0, 1, params=initial, named=False)
+    _, named = moves.train("dropin", "regtopk", rank, 0, 1, params=initial)
+    refused = {
+        "stock->dropin": moves.refusal(lambda: moves.train("dropin", "regtopk", rank, 1, 2, None, initial, unnamed)),
+        "dropin->stock": moves.refusal(
+            lambda: moves.train("stock", "regtopk", rank, 1, 2, None, initial, named, named=False)),
+    }
+    return {"differences": differences, "refused": refused}
 
 
 @case

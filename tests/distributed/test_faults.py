@@ -13,7 +13,8 @@ require_horovod_torch()
 # error cases last: each ends mid-step (every rank raises at the same point)
 MISMATCHED = ["terngrad", "fp16", "none"]
 CASES = ["unused_parameters", "sparse_and_empty_parameters", "every_tensor_dense", "dense_switch_keeps_residual",
-         "outside_an_optimizer", "grad_scaler_overflow", "rank0_checkpoint_on_every_rank", "transposed_parameter"]
+         "checkpoint_between_routes", "outside_an_optimizer", "grad_scaler_overflow",
+         "rank0_checkpoint_on_every_rank", "transposed_parameter"]
 CASES += [f"mismatched_compressor_{other}" for other in MISMATCHED] + ["mismatched_outside_an_optimizer"]
 
 
@@ -92,6 +93,24 @@ def test_stock_route_sends_the_residual_when_a_tensor_turns_dense(ranks):
         case = result["dense_switch_keeps_residual"]
         assert "ok" in case, f"rank {rank}: {case.get('trace')}"
         assert case["ok"]["stock"] < 1e-5 and case["ok"]["dropin"] < 1e-5, case["ok"]
+
+
+def test_checkpoints_move_between_stock_horovod_the_drop_in_and_the_simulator(ranks):
+    """Each rank's compressor state (RegTop-k's posterior, Top-k's velocity under momentum correction)
+    saved after 2 steps on one route and loaded on another resumes exactly: 2 more steps equal the
+    Simulator's 4 without a break. Tensors named by position (no named_parameters=) are refused at
+    load (the drop-in) or at the first step (stock), on every rank, naming the route that wrote them."""
+    for rank, result in enumerate(ranks):
+        case = result["checkpoint_between_routes"]
+        assert "ok" in case, f"rank {rank}: {case.get('trace')}"
+        differences, refused = case["ok"]["differences"], case["ok"]["refused"]
+        assert len(differences) == 8 and max(differences.values()) < 1e-6, differences
+        assert ("written by horovod.torch.DistributedOptimizer and names its tensors 'allreduce.noname."
+                in refused["stock->dropin"]), refused
+        assert "none of which this hvd_compress.torch.DistributedOptimizer exchanges" in refused["stock->dropin"]
+        assert "written by hvd_compress.torch.DistributedOptimizer" in refused["dropin->stock"], refused
+        assert ("none of which this horovod.torch.DistributedOptimizer exchanges (without named_parameters= "
+                "Horovod names parameters allreduce.noname.<group>.<index>)") in refused["dropin->stock"], refused
 
 
 def test_compressors_outside_an_optimizer_are_buckets_of_their_own(ranks):
