@@ -54,19 +54,7 @@ def simulate(name: str, ranks: int, start: int, stop: int, params: Optional[Para
     sim = Simulator(ranks, workload.compressor(name))
     if states is not None:
         sim.load_state_dict(states)
-    data = [workload.batches(r, stop) for r in range(ranks)]
-    named = list(model.named_parameters())[::-1]
-    for step in range(start, stop):
-        grads: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in named}
-        for rank in range(ranks):
-            model.zero_grad()
-            workload.loss_fn(model, *data[rank][step]).backward()
-            for n, p in named:
-                grads[n].append(p.grad.clone())
-        averaged = sim.step(grads)
-        with torch.no_grad():
-            for n, p in named:
-                p -= workload.LR * averaged[n]
+    workload.simulate_steps(model, sim, start, stop)
     return _params(model), sim.state_dict()["ranks"]
 
 
