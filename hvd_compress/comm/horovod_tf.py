@@ -17,6 +17,12 @@ Horovod a one-element placeholder of ones. Horovod's reduction of the
 placeholder is the scaling it wants (1 for ``op=Average``, N for ``op=Sum``),
 so ``decompress`` returns the average times that.
 
+A sparsifier's tensors under ``dense_below``, and None's gradients, go to
+Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
+placeholders, at every run of the graph (:func:`_counted`), so that the
+statistics equal the bytes handed to the collectives. Tensors with ``N k >= d``
+travel dense in their exchange, with their residual.
+
 Collective names: the i-th gradient compressed while tracing one graph is
 ``hvd_compress.<i>``; gradients come in the model's variable order, the same
 on every rank. The header makes every rank check that the others compressed a
