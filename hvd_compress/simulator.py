@@ -26,6 +26,7 @@ import numpy as np
 
 from hvd_compress.compressors import Compressor, as_compressor
 from hvd_compress.compressors.base import as_tensor
+from hvd_compress.compressors.checkpoint import writer
 from hvd_compress.wire import array_nbytes
 
 
@@ -46,6 +47,7 @@ class Simulator:
             compressor = copy.deepcopy(compression)
             if seed is not None:
                 compressor.seed = int(seed)
+            compressor.route = "Simulator"
             self.compressors.append(compressor.bind(rank, n_ranks))
         self.bytes_sent_per_rank: List[int] = [0] * n_ranks
         self.dense_bytes = 0
@@ -113,7 +115,21 @@ class Simulator:
         """Every rank's compressor state (residuals, distortion, random stream)."""
         return {"ranks": [c.state_dict() for c in self.compressors], "steps": self.steps}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Any) -> None:
+        """Restore :meth:`state_dict`, or a list of every rank's compressor state in rank order (what
+        the ranks of any route save: ``compressor.state_dict()``, ``CompressionState.state_dict()``,
+        ``optimizer.state_dict()["hvd_compress"]``), to go on from a multi-process run (``steps``
+        then counts from 0)."""
+        if isinstance(state, (list, tuple)):
+            state = {"ranks": list(state), "steps": 0}
+        if not isinstance(state, dict) or "ranks" not in state:
+            one = isinstance(state, dict) and "config" in state and "tensors" in state
+            raise ValueError(
+                "hvd_compress: a Simulator loads Simulator.state_dict() or a list of every rank's compressor "
+                "state in rank order; this is "
+                + (f"the state of one rank (written by {writer(state)}): pass [state of rank 0, ..., "
+                   f"state of rank {self.n_ranks - 1}]" if one else f"a {type(state).__name__}")
+            )
         if len(state["ranks"]) != self.n_ranks:
             raise ValueError(
                 f"hvd_compress: state of {len(state['ranks'])} ranks cannot load into "
@@ -121,4 +137,4 @@ class Simulator:
             )
         for compressor, rank_state in zip(self.compressors, state["ranks"]):
             compressor.load_state_dict(rank_state)
-        self.steps = int(state["steps"])
+        self.steps = int(state.get("steps", 0))

@@ -147,6 +147,8 @@ class InnerState(Compressor):
     size = property(lambda self: self.inner.size)
     seed = property(lambda self: self.inner.seed)
     nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
+    route = property(lambda self: self.inner.route, lambda self, value: setattr(self.inner, "route", value))
+    loaded_route = property(lambda self: self.inner.loaded_route)
 
     def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)
@@ -269,6 +271,7 @@ class AutoExchange:
         ops = exchange.ops
         flat = ops.concat([ops.reshape(t, (-1,)) for _, t in self.added])
         comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
+        self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark()] if timed else []
 
     def complete(self) -> None:
@@ -398,6 +401,7 @@ class Auto(InnerState):
         ops = ops_for(like)
         local = ops.as_float32(list(mine or self.medians(state)), like=like)
         dense, compressed = ops.to_list(comm.wait(comm.allreduce_async(local, comm.MAX, f"{key}.auto")))
+        self.stats.add(8, 0, 0, 0)  # the two float32 timings
         choice = decide(dense, compressed, self.margin)
         previous = state.choice
         state.choice, state.dense_ms, state.compressed_ms = choice, float(dense), float(compressed)

@@ -229,6 +229,7 @@ class FusedBucket:
         """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
         config = wire.header_config(type(self.compressor).__name__, self.config_hash)
         header = torch.tensor([[config, self.signature]], dtype=torch.int64, device=self.device)
+        self.compressor.stats.add(header.numel() * header.element_size(), 0, 0, 0)
         return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
 
     def check(self, comm: Any, handle: Any = None) -> None:

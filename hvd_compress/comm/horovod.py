@@ -59,10 +59,22 @@ optimizer; per name for the tensors below).
 ``compress(tensor, name=...)`` names the tensor explicitly (your own calls), and
 calls outside a Horovod optimizer (``hvd.allreduce(t, compression=...)``) have
 no optimizer to bucket with: each such tensor is a bucket of its own, launched
-in ``compress``. Without a name it is ``call.<i>``, the i-th tensor compressed
-since the last ``decompress`` (with a warning, once): correct only when every
-rank compresses the same tensors in the same order. None and FP16 check a named
-tensor the first time its (name, shape, dtype) is seen, and an unnamed one never.
+in ``compress``. ``hvd.allreduce(t, name=..., compression=...)`` (and
+``hvd.grouped_allreduce``) does not pass its name to ``compress``, so it is read
+from that call on the stack (:func:`allreduce_call`). Without any name the
+tensor is ``call.<i>``, the i-th tensor compressed since the last ``decompress``
+(with a warning, once, for compressors that keep state under the name), as
+Horovod itself names unnamed allreduces by call order: correct only when every
+rank compresses the same tensors in the same order. Since such calls come in
+the same order on every rank (``hvd.allreduce`` blocks until every rank made
+it), their check is waited for in ``compress``, before Horovod's allreduce of
+the placeholder: Horovod names an unnamed allreduce by the count of operations
+the process issued, which differs between ranks whose compressors differ. None
+and FP16 go through such a bucket the first time a (name, shape, dtype) is seen
+in ``hvd.allreduce`` or with ``name=``, so ranks running different compressors
+get ``ranks disagree`` on every rank there too (not Horovod's shape or dtype
+mismatch), and hand Horovod the tensor afterwards; called by hand without a
+name (no Horovod call to check with), they return the tensor.
 
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
@@ -115,12 +127,13 @@ class _Calls:
         for exchange in pending:
             exchange.complete()
 
-    def next_name(self) -> str:
-        """Fallback name: ``call.<i>`` for the i-th tensor since the last ``decompress``."""
+    def next_name(self, warn: bool = True) -> str:
+        """Fallback name: ``call.<i>`` for the i-th tensor since the last ``decompress``; ``warn``: say once
+        that call order names it (a dense compressor keeps no state under the name: no warning)."""
         if self.decompressing:
             self.index, self.decompressing = 0, False
         self.index += 1
-        if not self.warned:
+        if warn and not self.warned:
             self.warned = True
             warnings.warn(
                 "hvd_compress: compress() was called outside horovod.torch's DistributedOptimizer and "
@@ -189,6 +202,31 @@ def caller(tensor: Any, depth: int = 8) -> Tuple[Any, Optional[str]]:
     return None, None
 
 
+#: ``horovod.torch`` functions that take ``compression=`` and call ``compress(tensor)`` themselves
+_ALLREDUCES = ("allreduce", "grouped_allreduce")
+
+
+def allreduce_call(compressor: Any, tensor: Any, depth: int = 8) -> Tuple[bool, Optional[str]]:
+    """``(found, name)``: whether ``hvd.allreduce(tensor, compression=compressor)`` (or
+    ``hvd.grouped_allreduce``) of ``horovod.torch`` is on the call stack, and the ``name=`` it was
+    given (grouped: ``<name>.<position of tensor>``), ``None`` without one (Horovod then names it by
+    call order too)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        if (frame.f_code.co_name in _ALLREDUCES and frame.f_globals.get("__name__") == "horovod.torch.mpi_ops"
+                and local.get("compression") is compressor):
+            name = local.get("name")
+            if name is not None and "tensors" in local:  # grouped: the position of this tensor in the group
+                position = next((i for i, t in enumerate(local["tensors"]) if t is tensor), None)
+                name = None if position is None else f"{name}.{position}"
+            return True, None if name is None else str(name)
+        frame = frame.f_back
+    return False, None
+
+
 def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
     """Horovod's name of the parameter whose gradient ``tensor`` is (see :func:`caller`), or ``None``."""
     return caller(tensor, depth)[1]
@@ -233,16 +271,26 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
             plan = calls.plan_of(optimizer, compressor)
             if name in plan:
                 return plan.record(compressor, _communicator(), calls, name, tensor)
-    seen = (name, tuple(tensor.shape), tensor.dtype)
-    if dense and (name is None or seen in calls.checked):  # no name (hvd.allreduce(compression=...)): no check
-        return _direct(compressor, tensor)
+    # hvd.allreduce(t, compression=...) blocks until every rank has made the same call, and calls
+    # named by order come in the same order on every rank: the check may be waited for right here
+    in_order, horovod = name is None, False
+    if name is None:  # hvd.allreduce(t, name=..., compression=...): Horovod's name, else call order
+        horovod, name = allreduce_call(compressor, tensor)
+    if dense and (name is None and not horovod or (name, tuple(tensor.shape), tensor.dtype) in calls.checked):
+        return _direct(compressor, tensor)  # checked, or called by hand without a name: nothing to check with
     if name is None:
-        name = calls.next_name()
+        name = calls.next_name(warn=not dense)
+    seen = (name, tuple(tensor.shape), tensor.dtype)
+    if compressor.route is None:
+        compressor.route = "horovod.torch"
     exchange = open_exchange(compressor, _communicator(), f"hvd_compress.{name}")
     exchange.add(name, tensor)
     if dense:
         calls.checked.add(seen)
-    exchange.launch(complete=False)  # ranks may compress in different orders: wait for no one here
+    # with name=..., ranks may compress in different orders: wait for no one here. In order, the check
+    # comes before Horovod's allreduce of the placeholder, whose name (Horovod counts every handle a
+    # process issued when it names an allreduce by order) would differ where ranks' compressors do
+    exchange.launch(complete=in_order)
     calls.pending.append(exchange)
     compressor.stats.add(tensor.element_size(), 0, 0, 0)  # the placeholder
     return tensor.new_ones(1), _Context(tensor.dtype, name, exchange, check_only=dense)

@@ -54,8 +54,10 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import open_exchange
+from hvd_compress.compressors.checkpoint import check_names
 from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
+ROUTE = "horovod.torch.DistributedOptimizer"
 CAP_ENV = "HVD_COMPRESS_BUCKET_CAP_MB"
 DEFAULT_CAP_MB = 25.0
 
@@ -104,6 +106,11 @@ class Plan:
         ]
         self.buckets = cut([(names[p], p) for p in reversed(params)], cap_bytes())
         self.bucket_of = {n: b for b, members in enumerate(self.buckets) for n in members}
+        if compressor is not None:
+            compressor.route = ROUTE
+            check_names(compressor.memory.restored(), compressor.loaded_route, self.bucket_of.__contains__,
+                        f"this {ROUTE}", " (without named_parameters= Horovod names parameters "
+                        "allreduce.noname.<group>.<index>)")
         self.position = {n: i for i, n in enumerate(self.bucket_of)}
         self.keys = [f"hvd_compress.{members[0]}" for members in self.buckets]
         self.step: Optional[Step] = None

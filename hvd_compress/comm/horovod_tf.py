@@ -17,6 +17,12 @@ Horovod a one-element placeholder of ones. Horovod's reduction of the
 placeholder is the scaling it wants (1 for ``op=Average``, N for ``op=Sum``),
 so ``decompress`` returns the average times that.
 
+A sparsifier's tensors under ``dense_below``, and None's gradients, go to
+Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
+placeholders, at every run of the graph (:func:`_counted`), so that the
+statistics equal the bytes handed to the collectives. Tensors with ``N k >= d``
+travel dense in their exchange, with their residual.
+
 Collective names: the i-th gradient compressed while tracing one graph is
 ``hvd_compress.<i>``; gradients come in the model's variable order, the same
 on every rank. The header makes every rank check that the others compressed a
@@ -104,14 +110,47 @@ class _Context:
 _names: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
 
-def _next_name() -> str:
-    """``hvd_compress.<i>``: i counts the gradients compressed while tracing the outermost graph."""
+def _outer_graph() -> Any:
     graph = tf.compat.v1.get_default_graph()
     while getattr(graph, "outer_graph", None) is not None:
         graph = graph.outer_graph
+    return graph
+
+
+def _next_name() -> str:
+    """``hvd_compress.<i>``: i counts the gradients compressed while tracing the outermost graph."""
+    graph = _outer_graph()
     index = _names.get(graph, 0)
     _names[graph] = index + 1
     return f"hvd_compress.{index}"
+
+
+#: per outermost graph and compressor: the bytes Horovod's own allreduce moves for it per run of the graph
+_direct: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _counted(compressor: Any, tensor: Any, nbytes: int, numel: int) -> Any:
+    """``tensor``, handed to Horovod's own allreduce (None, a tensor under ``dense_below``, a placeholder):
+    its ``nbytes`` (``numel`` entries of the gradient, all sent) are added to ``compressor.stats`` each
+    time it travels. Eagerly that is now; in a graph, one op per graph and compressor adds at each run
+    what every such tensor of the graph moves (their sizes are static, summed while tracing)."""
+    dense = numel * tensor.dtype.size
+    if tf.executing_eagerly():
+        compressor.stats.add(nbytes, dense, numel, numel)
+        return tensor
+    per_compressor = _direct.setdefault(_outer_graph(), {})
+    totals = per_compressor.get(id(compressor))
+    if totals is not None:
+        totals[:] = [a + b for a, b in zip(totals, (nbytes, dense, numel, numel))]
+        return tensor
+    totals = per_compressor[id(compressor)] = [nbytes, dense, numel, numel]
+
+    def count() -> Any:
+        compressor.stats.add(*totals)
+        return 0
+
+    with tf.control_dependencies([tf.py_function(count, [], tf.int32)]):
+        return tf.identity(tensor)
 
 
 _checked: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
@@ -137,6 +176,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
         config = header_config(type(compressor).__name__, compressor.config_hash())
         header = tf.constant([[config, header_hash(layout)]], tf.int64)
         rows = comm.wait(comm.allgather_async(header, f"{name}.agree")).numpy().tolist()
+        compressor.stats.add(16, 0, 0, 0)
     if any(row != rows[0] for row in rows):
         raise ValueError(
             f"hvd_compress: ranks disagree on '{name}' (compressor or its configuration, or the names, "
@@ -149,17 +189,20 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
     name = _next_name()
+    compressor.route = "horovod.tensorflow"
     check_agreement(compressor, name, tensor)
+    numel = tensor.shape.num_elements()
     if compressor.payload_kind == "dense" and compressor.dense_wire_dtype is None:  # None
-        return tensor, _Context()
+        return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
     if compressor.payload_kind == "dense":  # FP16
         encode = lambda t: [tf.reshape(compressor.encode(t, "gradient passed to Horovod").values, t.shape)]
         (values,) = eagerly(encode, [tensor], [tf.float16])
         return values, _Context(dtype=tensor.dtype)
-    if tensor.shape.num_elements() < getattr(compressor, "dense_below", 0):
-        return tensor, _Context()
+    if numel < getattr(compressor, "dense_below", 0):
+        return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
     (average,) = eagerly(lambda t: exchange(compressor, _communicator(), name, [(name, t)]), [tensor])
-    return tf.ones([1], dtype=tensor.dtype), _Context(tensor.dtype, average)
+    placeholder = _counted(compressor, tf.ones([1], dtype=tensor.dtype), tensor.dtype.size, 0)
+    return placeholder, _Context(tensor.dtype, average)
 
 
 def decompress(compressor: Any, output: Any, ctx: _Context):

@@ -17,7 +17,7 @@ import numpy as np
 
 from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
-from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum
+from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
@@ -128,6 +128,8 @@ class Compressor:
         self._saved_generators: Dict[str, Any] = {}
         self._buckets: Dict[str, Any] = {}  # key -> FusedBucket: plan and state of fused buckets
         self._state_origin: Optional[tuple] = None  # (rank, world) that saved the loaded state
+        self._route: Optional[str] = None  # the route that runs it, recorded in state_dict()
+        self.loaded_route = ""  # the route that wrote the state last loaded
         self._loaded_elsewhere = False  # loaded state may hold another framework's arrays
 
     # ------------------------------------------------------------------ setup
@@ -174,6 +176,17 @@ class Compressor:
             f"per rank, so save compressor state on every rank and load each rank's own, or call "
             f"reset() after loading to start error feedback afresh"
         )
+
+    @property
+    def route(self) -> Optional[str]:
+        """The route that last ran this compressor (``hvd_compress.torch.DistributedOptimizer``,
+        ``horovod.torch.DistributedOptimizer``, ``Simulator``...; ``None`` before any), which
+        :meth:`state_dict` records so that a route refusing the state can name its writer."""
+        return self.__dict__.get("_route")
+
+    @route.setter
+    def route(self, name: str) -> None:
+        self._route = str(name)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -305,7 +318,7 @@ class Compressor:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
         self._flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
-                 "world": self.size}
+                 "world": self.size, "route": self.route}
         state["generators"] = {
             **self._saved_generators,
             **{
@@ -330,6 +343,7 @@ class Compressor:
         self._loaded_elsewhere = bool(state["tensors"])
         self._generators = {}
         self._saved_generators = dict(state.get("generators", {}))
+        self.loaded_route = writer(state)
         holds_state = bool(state["tensors"]) or bool(state.get("generators"))
         self._state_origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 

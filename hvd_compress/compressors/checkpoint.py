@@ -17,6 +17,15 @@ of it is used:
 - last, the checksum, when present (checkpoints written before it existed have none),
   which catches what the checks above cannot see.
 
+A checkpoint records the route that wrote it (``route``: ``hvd_compress.torch.DistributedOptimizer``,
+``horovod.torch.DistributedOptimizer``, ``hvd_compress.torch.ddp_hook``, ``Simulator``...).
+State moves between routes: each rank's state is the same dict whatever wrote it, residuals of any
+shape of the tensor's size, arrays of any framework (moved at the first step). What cannot move is
+refused, naming the writer: a whole Simulator or optimizer checkpoint handed to a compressor
+(:func:`check_state` says where the compressor state sits in it), and state none of whose tensor
+names the reading route uses (:func:`check_names`: routes that are not told parameter names name
+tensors by position, each in its own way).
+
 Arrays of any framework (numpy, torch, TensorFlow) are read on the host here, once,
 at load or save time: never in a training step.
 """
@@ -78,10 +87,49 @@ def _feed(digest: Any, value: Any) -> None:
 
 
 def state_checksum(state: Dict[str, Any]) -> str:
-    """SHA-256 (hex) of a checkpoint's ``config``, ``tensors``, ``generators``, ``rank`` and ``world``."""
+    """SHA-256 (hex) of a checkpoint's ``config``, ``tensors``, ``generators``, ``rank``, ``world`` and,
+    when it records one, ``route``."""
     digest = hashlib.sha256()
-    _feed(digest, {key: state.get(key) for key in ("config", "tensors", "generators", "rank", "world")})
+    keys = ("config", "tensors", "generators", "rank", "world") + (("route",) if "route" in state else ())
+    _feed(digest, {key: state.get(key) for key in keys})
     return digest.hexdigest()
+
+
+def writer(state: Dict[str, Any]) -> str:
+    """The route that wrote ``state``, for messages (checkpoints may predate the record)."""
+    route = state.get("route") if isinstance(state, dict) else None
+    return str(route) if route else "a route that did not record itself"
+
+
+def check_names(names: Any, written_by: str, known: Any, reader: str, advice: str = "") -> None:
+    """Refuse checkpoint tensors ``names`` (written by ``written_by``) when ``reader`` will exchange none
+    of them (``known(name)`` is false for every name): their residuals would wait for ever under
+    names nothing sends, and error feedback would silently start from zero. Routes name tensors by
+    parameter name when they are told the names (``named_parameters=``), by position otherwise, each
+    in its own way. Checkpoints some of whose tensors the reader knows load (a compressor shared by
+    two optimizers holds the tensors of both; the others stay in the state and are saved again)."""
+    names = list(names)
+    if not names or any(known(name) for name in names):
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    raise ValueError(
+        f"hvd_compress: this compressor state was written by {written_by} and names its tensors {shown}, "
+        f"none of which {reader} exchanges{advice}. Routes name tensors alike when each is given the "
+        f"model's named_parameters= (hvd_compress.torch, horovod.torch and hvd_compress.mpi "
+        f"DistributedOptimizer, the DDP hook's CompressionState); resume on the route that wrote it, or "
+        f"without the compressor state"
+    )
+
+
+def _other_state(state: Dict[str, Any]) -> str:
+    """``""``, or what a whole checkpoint that holds compressor state is and where its state sits."""
+    if "ranks" in state and "steps" in state:
+        return (f"this is a Simulator's state of {len(state['ranks'])} ranks (Simulator.state_dict()): load "
+                f"each rank's own, state['ranks'][rank], into that rank's compressor or optimizer")
+    if "hvd_compress" in state and "param_groups" in state:
+        return (f"this is an optimizer's state_dict() ({writer(state['hvd_compress'])}): load it with that "
+                f"optimizer's load_state_dict(), or its compressor state state['hvd_compress'] into the compressor")
+    return ""
 
 
 def _broken(what: str) -> ValueError:
@@ -93,12 +141,15 @@ def _broken(what: str) -> ValueError:
 
 def check_state(state: Any, compressor: Any) -> None:
     """Raise ``ValueError`` naming what is wrong with checkpoint ``state`` for ``compressor``."""
+    if isinstance(state, dict) and _other_state(state):
+        raise ValueError(f"hvd_compress: cannot load this into {compressor!r}: {_other_state(state)}")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "tensors" not in state:
         raise _broken(f"expected a dict with 'config' and 'tensors', got {type(state).__name__} "
                       f"{sorted(state) if isinstance(state, dict) else ''}")
     saved = state["config"].get("type")
     if saved != type(compressor).__name__:
-        raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {compressor!r}")
+        raise ValueError(f"hvd_compress: checkpoint holds {saved} state (written by {writer(state)}); cannot "
+                         f"load it into {compressor!r}")
     if not isinstance(state["tensors"], dict):
         raise _broken("'tensors' is not a dict")
     for name, entry in state["tensors"].items():

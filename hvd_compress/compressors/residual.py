@@ -25,6 +25,10 @@ class TensorMemory:
     def names(self):
         return list(self._slots)
 
+    def restored(self) -> list:
+        """Names whose state was loaded from a checkpoint and that no step has used since."""
+        return [name for name in self._slots if name in self._restored]
+
     def shape(self, name: str) -> tuple:
         return self._shapes[name]
 

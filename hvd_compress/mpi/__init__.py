@@ -75,7 +75,7 @@ def DistributedOptimizer(
 
     if op not in (None, Average, Sum):
         raise ValueError(f"hvd_compress: op must be 'average' or 'sum', got {op!r}")
-    return _torch_optimizer(
+    wrapped = _torch_optimizer(
         optimizer,
         named_parameters=named_parameters,
         compression=compression,
@@ -85,6 +85,8 @@ def DistributedOptimizer(
         communicator=communicator(comm),
         nonfinite=nonfinite,
     )
+    wrapped._compression.route = "hvd_compress.mpi.DistributedOptimizer"
+    return wrapped
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, comm: Any = None) -> None:

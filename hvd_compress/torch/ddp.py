@@ -37,6 +37,7 @@ optimizer stepping DDP's parameters must run without momentum of its own
 check this: with ``SGD(..., momentum=0.9)`` momentum would be applied twice.
 """
 
+import re
 import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -46,6 +47,9 @@ import torch.distributed as dist
 from hvd_compress.comm.exchange import open_exchange
 from hvd_compress.comm.torch_dist import TorchDistCommunicator
 from hvd_compress.compressors import as_compressor, old_keyword
+from hvd_compress.compressors.checkpoint import check_names, writer
+
+ROUTE = "hvd_compress.torch.ddp_hook"
 
 
 class CompressionState:
@@ -56,7 +60,7 @@ class CompressionState:
     :meth:`state_dict` / :meth:`load_state_dict` are the compressor's.
     """
 
-    __slots__ = ("compressor", "process_group", "_names", "_order", "_comm", "_warned_sparse")
+    __slots__ = ("compressor", "process_group", "_names", "_order", "_comm", "_warned_sparse", "_named")
 
     def __init__(
         self,
@@ -74,6 +78,8 @@ class CompressionState:
         self._order: Dict[int, int] = {id(p): i for i, (_, p) in enumerate(named)}
         self._comm: Optional[TorchDistCommunicator] = None
         self._warned_sparse: set = set()
+        self._named = set(self._names.values())  # empty: parameters named by bucket and position
+        self.compressor.route = ROUTE
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"compressor": self.compressor}  # no process group; per-process bookkeeping is rebuilt
@@ -85,6 +91,15 @@ class CompressionState:
         return self.compressor.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """The compressor's, refusing state whose tensors this hook names none of (written by a route
+        that names parameters otherwise: :func:`~hvd_compress.compressors.checkpoint.check_names`)."""
+        if isinstance(state, dict) and isinstance(state.get("tensors"), dict):
+            if self._named:
+                known, advice = self._named.__contains__, ""
+            else:
+                known = lambda name: re.fullmatch(r"ddp\.bucket\d+\.\d+", name) is not None  # noqa: E731
+                advice = " (without named_parameters= it names parameters ddp.bucket<index>.<position>)"
+            check_names(state["tensors"], writer(state), known, "this ddp_hook's CompressionState", advice)
         self.compressor.load_state_dict(state)
 
     def communicator(self) -> TorchDistCommunicator:

@@ -31,7 +31,11 @@ import torch
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.nonfinite import raise_if_nonfinite
 from hvd_compress.compressors import Compressor, as_compressor
+from hvd_compress.compressors.checkpoint import check_names, writer
 from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
+
+
+ROUTE = "hvd_compress.torch.DistributedOptimizer"
 
 
 def _is_sum(op: Any) -> bool:
@@ -102,6 +106,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len({n for n, _ in named}) != len(named):
             raise ValueError("hvd_compress: parameter names must be unique")
         self._names = {id(p): n for n, p in named}
+        self._named_by_position = named_parameters is None
+        compression.route = ROUTE
         self._params = dict(named)
         self._buckets = make_buckets(named, int(bucket_cap_mb * 2**20))
         self._bucket_of = {n: b for b, names in enumerate(self._buckets) for n in names}
@@ -236,6 +242,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         compressor_state = state_dict.pop("hvd_compress", None)
         super(self.__class__, self).load_state_dict(state_dict)
         if compressor_state is not None:
+            advice = " (without named_parameters= it names its parameters param.<i>)" if self._named_by_position else ""
+            check_names(compressor_state.get("tensors") or {}, writer(compressor_state), self._params.__contains__,
+                        f"this {self._compression.route}", advice)
             self._compression.load_state_dict(compressor_state)
 
 

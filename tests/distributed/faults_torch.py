@@ -22,6 +22,8 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, TernGrad, TopK
+from tests.distributed import route_checkpoints as moves
+from tests.distributed import switch_probe as probe
 
 LR = 0.1
 CASES: Dict[str, Callable[[], dict]] = {}
@@ -241,37 +243,47 @@ def every_tensor_dense() -> dict:
 
 @case
 def dense_switch_keeps_residual() -> dict:
-    """One 4096-element parameter, Top-k 1% for 4 steps, then the ratio raised to 0.6 (2 ranks x k >=
-    4096: sent dense) for 2 more: how far the weights are from ``w0 - lr x sum of the steps' mean
-    gradients`` (relative), on the stock and drop-in routes. 0 when the residual left over from the
-    sparse steps goes out with the first dense one. Nothing reads a residual or the compressor's
-    state before the check: observing must not change what is sent."""
+    """The dense-switch probe (:mod:`tests.distributed.switch_probe`) on the stock and drop-in routes:
+    how far the weights are from ``w0 - lr x`` the sum of the mean gradients (relative; 0 when the
+    residual of the sparse steps goes out with the first dense one)."""
     import warnings
 
-    out = {}
-    for route in ("stock", "dropin"):
-        w = torch.nn.Parameter(torch.zeros(4096))
-        compression = TopK(0.01)
-        wrap = hvd().DistributedOptimizer
-        if route == "dropin":
-            import hvd_compress.torch as dropin
+    import hvd_compress.torch as dropin
 
-            wrap = dropin.DistributedOptimizer
-        opt = wrap(torch.optim.SGD([w], lr=LR), named_parameters=[(f"switch_{route}", w)], compression=compression)
-        produced = torch.zeros(4096, dtype=torch.float64)
-        for step, x in enumerate(data(6, width=4096, seed=7)):
-            if step == 4:
-                compression.ratio = 0.6
+    out = {}
+    for route, wrap in (("stock", hvd().DistributedOptimizer), ("dropin", dropin.DistributedOptimizer)):
+        w = torch.nn.Parameter(torch.zeros(probe.SIZE))
+        compression = TopK(probe.SPARSE)
+        opt = wrap(torch.optim.SGD([w], lr=probe.LR), named_parameters=[(f"switch_{route}", w)],
+                   compression=compression)
+        for step, row in enumerate(torch.from_numpy(probe.gradients(hvd().rank()))):
+            compression.ratio = probe.ratio(step)
             opt.zero_grad()
-            (w * x[0]).sum().backward()
-            produced += x[0].double()
+            (w * row).sum().backward()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "sends 'switch_...' dense"
                 opt.step()
-        mean = hvd().allreduce(produced, op=hvd().Average, name=f"switch_{route}.produced")
-        expected = LR * mean
-        out[route] = float(((0 - w.detach().double()) - expected).abs().max() / expected.abs().max())
+        out[route] = probe.relative_error(-w.detach().numpy(), hvd().size())
     return out
+
+
+@case
+def checkpoint_between_routes() -> dict:
+    """Compressor state saved on stock horovod.torch and loaded on the drop-in or the Simulator, and
+    the other way round (:mod:`tests.distributed.route_checkpoints`): how far each run is from the
+    Simulator's run without a break; and the messages of what is refused (positional names)."""
+    pairs = [("stock", "dropin"), ("dropin", "stock"), ("stock", "Simulator"), ("Simulator", "stock")]
+    rank, size = hvd().rank(), hvd().size()
+    differences = moves.matrix(pairs, rank, size, gather=hvd().allgather_object)
+    initial = moves.initial()
+    _, unnamed = moves.train("stock", "regtopk", rank, 0, 1, params=initial, named=False)
+    _, named = moves.train("dropin", "regtopk", rank, 0, 1, params=initial)
+    refused = {
+        "stock->dropin": moves.refusal(lambda: moves.train("dropin", "regtopk", rank, 1, 2, None, initial, unnamed)),
+        "dropin->stock": moves.refusal(
+            lambda: moves.train("stock", "regtopk", rank, 1, 2, None, initial, named, named=False)),
+    }
+    return {"differences": differences, "refused": refused}
 
 
 @case
@@ -353,6 +365,18 @@ def mismatched_compressor(other: str) -> dict:
 
 for _other in MISMATCHED:
     CASES[f"mismatched_compressor_{_other}"] = (lambda other: lambda: mismatched_compressor(other))(_other)
+
+
+@case
+def mismatched_outside_an_optimizer() -> dict:
+    """``hvd.allreduce(t, compression=...)`` without a name, Top-k on rank 0 and FP16 on rank 1 (a
+    one-element placeholder against the float16 tensor for Horovod's allreduce, whose name Horovod
+    takes from the count of operations each process issued): the same clear error on every rank.
+    It leaves collectives behind under call-order names: run it last."""
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(hvd().rank()))
+    compression = TopK(0.1, dense_below=0) if hvd().rank() == 0 else FP16()
+    hvd().allreduce(t, compression=compression)
+    return {}
 
 
 def main() -> None:

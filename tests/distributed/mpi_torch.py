@@ -5,10 +5,16 @@ against numpy (every rank can compute every rank's input: they are seeded by
 rank) and writes ``PREFIX.<rank>`` with the number of checks that passed.
 ``collectives train ...`` does both in one job, in that order.
 
+``probe``: the dense-switch probe (:mod:`tests.distributed.switch_probe`) with
+the MPI optimizer; each rank writes ``PREFIX.switch.<rank>`` (JSON: its relative
+error, the bytes handed to the collectives, the bytes ``compressor.stats`` counted).
+
 ``train --compression NAMES... --out FILE``: trains
 :func:`tests.distributed.torch_horovod.make_model` like that workload, but with
 ``hvd_compress.mpi.DistributedOptimizer``; rank 0 writes the final parameters
-(compare with :func:`tests.distributed.torch_horovod.simulate`).
+(compare with :func:`tests.distributed.torch_horovod.simulate`), and each rank
+``FILE.stats.<rank>`` (JSON: per name, the bytes handed to the collectives and
+the bytes ``compressor.stats`` counted).
 
 Error injection (``train``): ``--rank1-ratio R`` misconfigures rank 1 (every
 rank raises "ranks disagree"; caught and reported per rank, or with
@@ -21,6 +27,7 @@ backward) or the training loop raises.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Dict
@@ -28,6 +35,7 @@ from typing import Dict
 import numpy as np
 import torch
 
+from tests.distributed import switch_probe as probe
 from tests.distributed.torch_horovod import LR, batches, compressor, loss_fn, make_model
 
 
@@ -166,7 +174,53 @@ def check_collectives(comm) -> int:
 
 
 # --------------------------------------------------------------------- training
-def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarray]:
+class ByteCounter:
+    """Sums the bytes handed to :class:`~hvd_compress.comm.mpi.MPICommunicator`'s collectives."""
+
+    def __init__(self) -> None:
+        from hvd_compress.comm.mpi import MPICommunicator
+
+        self.bytes = 0
+        for attr in ("allreduce_async", "allgather_async"):
+            setattr(MPICommunicator, attr, self._counting(getattr(MPICommunicator, attr)))
+
+    def _counting(self, method):
+        def wrapper(this, tensor, *args, **kwargs):
+            self.bytes += int(np.prod(tensor.shape)) * (
+                tensor.element_size() if isinstance(tensor, torch.Tensor) else tensor.itemsize
+            )
+            return method(this, tensor, *args, **kwargs)
+
+        return wrapper
+
+
+def switch_probe(counter: ByteCounter) -> dict:
+    """The dense-switch probe (:mod:`tests.distributed.switch_probe`) with the MPI optimizer: its
+    relative error (0: nothing lost), the bytes handed to the collectives and what the statistics counted."""
+    import warnings
+
+    import hvd_compress.mpi as hvd
+    from hvd_compress import TopK
+
+    w = torch.nn.Parameter(torch.zeros(probe.SIZE))
+    compression = TopK(probe.SPARSE)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=probe.LR), named_parameters=[("w", w)],
+                                         compression=compression)
+    counter.bytes = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sends 'w' dense"
+        for step, row in enumerate(torch.from_numpy(probe.gradients(hvd.rank()))):
+            compression.ratio = probe.ratio(step)
+            optimizer.zero_grad()
+            (w * row).sum().backward()
+            optimizer.step()
+    return {"error": probe.relative_error(-w.detach().numpy(), hvd.size()), "handed": counter.bytes,
+            "counted": compression.stats.bytes_sent}
+
+
+def train(name: str, steps: int, args: argparse.Namespace, counter: ByteCounter) -> Dict[str, np.ndarray]:
+    """The final parameters; ``args.counted[name]``: ``[bytes handed to the collectives, bytes
+    compressor.stats counted]``."""
     import hvd_compress.mpi as hvd
 
     model = make_model()
@@ -180,6 +234,7 @@ def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarr
         op=args.op,
     )
     data = batches(hvd.rank(), steps)
+    counter.bytes = 0
     for step in range(steps):
         optimizer.zero_grad()
         loss = loss_fn(model, *data[step])
@@ -191,12 +246,13 @@ def train(name: str, steps: int, args: argparse.Namespace) -> Dict[str, np.ndarr
             loss = loss * float("nan")
         loss.backward()
         optimizer.step()
+    args.counted[name] = [counter.bytes, compression.stats.bytes_sent]
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", nargs="+", choices=["collectives", "train"])
+    parser.add_argument("mode", nargs="+", choices=["collectives", "train", "probe"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--compression", nargs="+", default=[])
     parser.add_argument("--steps", type=int, default=4)
@@ -213,12 +269,16 @@ def main() -> None:
     if "collectives" in args.mode:
         count = check_collectives(comm)
         Path(f"{args.out}.{comm.rank}").write_text(str(count))
+    counter = ByteCounter()
+    if "probe" in args.mode:
+        Path(f"{args.out}.switch.{comm.rank}").write_text(json.dumps(switch_probe(counter)))
     if "train" not in args.mode:
         return
     arrays = {}
+    args.counted = {}
     for name in args.compression:
         try:
-            trained = train(name, args.steps, args)
+            trained = train(name, args.steps, args, counter)
         except ValueError as error:
             if args.rank1_ratio is None or args.uncaught:
                 raise
@@ -228,6 +288,7 @@ def main() -> None:
             sys.exit(1)
         for param, value in trained.items():
             arrays[f"{name}/{param}"] = value
+    Path(f"{args.out}.stats.{comm.rank}").write_text(json.dumps(args.counted))
     if comm.rank == 0:
         np.savez(args.out, **arrays, size=comm.size)
 

@@ -8,7 +8,9 @@ float16), named ``ddp.bucket0.<position>`` from DDP's construction-time layout
 in reverse; each run records and checks both). Also: NaN
 gradients on one rank become non-finite gradients on every rank with nothing
 lost, another ratio on one rank makes every rank raise, and a checkpoint
-(pickle or state_dict) resumes bit for bit; GradScaler with an overflow on one rank
+(pickle or state_dict) resumes bit for bit; the dense-switch probe loses nothing and
+``compressor.stats`` equals the bytes handed to the collectives; compressor state moves
+to and from the drop-in optimizer and the Simulator; GradScaler with an overflow on one rank
 skips exactly the steps DDP without a hook skips; ``nn.Embedding(sparse=True)``
 and a zero-size parameter train (the sparse gradient densified and compressed,
 mass conserved). One spawn runs it all (each start costs seconds).
@@ -40,6 +42,8 @@ from hvd_compress.kernels import reference  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
 from tests.distributed import launch  # noqa: E402
+from tests.distributed import route_checkpoints as moves  # noqa: E402
+from tests.distributed import switch_probe as probe  # noqa: E402
 from tests.distributed.faults_torch import Odd  # noqa: E402  (a sparse embedding, a zero-size parameter)
 
 RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
@@ -80,10 +84,17 @@ def wire_format(variant: str):
 class Wire:
     """Counts the collectives ddp.py calls (bytes handed in, and uneven all_to_all calls)."""
 
+    ATTRS = ("all_gather", "all_reduce", "all_to_all_single")
+
     def __init__(self) -> None:
         self.bytes, self.alltoall = 0, 0
-        for attr in ("all_gather", "all_reduce", "all_to_all_single"):
+        self.originals = {attr: getattr(dist, attr) for attr in self.ATTRS}
+        for attr in self.ATTRS:
             setattr(dist, attr, self._counting(attr, getattr(dist, attr)))
+
+    def restore(self) -> None:
+        for attr, function in self.originals.items():
+            setattr(dist, attr, function)
 
     def _counting(self, attr, function):
         def wrapper(*args, **kwargs):
@@ -197,6 +208,64 @@ def sparse_training(rank: int, compression, steps: int = 2) -> dict:
     return result
 
 
+class Probe(torch.nn.Module):
+    """The dense-switch probe's one parameter (:mod:`tests.distributed.switch_probe`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(probe.SIZE))
+
+    def forward(self, row: torch.Tensor) -> torch.Tensor:
+        return (self.w * row).sum()
+
+
+def switch_probe(rank: int) -> dict:
+    """The dense-switch probe through the hook: its relative error (0: nothing lost), and the bytes
+    handed to the collectives next to what ``compressor.stats`` counted."""
+    model = Probe()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    compression = TopK(probe.SPARSE)
+    ddp.register_comm_hook(CompressionState(compression), ddp_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=probe.LR)
+    wire = Wire()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sends 'ddp.bucket0.0' dense"
+        for step, row in enumerate(torch.from_numpy(probe.gradients(rank))):
+            compression.ratio = probe.ratio(step)
+            optimizer.zero_grad()
+            ddp(row).backward()
+            optimizer.step()
+    wire.restore()
+    return {"error": probe.relative_error(-model.w.detach().numpy(), RANKS),
+            "handed": wire.bytes, "counted": compression.stats.bytes_sent}
+
+
+def checkpoints_between_routes(rank: int) -> dict:
+    """Compressor state saved by the hook and loaded by the drop-in optimizer (over torch.distributed)
+    or the Simulator, and the other way round (``tests/distributed/route_checkpoints.py``): how far
+    each run is from the Simulator's without a break; and the messages of what is refused (the
+    hook's positional names without named_parameters=)."""
+    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+
+    def gather(state):
+        states = [None] * RANKS
+        dist.all_gather_object(states, state)
+        return states
+
+    comm = TorchDistCommunicator()
+    pairs = [("ddp", "dropin"), ("dropin", "ddp"), ("ddp", "Simulator"), ("Simulator", "ddp")]
+    differences = moves.matrix(pairs, rank, RANKS, comm, gather)
+    initial = moves.initial()
+    _, unnamed = moves.train("ddp", "regtopk", rank, 0, 1, params=initial, named=False)
+    _, named = moves.train("dropin", "regtopk", rank, 0, 1, comm, initial)
+    refused = {
+        "ddp->dropin": moves.refusal(lambda: moves.train("dropin", "regtopk", rank, 1, 2, comm, initial, unnamed)),
+        "dropin->ddp": moves.refusal(lambda: moves.train("ddp", "regtopk", rank, 1, 2, None, initial, named,
+                                                         named=False)),
+    }
+    return {"differences": differences, "refused": refused}
+
+
 def job(rank: int, out: Path) -> None:
     """Every training run, then the misconfigured one, which must raise on every rank."""
     wire = Wire()
@@ -205,13 +274,17 @@ def job(rank: int, out: Path) -> None:
         layouts = []
         alltoall = wire.alltoall
         with wire_format(variant):
-            params, _, per_step = train(rank, variant, STEPS, wire=wire, layouts=layouts)
+            params, state, per_step = train(rank, variant, STEPS, wire=wire, layouts=layouts)
         result[variant] = {
             "params": params,
             "layouts": layouts,
             "bytes": per_step,
+            "counted": state.compressor.stats.bytes_sent,
             "alltoall": wire.alltoall - alltoall,
         }
+    wire.restore()
+    result["switch"] = switch_probe(rank)
+    result["checkpoints"] = checkpoints_between_routes(rank)
     for variant, how in RESUMED:
         params, state, _ = train(rank, variant, STEPS // 2)
         if how == "pickle":
@@ -375,6 +448,38 @@ def test_sparse_payloads_travel_sparse(trained):
         assert result["gaussiank"]["alltoall"] == 0
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_statistics_count_every_byte_handed_to_the_collectives(trained, variant):
+    """compressor.stats.bytes_sent == the bytes the hook handed to torch.distributed over the run
+    (payloads, flags, the dense part and the first step's header)."""
+    for rank, result in enumerate(trained):
+        assert result[variant]["counted"] == sum(result[variant]["bytes"]), (rank, result[variant]["bytes"])
+
+
+def test_a_tensor_that_turns_dense_sends_its_residual(trained):
+    """The dense-switch probe (``tests/distributed/switch_probe.py``) through the hook: the weights
+    moved by exactly lr x the sum of the mean gradients (float32 rounding), nothing read a residual
+    before the check; the statistics equal the bytes handed over there too."""
+    for rank, result in enumerate(trained):
+        case = result["switch"]
+        assert case["error"] < 1e-5, (rank, case)
+        assert case["counted"] == case["handed"], (rank, case)
+
+
+def test_checkpoints_move_between_the_hook_the_drop_in_and_the_simulator(trained):
+    """Each rank's compressor state saved after 2 steps on one route and loaded on another resumes
+    exactly (2 more steps equal the Simulator's 4 without a break); the hook's positional names are
+    refused at load by the drop-in, and parameter names by a hook without named_parameters=, naming
+    the route that wrote the state."""
+    for rank, result in enumerate(trained):
+        differences, refused = result["checkpoints"]["differences"], result["checkpoints"]["refused"]
+        assert len(differences) == 8 and max(differences.values()) < 1e-6, (rank, differences)
+        assert "written by hvd_compress.torch.ddp_hook and names its tensors 'ddp.bucket0." in refused["ddp->dropin"]
+        assert "written by hvd_compress.torch.DistributedOptimizer" in refused["dropin->ddp"], refused
+        assert ("none of which this ddp_hook's CompressionState exchanges (without named_parameters= it names "
+                "parameters ddp.bucket<index>.<position>)") in refused["dropin->ddp"], refused
+
+
 @pytest.mark.parametrize("variant", ["topk", "regtopk", "terngrad", "fp16"])
 def test_nan_gradient_on_one_rank_is_nonfinite_on_every_rank_and_loses_nothing(trained, variant):
     """As DDP's dense allreduce: NaN on rank 1 at step 2 makes every gradient non-finite on both
@@ -438,13 +543,14 @@ def test_mismatched_ratio_fails_every_rank(ranks):
 
 def test_state_pickles_without_process_group_and_delegates_state_dict():
     state = CompressionState(RegTopK(0.1, dense_below=0), process_group=object())
-    state.compressor.bind(0, 2).encode(torch.randn(100), BUCKET)
+    name = f"{BUCKET}.0"  # the hook's name of the first parameter of bucket 0 (no named_parameters=)
+    state.compressor.bind(0, 2).encode(torch.randn(100), name)
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
-    assert torch.equal(copy.compressor.residual(BUCKET), state.compressor.residual(BUCKET))
+    assert torch.equal(copy.compressor.residual(name), state.compressor.residual(name))
     assert state.state_dict().keys() == state.compressor.state_dict().keys()
     fresh = CompressionState(RegTopK(0.1, dense_below=0))
     fresh.load_state_dict(state.state_dict())
-    assert torch.equal(fresh.compressor.residual(BUCKET), state.compressor.residual(BUCKET))
+    assert torch.equal(fresh.compressor.residual(name), state.compressor.residual(name))
     with pytest.raises(ValueError, match="TopK"):
         CompressionState(Compression.topk(0.1)).load_state_dict(state.state_dict())

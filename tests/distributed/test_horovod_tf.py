@@ -38,7 +38,11 @@ SCENARIOS = {
     "ratio-keras-dropin": ("keras-dropin", ["topk"], ["rank1-ratio=0.1"]),
     "rank1-none": ("tape", ["topk"], ["rank1-compression=none"]),
     "rank1-fp16": ("tape", ["topk"], ["rank1-compression=fp16"]),
+    "switch-tape": ("tape", ["topk"], ["switch"]),
+    "switch-tape-dropin": ("tape-dropin", ["topk"], ["switch"]),
 }
+#: scenarios that train (the others must raise)
+TRAINED = ["tape", "tape-dropin", "keras", "keras-dropin", "eager", "nan", "switch-tape", "switch-tape-dropin"]
 
 #: Seconds the job may take (a hang, after a NaN gradient or an error on both ranks, fails every test)
 LIMIT = 300
@@ -65,8 +69,10 @@ def job(tmp_path_factory):
     return done, out
 
 
-def results(job, label):
-    """Scenario ``label``'s weights (``NAME/wI``) and ``wire`` (bytes per step, per name and rank)."""
+def results(job, label, handed=False):
+    """Scenario ``label``'s weights (``NAME/wI``) and ``wire`` (bytes per step through our
+    communicator, per name and rank; ``handed``: ``[bytes handed to every collective, bytes
+    compressor.stats counted]`` over the run, per name and rank)."""
     done, out = job
     assert done.returncode == 0, launch.output(done)
     for rank in (0, 1):
@@ -76,7 +82,8 @@ def results(job, label):
     prefix = f"{label}/"
     weights = {key[len(prefix):]: loaded[key] for key in loaded.files if key.startswith(prefix)}
     assert weights, f"{label}: no weights in {sorted(loaded.files)}"
-    return weights, json.loads(str(loaded["wire"]))[label]
+    wire = json.loads(str(loaded["wire"]))[label]
+    return weights, {name: per_name[1 if handed else 0] for name, per_name in wire.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,3 +165,23 @@ def test_nan_gradient_on_one_rank_reaches_every_rank_as_in_a_dense_allreduce(job
     result, _ = results(job, "nan")
     weights = [result[key] for key in result if key.startswith("regtopk/")]
     assert weights and any(not np.isfinite(w).all() for w in weights), sorted(result)
+
+
+@pytest.mark.parametrize("label", ["switch-tape", "switch-tape-dropin"])
+def test_a_tensor_that_turns_dense_sends_its_residual(label, job):
+    """The dense-switch probe (``tf_horovod.train_switch``): Top-k at 1% for 4 steps, then the ratio
+    raised so that N k >= d (sent dense): the weights moved by exactly lr x the sum of the mean
+    gradients (float32 rounding), stock and drop-in; nothing read a residual before the check."""
+    result, _ = results(job, label)
+    assert float(result["topk/switch_error"]) < 1e-5, float(result["topk/switch_error"])
+
+
+@pytest.mark.parametrize("label", TRAINED)
+def test_statistics_count_every_byte_handed_to_the_collectives(label, job):
+    """compressor.stats.bytes_sent == the bytes each rank handed to the collectives over the run:
+    ours (payloads, headers, the check of agreement) and, on the stock route, Horovod's own
+    allreduce of what we hand it (None's gradients, FP16's, small tensors, placeholders)."""
+    _, handed = results(job, label, handed=True)
+    for name, per_rank in handed.items():
+        for rank, (total, counted) in enumerate(per_rank):
+            assert counted == total, (label, name, rank, total, counted)

@@ -4,7 +4,8 @@
   float and int dtypes (int32 sums wrap around), variable-size allgather with
   empty contributions, numpy and torch inputs, broadcast;
 - ``hvd_compress.mpi.DistributedOptimizer`` on 4 processes == the in-process
-  Simulator (1e-6 absolute, as for Horovod);
+  Simulator (1e-6 absolute, as for Horovod), its statistics == the bytes handed to
+  the collectives, and the dense-switch probe loses nothing;
 - a rank configured with another ratio makes every rank fail fast with "ranks disagree";
   left uncaught, every rank prints it (``[rank R]`` lines) and the job aborts;
 - an exception on rank 1 alone during training (in the script, or a NaN gradient
@@ -18,6 +19,7 @@ Skipped without mpi4py or mpirun, unless HVD_COMPRESS_REQUIRE_HOROVOD=1 (``make 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -44,11 +46,12 @@ NAMES = ["topk", "regtopk", "terngrad", "gaussiank"]
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    """One ``mpirun -np 4`` job: the collectives, then the optimizer with every name of NAMES."""
+    """One ``mpirun -np 4`` job: the collectives, the dense-switch probe, then the optimizer with every
+    name of NAMES."""
     launch.require_mpi()
     out = tmp_path_factory.mktemp("mpi4") / "result.npz"
     done = launch.run(
-        "mpirun", 4, MODULE, "collectives", "train", "--compression", *NAMES, "--steps", str(STEPS),
+        "mpirun", 4, MODULE, "collectives", "probe", "train", "--compression", *NAMES, "--steps", str(STEPS),
         "--out", str(out), timeout=180,
     )
     return done, out
@@ -91,6 +94,29 @@ def test_mpi_optimizer_equals_simulator(four_ranks):
                 atol=1e-6,
                 err_msg=f"{name} {param}: 4-process MPI run differs from the Simulator",
             )
+
+
+def test_statistics_count_every_byte_handed_to_the_collectives(four_ranks):
+    """compressor.stats.bytes_sent == the bytes each rank handed to MPICommunicator over the run."""
+    done, out = four_ranks
+    assert done.returncode == 0, launch.output(done)
+    for rank in range(4):
+        counted = json.loads((out.parent / f"{out.name}.stats.{rank}").read_text())
+        assert sorted(counted) == sorted(NAMES), counted
+        for name, (handed, stats) in counted.items():
+            assert stats == handed > 0, (rank, name, handed, stats)
+
+
+def test_a_tensor_that_turns_dense_sends_its_residual(four_ranks):
+    """The dense-switch probe (``tests/distributed/switch_probe.py``) on 4 ranks: the weights moved by
+    exactly lr x the sum of the mean gradients (float32 rounding), nothing read a residual before
+    the check; the statistics equal the bytes handed over."""
+    done, out = four_ranks
+    for rank in range(4):
+        path = out.parent / f"{out.name}.switch.{rank}"
+        assert path.exists(), launch.output(done)
+        case = json.loads(path.read_text())
+        assert case["error"] < 1e-5 and case["counted"] == case["handed"], (rank, case)
 
 
 def test_mismatched_ratio_fails_every_rank_fast(two_ranks):

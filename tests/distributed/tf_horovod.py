@@ -8,10 +8,12 @@ AutoGraph's first conversion of the exchange cost more than the scenarios themse
 ``horovod.tensorflow.keras.DistributedOptimizer`` in ``model.fit``) or ``keras-dropin``
 (``hvd_compress.keras.DistributedOptimizer``). ``OPTION``: ``eager`` (tape paths: no
 ``tf.function``), ``rank1-nan`` (NaN data on rank 1), ``rank1-ratio=R`` or
-``rank1-compression=NAME`` (rank 1 misconfigured: the scenario must raise on every rank).
+``rank1-compression=NAME`` (rank 1 misconfigured: the scenario must raise on every rank),
+``switch`` (tape paths: the dense-switch probe, :func:`train_switch`, instead of the model).
 
-Rank 0 writes the final weights (``LABEL/NAME/wI``) and the bytes each rank handed to our
-collectives per step (``wire``: JSON, per label and name) to ``--out`` (an ``.npz``). A scenario
+Rank 0 writes the final weights (``LABEL/NAME/wI``), the bytes each rank handed to our
+collectives per step and, in all, to every collective next to what ``compressor.stats`` counted
+(``wire``: JSON, per label and name) to ``--out`` (an ``.npz``). A scenario
 that raises ``ValueError`` or a TensorFlow ``OpError`` writes ``OUT.LABEL.error.RANK`` on each rank
 that raised, then the ranks meet at a barrier and go on with the next scenario; :func:`simulate`
 computes the same training in one process with the :class:`~hvd_compress.simulator.Simulator`.
@@ -32,6 +34,7 @@ import tensorflow as tf  # noqa: E402
 
 from hvd_compress import Compression  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
+from tests.distributed import switch_probe as probe  # noqa: E402
 
 RATIO = 0.05
 LR = 0.1
@@ -89,21 +92,74 @@ def simulate(name: str, ranks: int, steps: int) -> Dict[str, np.ndarray]:
 
 
 class ByteCounter:
-    """Sums the bytes our communicator hands to Horovod collectives."""
+    """Sums the bytes our communicator hands to Horovod collectives (``bytes``) and, apart, those
+    Horovod's own allreduce moves for the stock route (``horovod``: the gradients None, FP16 and
+    small tensors hand it, the placeholders), counted each time they run (in a graph: by an op)."""
 
     def __init__(self) -> None:
+        import horovod.tensorflow as hvd
+
         from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator as comm
 
-        self.bytes = 0
+        self.bytes = self.horovod = 0
+        self.ours = False  # inside our communicator's call (which runs Horovod's allreduce itself)
         for attr in ("allreduce_async", "allgather_async"):
             setattr(comm, attr, self._counting(getattr(comm, attr)))
+        hvd._allreduce = self._counting_horovod(hvd._allreduce)
 
     def _counting(self, method):
         def wrapper(this, tensor, *args, **kwargs):
             self.bytes += tensor.shape.num_elements() * tensor.dtype.size  # static: AutoGraph may trace this
-            return method(this, tensor, *args, **kwargs)
+            self.ours = True
+            try:
+                return method(this, tensor, *args, **kwargs)
+            finally:
+                self.ours = False
 
         return wrapper
+
+    def _counting_horovod(self, function):
+        def add(nbytes):
+            self.horovod += nbytes
+            return 0
+
+        def wrapper(tensor, *args, **kwargs):
+            result = function(tensor, *args, **kwargs)
+            if self.ours:
+                return result
+            nbytes = tensor.shape.num_elements() * tensor.dtype.size
+            if tf.executing_eagerly():
+                add(nbytes)
+                return result
+            with tf.control_dependencies([tf.py_function(lambda: add(nbytes), [], tf.int32)]):
+                return tf.identity(result)
+
+        return wrapper
+
+
+def train_switch(compression, args: argparse.Namespace, hvd) -> float:
+    """The dense-switch probe (:mod:`tests.distributed.switch_probe`) on a tape path: how far the
+    weights are from ``w0 - lr x`` the sum of the mean gradients (relative; 0: nothing lost)."""
+    w = tf.Variable(tf.zeros([probe.SIZE]))
+    rows = probe.gradients(hvd.rank())
+    if args.path == "tape-dropin":
+        import hvd_compress.tensorflow as hvd_compress_tf
+
+        wrap = hvd_compress_tf.DistributedGradientTape
+    else:
+        wrap = hvd.DistributedGradientTape
+
+    @tf.function
+    def step(row):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * row)
+        (g,) = wrap(tape, compression=compression).gradient(loss, [w])
+        w.assign_sub(probe.LR * g)
+
+    for s, row in enumerate(rows):
+        compression.ratio = probe.ratio(s)
+        step(tf.constant(row))
+    return probe.relative_error(-w.numpy(), hvd.size())
 
 
 def train_tape(compression, args: argparse.Namespace) -> tf.keras.Model:
@@ -159,12 +215,16 @@ def parse_scenario(text: str) -> argparse.Namespace:
         raise argparse.ArgumentTypeError(f"bad scenario {text!r}")
     run = argparse.Namespace(
         label=label, path=path, names=names.split(","), eager=False, rank1_nan=False,
-        rank1_ratio=None, rank1_compression=None,
+        rank1_ratio=None, rank1_compression=None, switch=False,
     )
     for option in options:
         key, _, value = option.partition("=")
         if key == "eager":
             run.eager = True
+        elif key == "switch":
+            if not path.startswith("tape"):
+                raise argparse.ArgumentTypeError(f"switch needs a tape path, in scenario {text!r}")
+            run.switch = True
         elif key == "rank1-nan":
             run.rank1_nan = True
         elif key == "rank1-ratio":
@@ -177,18 +237,24 @@ def parse_scenario(text: str) -> argparse.Namespace:
 
 
 def run_scenario(run: argparse.Namespace, steps: int, counter: ByteCounter, hvd):
-    """Trains each of ``run.names``; (final weights by ``NAME/wI``, bytes per step by name)."""
+    """Trains each of ``run.names``; (final weights by ``NAME/wI`` or the probe's ``NAME/switch_error``,
+    and by name: ``[bytes per step through our communicator, [bytes handed to the collectives in all,
+    bytes compressor.stats counted]]`` per rank)."""
     run.steps = steps
     arrays, wire = {}, {}
     for name in run.names:
         compression = compressor(run.rank1_compression if hvd.rank() == 1 and run.rank1_compression else name)
         if hvd.rank() == 1 and run.rank1_ratio is not None:
             compression.ratio = run.rank1_ratio
-        counter.bytes = 0
-        model = (train_keras if run.path.startswith("keras") else train_tape)(compression, run)
-        for key, value in weights(model).items():
-            arrays[f"{name}/{key}"] = value
-        wire[name] = hvd.allgather_object(counter.bytes // steps)
+        counter.bytes = counter.horovod = 0
+        if run.switch:
+            arrays[f"{name}/switch_error"] = np.float64(train_switch(compression, run, hvd))
+        else:
+            model = (train_keras if run.path.startswith("keras") else train_tape)(compression, run)
+            for key, value in weights(model).items():
+                arrays[f"{name}/{key}"] = value
+        handed = [counter.bytes + counter.horovod, compression.stats.bytes_sent]
+        wire[name] = [hvd.allgather_object(counter.bytes // steps), hvd.allgather_object(handed)]
     return arrays, wire
 
 

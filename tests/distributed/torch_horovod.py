@@ -13,7 +13,7 @@ import time
 import io
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -60,12 +60,19 @@ def simulate(
     ``passes`` backward passes accumulate into each step's gradient (``backward_passes_per_step``).
     """
     model = make_model(dtype)
-    sim = Simulator(ranks, compressor(name))
-    data = [batches(r, steps * passes) for r in range(ranks)]
+    simulate_steps(model, Simulator(ranks, compressor(name)), 0, steps, passes)
+    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+
+
+def simulate_steps(model: torch.nn.Module, sim: Simulator, start: int, stop: int, passes: int = 1,
+                   after_step: Optional[Callable[[], Any]] = None) -> None:
+    """Steps ``start``..``stop`` of the training on ``sim`` (every rank's data of :func:`batches`),
+    SGD on ``model`` in place; ``after_step()`` after each (a density schedule's ``step``)."""
+    data = [batches(r, stop * passes) for r in range(sim.n_ranks)]
     params = list(model.named_parameters())[::-1]  # Horovod's hooks fire last layer first
-    for step in range(steps):
+    for step in range(start, stop):
         grads: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in params}
-        for rank in range(ranks):
+        for rank in range(sim.n_ranks):
             model.zero_grad()
             for micro in range(passes):
                 loss_fn(model, *data[rank][step * passes + micro]).backward()
@@ -75,7 +82,8 @@ def simulate(
         with torch.no_grad():
             for n, p in params:
                 p -= LR * averaged[n]
-    return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
+        if after_step is not None:
+            after_step()
 
 
 class ByteCounter:

@@ -1,7 +1,7 @@
 """``DensityWarmup`` on the drop-in torch optimizer: thread ranks follow the schedule as the Simulator does,
 and ranks whose schedules disagree stop with an error on every rank."""
 
-from typing import Dict, List
+from typing import Dict
 
 import numpy as np
 import pytest
@@ -44,20 +44,7 @@ def simulate() -> Dict[str, np.ndarray]:
     model = workload.make_model()
     sim = Simulator(RANKS, workload.compressor("topk"))
     warmup = DensityWarmup(sim, **WARMUP)
-    data = [workload.batches(r, STEPS) for r in range(RANKS)]
-    params = list(model.named_parameters())[::-1]  # the hooks fire last layer first
-    for step in range(STEPS):
-        grads: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in params}
-        for rank in range(RANKS):
-            model.zero_grad()
-            workload.loss_fn(model, *data[rank][step]).backward()
-            for n, p in params:
-                grads[n].append(p.grad.clone())
-        averaged = sim.step(grads)
-        with torch.no_grad():
-            for n, p in params:
-                p -= workload.LR * averaged[n]
-        warmup.step()
+    workload.simulate_steps(model, sim, 0, STEPS, after_step=warmup.step)
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 

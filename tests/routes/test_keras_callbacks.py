@@ -66,8 +66,15 @@ def sizes(model):
     return [int(np.prod(v.shape)) for v in model.trainable_variables]
 
 
+def header(sparse: int) -> int:
+    """Bytes of the per-step header of one exchange (per dtype): int64 config and layout hashes and
+    one count per sparse tensor; it counts as sent (it is handed to an allgather)."""
+    return 8 * (2 + sparse)
+
+
 def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
-    """Top-k at 1%, every tensor sparse: k float32 values + k int32 indices per tensor and step."""
+    """Top-k at 1%, every tensor sparse: k float32 values + k int32 indices per tensor and step, and
+    the exchange's header."""
     topk = TopK(0.01, dense_below=0)
     csv_path = tmp_path / "log.csv"
     history, model = fit(
@@ -76,10 +83,11 @@ def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
     logs = history.history
     sent = sum(num_selected(n, 0.01) for n in sizes(model))
     numel = sum(sizes(model))
+    step = 8 * sent + header(len(sizes(model)))
     for epoch in range(2):  # reset each epoch: both epochs count the same STEPS steps
-        assert logs["compression_bytes"][epoch] == STEPS * 8 * sent
+        assert logs["compression_bytes"][epoch] == STEPS * step
         assert logs["compression_dense_bytes"][epoch] == STEPS * 4 * numel
-        assert logs["compression_savings"][epoch] == pytest.approx(4 * numel / (8 * sent))
+        assert logs["compression_savings"][epoch] == pytest.approx(4 * numel / step)
         assert logs["compression_density"][epoch] == pytest.approx(sent / numel)
     assert logs["compression_savings"][0] > 40
     assert logs["compression_density"][0] == pytest.approx(0.01, rel=0.05)
@@ -93,19 +101,19 @@ def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2
-    assert int(float(rows[1]["compression_bytes"])) == STEPS * 8 * sent
+    assert int(float(rows[1]["compression_bytes"])) == STEPS * step
     assert float(rows[1]["compression_residual_norm"]) > 0
 
 
 def test_stats_from_model_optimizer_with_dense_small_tensors():
     """No argument: the callback takes ``model.optimizer.compression``; biases and the 256-element
-    output layer (under dense_below=1024) travel dense, 4 bytes per element."""
+    output layer (under dense_below=1024) travel dense, 4 bytes per element (with the header)."""
     topk = TopK(0.01)
     history, model = fit(topk, lambda opt: [CompressionStatsCallback()], 1)
     large = [n for n in sizes(model) if n >= 1024]
     small = [n for n in sizes(model) if n < 1024]
     sent = sum(num_selected(n, 0.01) for n in large)
-    assert history.history["compression_bytes"] == [STEPS * (8 * sent + 4 * sum(small))]
+    assert history.history["compression_bytes"] == [STEPS * (8 * sent + 4 * sum(small) + header(len(large)))]
     assert history.history["compression_density"][0] == pytest.approx((sent + sum(small)) / sum(sizes(model)))
     assert history.history["compression_savings"][0] > 1
 

@@ -1,0 +1,82 @@
+"""Compressor checkpoints between routes, in one process: the drop-in optimizer and the MPI
+optimizer (on thread ranks) and the Simulator, in every direction, resume exactly as if the run had
+not moved; what cannot move is refused at load, naming the route that wrote it. The stock
+``horovod.torch`` route and the DDP hook are checked the same way in their multi-rank jobs
+(``tests/distributed/test_faults.py``, ``tests/distributed/test_ddp_hook.py``); the helpers are
+``tests/distributed/route_checkpoints.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_compress import TopK  # noqa: E402
+from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+from tests.distributed import route_checkpoints as moves  # noqa: E402
+
+RANKS = 2
+ROUTES = ["dropin", "mpi", "Simulator"]
+PAIRS = [(w, r) for w in ROUTES for r in ROUTES if w != r]
+
+
+def written(writer, name, initial):
+    """``writer`` for the first half: (parameters of rank 0, every rank's state)."""
+    if writer == "Simulator":
+        return moves.simulate(name, RANKS, 0, moves.HALF)
+    results = run_ranks(RANKS, lambda comm: moves.train(writer, name, comm.rank, 0, moves.HALF, comm, initial))
+    return results[0][0], [state for _, state in results]
+
+
+@pytest.mark.parametrize("name", moves.NAMES)
+@pytest.mark.parametrize("writer, reader", PAIRS, ids=[f"{w}->{r}" for w, r in PAIRS])
+def test_state_moves_between_routes_and_training_goes_on_exactly(writer, reader, name):
+    initial = moves.initial()
+    params, states = written(writer, name, initial)
+    assert all(state["route"] == {"dropin": "hvd_compress.torch.DistributedOptimizer",
+                                  "mpi": "hvd_compress.mpi.DistributedOptimizer"}.get(writer, writer)
+               for state in states)
+    if reader == "Simulator":
+        finals = [moves.simulate(name, RANKS, moves.HALF, moves.STEPS, params, states)[0]]
+    else:
+        finals = [final for final, _ in run_ranks(RANKS, lambda comm: moves.train(
+            reader, name, comm.rank, moves.HALF, moves.STEPS, comm, params, states[comm.rank]))]
+    straight, _ = moves.simulate(name, RANKS, 0, moves.STEPS)
+    for final in finals:
+        assert moves.difference(final, straight) < 1e-6
+
+
+def test_what_cannot_move_is_refused_naming_its_writer():
+    """Positional names (no named_parameters=) mean nothing to another route; a whole Simulator or
+    optimizer checkpoint is not a compressor's state; a Simulator loads every rank's state."""
+    initial = moves.initial()
+    _, positional = run_ranks(RANKS, lambda comm: moves.train(
+        "dropin", "regtopk", comm.rank, 0, 1, comm, initial, named=False))[0]
+    assert sorted(positional["tensors"]) == ["param.0", "param.2"]  # the weights (the biases go dense)
+    message = moves.refusal(lambda: run_ranks(RANKS, lambda comm: moves.train(
+        "mpi", "regtopk", comm.rank, 0, 1, comm, initial, positional)))
+    assert "written by hvd_compress.torch.DistributedOptimizer and names its tensors 'param." in message
+    assert "none of which this hvd_compress.mpi.DistributedOptimizer exchanges" in message
+    assert "named_parameters=" in message
+
+    sim = Simulator(RANKS, TopK(0.05))
+    sim.step({"w": [torch.randn(2000) for _ in range(RANKS)]})
+    whole = sim.state_dict()
+    assert "this is a Simulator's state of 2 ranks" in moves.refusal(lambda: TopK(0.05).load_state_dict(whole))
+    assert "the state of one rank (written by Simulator)" in moves.refusal(
+        lambda: Simulator(RANKS, TopK(0.05)).load_state_dict(whole["ranks"][0]))
+    Simulator(RANKS, TopK(0.05)).load_state_dict(whole["ranks"])  # a list of every rank's state loads
+
+    model = torch.nn.Linear(40, 50)
+    import hvd_compress.torch as hvd
+
+    from hvd_compress.comm.communicator import SingleProcessCommunicator
+
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=TopK(0.05),
+                                   named_parameters=model.named_parameters(), communicator=SingleProcessCommunicator())
+    model(torch.randn(3, 40)).sum().backward()
+    opt.step()
+    message = moves.refusal(lambda: TopK(0.05).load_state_dict(opt.state_dict()))
+    assert "this is an optimizer's state_dict() (hvd_compress.torch.DistributedOptimizer)" in message
+    assert "state['hvd_compress']" in message
