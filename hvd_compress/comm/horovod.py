@@ -91,6 +91,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.horovod_buckets import Plan, Planned
+from hvd_compress.comm.horovod_calls import allreduce_call
 from hvd_compress.compressors.base import Compressor
 
 
@@ -202,31 +203,6 @@ def caller(tensor: Any, depth: int = 8) -> Tuple[Any, Optional[str]]:
     return None, None
 
 
-#: ``horovod.torch`` functions that take ``compression=`` and call ``compress(tensor)`` themselves
-_ALLREDUCES = ("allreduce", "grouped_allreduce")
-
-
-def allreduce_call(compressor: Any, tensor: Any, depth: int = 8) -> Tuple[bool, Optional[str]]:
-    """``(found, name)``: whether ``hvd.allreduce(tensor, compression=compressor)`` (or
-    ``hvd.grouped_allreduce``) of ``horovod.torch`` is on the call stack, and the ``name=`` it was
-    given (grouped: ``<name>.<position of tensor>``), ``None`` without one (Horovod then names it by
-    call order too)."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if (frame.f_code.co_name in _ALLREDUCES and frame.f_globals.get("__name__") == "horovod.torch.mpi_ops"
-                and local.get("compression") is compressor):
-            name = local.get("name")
-            if name is not None and "tensors" in local:  # grouped: the position of this tensor in the group
-                position = next((i for i, t in enumerate(local["tensors"]) if t is tensor), None)
-                name = None if position is None else f"{name}.{position}"
-            return True, None if name is None else str(name)
-        frame = frame.f_back
-    return False, None
-
-
 def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
     """Horovod's name of the parameter whose gradient ``tensor`` is (see :func:`caller`), or ``None``."""
     return caller(tensor, depth)[1]
@@ -275,7 +251,7 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
     # named by order come in the same order on every rank: the check may be waited for right here
     in_order, horovod = name is None, False
     if name is None:  # hvd.allreduce(t, name=..., compression=...): Horovod's name, else call order
-        horovod, name = allreduce_call(compressor, tensor)
+        horovod, name = allreduce_call(compressor, tensor, "horovod.torch.mpi_ops")
     if dense and (name is None and not horovod or (name, tuple(tensor.shape), tensor.dtype) in calls.checked):
         return _direct(compressor, tensor)  # checked, or called by hand without a name: nothing to check with
     if name is None:

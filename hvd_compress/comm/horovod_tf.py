@@ -25,7 +25,11 @@ travel dense in their exchange, with their residual.
 
 Collective names: the i-th gradient compressed while tracing one graph is
 ``hvd_compress.<i>``; gradients come in the model's variable order, the same
-on every rank. The header makes every rank check that the others compressed a
+on every rank. ``hvd.allreduce(t, compression=...)`` called eagerly (outside any
+``tf.function``) names ``t`` by that call's ``name=``, else ``call.<i>``, the
+i-th tensor compressed since the compressor's last ``decompress`` (with a
+warning, once), as stock ``horovod.torch`` names such calls: the same tensor
+keeps its residual from call to call. The header makes every rank check that the others compressed a
 tensor of the same name and size with the same configuration.
 
 Every compressor, dense ones and small tensors included, checks once per
@@ -40,6 +44,7 @@ first; with it every rank raises ``ranks disagree`` naming every rank's compress
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
@@ -48,6 +53,7 @@ import tensorflow as tf
 
 from hvd_compress.comm.communicator import HorovodCommunicator
 from hvd_compress.comm.exchange import open_exchange
+from hvd_compress.comm.horovod_calls import allreduce_call
 from hvd_compress.wire import different_algorithms, header_config, header_hash
 
 
@@ -125,6 +131,31 @@ def _next_name() -> str:
     return f"hvd_compress.{index}"
 
 
+#: per compressor: the tensors it compressed eagerly without a name since its last ``decompress``
+_eager_calls: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_warned_eager: List[bool] = []
+
+
+def _name(compressor: Any, tensor: Any) -> str:
+    """While a graph is traced: :func:`_next_name`. Eagerly: the ``name=`` of the
+    ``hvd.allreduce`` call, else ``call.<i>`` by call order since the last ``decompress``."""
+    if not tf.executing_eagerly():
+        return _next_name()
+    _, name = allreduce_call(compressor, tensor, "horovod.tensorflow")
+    if name is not None:
+        return name
+    if not _warned_eager:
+        _warned_eager.append(True)
+        warnings.warn(
+            "hvd_compress: hvd.allreduce(..., compression=...) was called eagerly without name=; tensors are "
+            "identified by call order, which is only correct when every rank compresses the same tensors in "
+            "the same order. Pass name= (the same on every rank)",
+            stacklevel=6,  # the user's hvd.allreduce line
+        )
+    _eager_calls[compressor] = index = _eager_calls.get(compressor, 0) + 1
+    return f"call.{index}"
+
+
 #: per outermost graph and compressor: the bytes Horovod's own allreduce moves for it per run of the graph
 _direct: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
@@ -188,7 +219,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
 
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
-    name = _next_name()
+    name = _name(compressor, tensor)
     compressor.route = "horovod.tensorflow"
     check_agreement(compressor, name, tensor)
     numel = tensor.shape.num_elements()
@@ -207,6 +238,7 @@ def compress(compressor: Any, tensor: Any):
 
 def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: the dense average (``op=Average``) or sum (``op=Sum``)."""
+    _eager_calls.pop(compressor, None)
     if ctx.average is None:
         return output if ctx.dtype is None else tf.cast(output, ctx.dtype)
     scaling = tf.reshape(output, [-1])[0]  # 1 for op=Average, N for op=Sum

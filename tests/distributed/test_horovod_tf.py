@@ -33,6 +33,7 @@ SCENARIOS = {
     "keras": ("keras", KERAS, []),
     "keras-dropin": ("keras-dropin", KERAS, []),
     "eager": ("tape-dropin", ["gaussiank", "regtopk"], ["eager"]),
+    "allreduce": ("tape", ["topk", "regtopk", "terngrad"], ["eager", "allreduce"]),
     "nan": ("tape-dropin", ["regtopk"], ["rank1-nan"]),
     "ratio-tape": ("tape", ["topk"], ["rank1-ratio=0.1"]),
     "ratio-keras-dropin": ("keras-dropin", ["topk"], ["rank1-ratio=0.1"]),
@@ -42,7 +43,7 @@ SCENARIOS = {
     "switch-tape-dropin": ("tape-dropin", ["topk"], ["switch"]),
 }
 #: scenarios that train (the others must raise)
-TRAINED = ["tape", "tape-dropin", "keras", "keras-dropin", "eager", "nan", "switch-tape", "switch-tape-dropin"]
+TRAINED = ["tape", "tape-dropin", "keras", "keras-dropin", "eager", "allreduce", "nan", "switch-tape", "switch-tape-dropin"]
 
 #: Seconds the job may take (a hang, after a NaN gradient or an error on both ranks, fails every test)
 LIMIT = 300
@@ -132,6 +133,12 @@ def test_keras_fit_equals_simulator(path, job):
 
 def test_dropin_tape_in_eager_mode_equals_simulator(job):
     assert_equals_simulator(results(job, "eager")[0], ["gaussiank", "regtopk"])
+
+
+def test_eager_hvd_allreduce_with_names_keeps_each_tensors_state(job):
+    """``hvd.allreduce(g, name=..., compression=...)`` eagerly: each gradient's residual and
+    random stream carry from step to step under its name, as in the Simulator."""
+    assert_equals_simulator(results(job, "allreduce")[0], ["topk", "regtopk", "terngrad"])
 
 
 @pytest.mark.parametrize("path", ["tape", "keras-dropin"])

@@ -9,7 +9,9 @@ AutoGraph's first conversion of the exchange cost more than the scenarios themse
 (``hvd_compress.keras.DistributedOptimizer``). ``OPTION``: ``eager`` (tape paths: no
 ``tf.function``), ``rank1-nan`` (NaN data on rank 1), ``rank1-ratio=R`` or
 ``rank1-compression=NAME`` (rank 1 misconfigured: the scenario must raise on every rank),
-``switch`` (tape paths: the dense-switch probe, :func:`train_switch`, instead of the model).
+``switch`` (tape paths: the dense-switch probe, :func:`train_switch`, instead of the model),
+``allreduce`` (path ``tape``, with ``eager``: a plain tape, each gradient averaged by
+``hvd.allreduce(g, name=..., compression=...)``).
 
 Rank 0 writes the final weights (``LABEL/NAME/wI``), the bytes each rank handed to our
 collectives per step and, in all, to every collective next to what ``compressor.stats`` counted
@@ -178,8 +180,12 @@ def train_tape(compression, args: argparse.Namespace) -> tf.keras.Model:
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = LOSS(yb, model(xb, training=True))
-        tape = wrap(tape, compression=compression)
-        for v, g in zip(model.trainable_variables, tape.gradient(loss, model.trainable_variables)):
+        if args.allreduce:  # each gradient by hand, named: its residual carries from call to call
+            grads = [hvd.allreduce(g, name=f"grad{i}", compression=compression)
+                     for i, g in enumerate(tape.gradient(loss, model.trainable_variables))]
+        else:
+            grads = wrap(tape, compression=compression).gradient(loss, model.trainable_variables)
+        for v, g in zip(model.trainable_variables, grads):
             v.assign_sub(LR * g)
 
     step = step if args.eager else tf.function(step)
@@ -215,7 +221,7 @@ def parse_scenario(text: str) -> argparse.Namespace:
         raise argparse.ArgumentTypeError(f"bad scenario {text!r}")
     run = argparse.Namespace(
         label=label, path=path, names=names.split(","), eager=False, rank1_nan=False,
-        rank1_ratio=None, rank1_compression=None, switch=False,
+        rank1_ratio=None, rank1_compression=None, switch=False, allreduce=False,
     )
     for option in options:
         key, _, value = option.partition("=")
@@ -225,6 +231,10 @@ def parse_scenario(text: str) -> argparse.Namespace:
             if not path.startswith("tape"):
                 raise argparse.ArgumentTypeError(f"switch needs a tape path, in scenario {text!r}")
             run.switch = True
+        elif key == "allreduce":
+            if path != "tape":
+                raise argparse.ArgumentTypeError(f"allreduce needs the tape path, in scenario {text!r}")
+            run.allreduce = True
         elif key == "rank1-nan":
             run.rank1_nan = True
         elif key == "rank1-ratio":
