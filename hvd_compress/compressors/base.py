@@ -265,8 +265,16 @@ class Compressor:
         """Scores a fused sparse bucket selects by (sparsifiers)."""
         raise NotImplementedError
 
-    def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
-        """Hook: the sum over ranks of a fused bucket's compressed part (RegTop-k learns from it)."""
+    def bucket_codec(self, bucket: Any) -> Any:
+        """The codec of a fused torch bucket's compressed part (:mod:`hvd_compress.compressors.rounds`);
+        compressors that send every tensor dense have none."""
+        raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
+
+    def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
+        """Hook: the sum over ranks of a fused bucket's compressed part, what this rank sent
+        (``(positions, values)``), the per-tensor flags and each slot's tensor; returns the
+        bucket's new posterior (RegTop-k) or ``None``."""
+        return None
 
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""

@@ -70,6 +70,12 @@ class TernGrad(Compressor):
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
+    def bucket_codec(self, bucket: Any) -> Any:
+        """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec` (imports torch)."""
+        from hvd_compress.compressors.terngrad_bucket import TernaryBucketCodec
+
+        return TernaryBucketCodec(self, bucket)
+
     # ------------------------------------------------------------------ steps
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)
