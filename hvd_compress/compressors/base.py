@@ -251,6 +251,12 @@ class Compressor:
         """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
         return _adapter().decompress(self, tensor, ctx)
 
+    @property
+    def dense_only(self) -> bool:
+        """Every tensor travels as a dense payload (None, FP16): once the ranks' header agrees, a
+        transport may sum the gradients with its own allreduce."""
+        return self.payload_kind == "dense"
+
     # ------------------------------------------------------------- fused buckets
     def fused_kind(self, numel: int) -> str:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
@@ -264,6 +270,13 @@ class Compressor:
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """Scores a fused sparse bucket selects by (sparsifiers)."""
         raise NotImplementedError
+
+    def tensor_codec(self, exchange: Any) -> Any:
+        """The codec of the per-tensor exchange (any framework): dense and sparse payloads
+        (:class:`~hvd_compress.compressors.tensor_codec.TensorCodec`)."""
+        from hvd_compress.compressors.tensor_codec import TensorCodec
+
+        return TensorCodec(self, exchange)
 
     def bucket_codec(self, bucket: Any) -> Any:
         """The codec of a fused torch bucket's compressed part (:mod:`hvd_compress.compressors.rounds`);

@@ -70,6 +70,12 @@ class TernGrad(Compressor):
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
+    def tensor_codec(self, exchange: Any) -> Any:
+        """:class:`~hvd_compress.compressors.terngrad_tensors.TernaryTensorCodec`."""
+        from hvd_compress.compressors.terngrad_tensors import TernaryTensorCodec
+
+        return TernaryTensorCodec(self, exchange)
+
     def bucket_codec(self, bucket: Any) -> Any:
         """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec` (imports torch)."""
         from hvd_compress.compressors.terngrad_bucket import TernaryBucketCodec
