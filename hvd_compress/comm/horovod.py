@@ -79,7 +79,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.horovod_buckets import Plan, Planned
-from hvd_compress.compressors.base import Compressor
 
 
 @dataclass
@@ -277,6 +276,3 @@ def decompress(compressor: Any, output: Any, ctx: Any):
         calls.agreed = True
     return result
 
-
-# Every compressor's Horovod ``compress``/``decompress`` runs through this module.
-Compressor.horovod_adapter = sys.modules[__name__]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -233,23 +234,14 @@ class Compressor:
         return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface
-    #: The module that runs Horovod's protocol for every compressor. The comm layer
-    #: registers it (:mod:`hvd_compress.comm.horovod`, imported by ``import hvd_compress``)
-    #: so that this layer never imports a higher one.
-    horovod_adapter: Any = None
-
     def compress(self, tensor: Any, name: Optional[str] = None):
-        """Horovod ``Compressor.compress``: starts this compressor's own collectives.
-
-        See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
-        ``name`` identifies the tensor (the same on every rank); by default the
-        parameter name the calling Horovod optimizer uses.
-        """
-        return _adapter().compress(self, tensor, name)
+        """Horovod ``Compressor.compress`` for a compressor passed directly as ``compression=``:
+        ``HorovodCompression(self).compress`` (:mod:`hvd_compress.comm.horovod_compression`)."""
+        return horovod_interface(self).compress(tensor, name)
 
     def decompress(self, tensor: Any, ctx: Any):
-        """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
-        return _adapter().decompress(self, tensor, ctx)
+        """Horovod ``Compressor.decompress``: ``HorovodCompression(self).decompress``."""
+        return horovod_interface(self).decompress(tensor, ctx)
 
     @property
     def dense_only(self) -> bool:
@@ -381,13 +373,20 @@ class Compressor:
         """Hook for compressors that learn from the aggregate; default: nothing."""
 
 
-def _adapter() -> Any:
-    if Compressor.horovod_adapter is None:
+#: The module of Horovod's ``compression=`` wrapper, a higher layer: looked up by name, never
+#: imported from here (``import hvd_compress`` loads it).
+HOROVOD_INTERFACE = "hvd_compress.comm.horovod_compression"
+
+
+def horovod_interface(compressor: Compressor) -> Any:
+    """``HorovodCompression(compressor)``, the wrapper Horovod's ``compress``/``decompress`` run through."""
+    module = sys.modules.get(HOROVOD_INTERFACE)
+    if module is None:
         raise RuntimeError(
-            "hvd_compress: no Horovod adapter is registered; import hvd_compress (not only its submodules' "
+            "hvd_compress: the Horovod interface is not loaded; import hvd_compress (not only its submodules' "
             "files) before passing a compressor to Horovod"
         )
-    return Compressor.horovod_adapter
+    return module.HorovodCompression(compressor)
 
 
 def payload_tensor(payload: Any) -> Any:
