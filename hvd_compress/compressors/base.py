@@ -263,6 +263,13 @@ class Compressor:
         """Scores a fused sparse bucket selects by (sparsifiers)."""
         raise NotImplementedError
 
+    def encode_options(self, compressors: Sequence["Compressor"],
+                       grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
+        """For the Simulator: ``{name: options}`` of every rank's ``encode`` that a real exchange
+        learns from the other ranks first (TernGrad's shared scale); ``compressors`` and ``grads``
+        hold every rank's. Default: nothing."""
+        return {}
+
     def tensor_codec(self, exchange: Any) -> Any:
         """The codec of the per-tensor exchange (any framework): dense and sparse payloads
         (:class:`~hvd_compress.compressors.tensor_codec.TensorCodec`)."""
