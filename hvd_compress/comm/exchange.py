@@ -3,8 +3,11 @@
 A bucket holds several tensors (same dtype and device). Their payloads share
 a few collectives instead of a few per tensor:
 
-- first, one allgather of a header ``[config hash, layout hash, ...]`` (the
-  codec's entries after the first two: a sparse tensor's count); ``finish`` checks
+- first, one allgather of a header ``[config hash, layout hash, codec's columns
+  (a sparse tensor's count), flags]``, a flag bit per tensor of the bucket
+  (:func:`flag_words`; set: its gradient holds NaN/Inf on this rank; a tensor the
+  codec carries is then NaN on every rank and no rank's state moves: the codec asks
+  ``flagged``); ``finish`` checks
   it before waiting for anything else (and ``launch`` already, for communicators
   that match collectives by order), so ranks configured differently (compressor,
   ratio, tensor names, sizes or dense/sparse split) all fail with the same error
@@ -38,12 +41,29 @@ from typing import Any, Dict, List, Tuple
 from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
-from hvd_compress.comm.rounds import check_header, start_round, wait_round
+from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
 
 
 def elements(tensor: Any) -> int:
     """Elements of a tensor of any framework."""
     return math.prod(int(n) for n in tensor.shape)
+
+
+#: flags of non-finite tensors per header column (bits of an int64 that stays positive)
+FLAG_BITS = 63
+
+
+def flag_words(flags: List[bool]) -> List[int]:
+    """``flags`` (one per tensor of the bucket, in order) packed ``FLAG_BITS`` to an int64 column:
+    the header's width depends on the bucket's tensors only, not on which are flagged or dense."""
+    return [sum(1 << bit for bit, flag in enumerate(flags[start : start + FLAG_BITS]) if flag)
+            for start in range(0, len(flags), FLAG_BITS)]
+
+
+def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
+    """Per tensor of ``count``: whether some rank's header row (its last columns, :func:`flag_words`) flags it."""
+    words = -(-count // FLAG_BITS)
+    return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
 
 
 def open_exchange(compressor: Any, comm: Any, key: str) -> Any:
@@ -72,6 +92,7 @@ class BucketExchange:
         self.round: List[str] = []  # the names of the codec's round in flight
         self.rounds_left = 0  # the codec's rounds still to start
         self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
+        self.flagged: set = set()  # the codec's names whose gradient holds NaN/Inf on some rank (the header's flags)
         self.kept_state: Dict[str, Any] = {}  # momentum correction: residual and velocity before encode
 
     def add(self, name: str, tensor: Any) -> None:
@@ -83,8 +104,10 @@ class BucketExchange:
     def _encode(self) -> None:
         """Per-tensor path: the codec encodes every tensor; dense payloads come back for the dense sum.
 
-        A NaN/Inf gradient on this rank is not encoded (its state stays as it was) and every
-        rank's result becomes non-finite, as in a dense allreduce (the codec's ``add_nonfinite``)."""
+        A NaN/Inf gradient on this rank is not encoded (its state stays as it was; the codec's
+        ``add_nonfinite``) and every rank's result becomes non-finite, as in a dense allreduce:
+        a dense one carries the NaN/Inf through the sum, one the codec carries is flagged in
+        the header."""
         self.codec = self.compressor.tensor_codec(self)
         for name, tensor in self.added:
             if elements(tensor) == 0:  # nothing to compress: an empty dense part, as Horovod sends it
@@ -125,7 +148,8 @@ class BucketExchange:
         ops, comm, key = self.ops, self.comm, self.key
         layout = [(n, self.shapes[n], "dense") for n, _ in self.dense] + self.codec.layout()
         config = header_config(type(self.compressor).__name__, self.compressor.config_hash())
-        header = ops.as_int64([[config, header_hash(layout), *self.codec.header()]], like=self.added[0][1])
+        flags = flag_words([name in self.nonfinite for name, _ in self.added])
+        header = ops.as_int64([[config, header_hash(layout), *self.codec.header(), *flags]], like=self.added[0][1])
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
         if comm.matches_by_order:
             self._check_header()
@@ -171,11 +195,7 @@ class BucketExchange:
         if self.dense:
             results.update(self._finish_dense())
         if self.steps is not None:
-            try:
-                self.steps.send(wait_round(self.comm, self.round, self.handles))
-                raise RuntimeError(f"hvd_compress: the codec of '{self.key}' has more rounds than it declares")
-            except StopIteration as done:
-                results.update(done.value)
+            results.update(decode_rounds(self.comm, self.key, self.steps, self.round, self.handles))
         return results
 
     def result(self, name: str, total: Any, dtype: Any) -> Any:
@@ -200,3 +220,5 @@ class BucketExchange:
     def _check_header(self) -> None:
         self.rows = self.ops.to_list(self.comm.wait(self.handles["header"]))
         check_header(self.comm, self.rows, self.key, self.compressor)
+        anywhere = flagged_anywhere(self.rows, len(self.added))
+        self.flagged = {name for (name, _), bad in zip(self.added, anywhere) if bad}

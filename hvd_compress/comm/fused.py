@@ -54,7 +54,7 @@ import torch
 
 from hvd_compress import wire
 from hvd_compress.kernels import torch_ops as ops
-from hvd_compress.comm.rounds import check_header, start_round, wait_round
+from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -368,11 +368,7 @@ class Launched:
                 results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
                 start += b.numels[i]
         if b.compressed:
-            try:
-                self.steps.send(wait_round(comm, self.round, self.handles))
-                raise RuntimeError(f"hvd_compress: the codec of '{b.key}' has more rounds than it declares")
-            except StopIteration as done:
-                total, bad = done.value
+            total, bad = decode_rounds(comm, b.key, self.steps, self.round, self.handles)
             self._keep(bad)
             flat = self._scaled(total, average)
             for i in b.compressed:

@@ -32,6 +32,15 @@ def wait_round(comm: Any, names: Sequence[str], handles: Dict[str, Any]) -> Dict
     return {name: comm.wait(handles[name]) for name in names}
 
 
+def decode_rounds(comm: Any, key: str, steps: Any, names: Sequence[str], handles: Dict[str, Any]) -> Any:
+    """Hand the codec's generator ``steps`` the results of its last round (``names``); its decode."""
+    try:
+        steps.send(wait_round(comm, names, handles))
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError(f"hvd_compress: the codec of '{key}' has more rounds than it declares")
+
+
 def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "") -> None:
     """Raise the same ``ValueError`` on every rank when the ranks' ``[config hash, layout hash]`` differ."""
     if all(row[:2] == rows[0][:2] for row in rows):

@@ -15,9 +15,9 @@ the compressor decodes each tensor (scatter-add in rank order; RegTop-k learns f
 
 A tensor that holds NaN/Inf on a rank is not encoded there (its state stays as it was);
 its result is non-finite on every rank, as in a dense allreduce. A dense one carries
-the NaN/Inf through the sum; a sparse one sends no entries and the count -1 in the
-header, and a rank that encoded it takes back what it sent, so its residual is as
-before the step.
+the NaN/Inf through the sum; a sparse one sends no entries and the exchange flags it
+in the header (``bucket.flagged``: flagged on some rank); its result is NaN and a rank
+that encoded it takes back what it sent, so its residual is as before the step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from hvd_compress.compressors.rounds import Send
 class TensorCodec:
     """Dense and sparse payloads of one exchange (see the module docstring); ``bucket`` is the
     exchange: its ``ops``, ``world``, ``shapes``, ``rows`` (every rank's header, once checked),
-    ``nonfinite``, ``kept_state``, ``added`` and ``result(name, total, dtype)``."""
+    ``nonfinite`` (this rank's NaN/Inf tensors), ``flagged`` (some rank's, once the header is
+    checked), ``kept_state``, ``added`` and ``result(name, total, dtype)``."""
 
     kind = "sparse"  # the layout's name of the tensors this codec carries
 
@@ -73,31 +74,30 @@ class TensorCodec:
         return [(name, self.bucket.shapes[name], self.kind) for name in self.names]
 
     def header(self) -> List[int]:
-        """The header's entries after ``[config hash, layout hash]``: each tensor's count (-1: non-finite)."""
-        return [-1 if n in self.bucket.nonfinite else p.values.shape[0] for n, p in zip(self.names, self.payloads)]
+        """The header's entries after ``[config hash, layout hash]``: each tensor's count."""
+        return [int(p.values.shape[0]) for p in self.payloads]
 
     # ---------------------------------------------------------------- exchange
     def exchange(self, rows: Optional[List[List[int]]]) -> Generator[List[Send], Dict[str, Any], Dict[str, Any]]:
         """One round of two allgathers (each rank's rows from the header ``rows`` where checked
         already), then ``{name: result}``."""
         ops = self.ops
-        counts = None if rows is None else [sum(max(c, 0) for c in row[2:]) for row in rows]
+        counts = None if rows is None else [sum(row[2 : 2 + len(self.names)]) for row in rows]
         received = yield [Send("indices", "gather", ops.concat([p.indices for p in self.payloads]), counts),
                           Send("values", "gather", ops.concat([p.values for p in self.payloads]), counts)]
         return self._decode(received["indices"], received["values"])
 
     def _decode(self, indices: Any, values: Any) -> Dict[str, Any]:
         ops, bucket = self.ops, self.bucket
-        per_rank = [[max(c, 0) for c in row[2:]] for row in bucket.rows]
-        flagged = [any(row[2 + j] < 0 for row in bucket.rows) for j in range(len(self.names))]
+        per_rank = [row[2 : 2 + len(self.names)] for row in bucket.rows]
         totals = [sum(counts) for counts in per_rank]
         by_tensor: List[List[SparsePayload]] = [[] for _ in self.names]
         for counts, v, i in zip(per_rank, ops.split(values, totals), ops.split(indices, totals)):
             for j, (seg_v, seg_i) in enumerate(zip(ops.split(v, counts), ops.split(i, counts))):
                 by_tensor[j].append(SparsePayload(seg_v, seg_i, self.payloads[j].numel))
         results = {}
-        for name, payload, payloads, bad in zip(self.names, self.payloads, by_tensor, flagged):
-            if bad:
+        for name, payload, payloads in zip(self.names, self.payloads, by_tensor):
+            if name in bucket.flagged:
                 results[name] = self._nonfinite_result(name, payload)
             else:
                 results[name] = self.compressor.decode(payloads, bucket.shapes[name], average=bucket.average,

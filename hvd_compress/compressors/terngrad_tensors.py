@@ -5,8 +5,9 @@ With scalar sharing, two rounds: an allreduce-Max of the bucket's scales ``max|c
 packed int32 lanes and/or one allgather of 2-bit codes (each tensor's wire format,
 :func:`hvd_compress.wire.ternary_wire_format`); the scale is read on the host between
 the rounds. Without it, one round gathers every rank's scales and 2-bit codes, decoded
-per rank. A tensor with NaN/Inf on a rank sends the scale Inf, so every rank sees it and
-its result is NaN everywhere; a rank that encoded it takes its residual back.
+per rank. A tensor with NaN/Inf on a rank is flagged in the exchange's header (its scale
+0): no rank encodes it with a shared scale, its result is NaN everywhere, and a rank that
+encoded it with its own scale takes its residual back.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.compressors.rounds import Send
 from hvd_compress.compressors.tensor_codec import TensorCodec, nan_result
 
-INF = float("inf")
 #: the wire formats of the codes: (format, operation, collective name)
 CODE_WIRES = (("allreduce", "sum", "lanes"), ("allgather", "gather", "codes2bit"))
 
@@ -30,7 +30,7 @@ class TernaryTensorCodec(TensorCodec):
     def __init__(self, compressor: Any, bucket: Any) -> None:
         super().__init__(compressor, bucket)
         self.tensors: List[Any] = []
-        self.scales: List[float] = []  # this rank's, Inf for a non-finite tensor
+        self.scales: List[float] = []  # this rank's, 0 for a non-finite tensor
 
     @property
     def rounds(self) -> int:
@@ -47,7 +47,7 @@ class TernaryTensorCodec(TensorCodec):
     def add_nonfinite(self, name: str, tensor: Any) -> Optional[DensePayload]:
         if self.compressor.fused_kind(int(self.ops.reshape(tensor, (-1,)).shape[0])) == "dense":
             return super().add_nonfinite(name, tensor)
-        self._carry(name, tensor, INF)
+        self._carry(name, tensor, 0.0)
         return None
 
     def _carry(self, name: str, tensor: Any, scale: float) -> None:
@@ -64,8 +64,9 @@ class TernaryTensorCodec(TensorCodec):
         if tern.scalar_sharing:
             received = yield [Send("scales", "max", scales)]
             shared = ops.to_list(received["scales"])
-            payloads = [
-                tern.encode(t, name, scale=s) if s < INF else tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, True)
+            payloads = [  # the header is checked: flagged tensors are known
+                tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, True) if name in self.bucket.flagged
+                else tern.encode(t, name, scale=s)
                 for name, t, s in zip(self.names, self.tensors, shared)
             ]
             sends = []
@@ -104,7 +105,7 @@ class TernaryTensorCodec(TensorCodec):
                 wire = ops.concat([received[label][r * chunk + start : r * chunk + start + size] for r in range(world)])
             offsets[fmt] += size
             numel = int(payload.codes.shape[0])
-            if scale == INF:  # non-finite on some rank
+            if name in bucket.flagged:  # non-finite on some rank
                 results[name] = nan_result(bucket, name, numel, ops.reshape(tensor, (-1,)))
                 continue
             code_sum = tern.code_sum(wire, numel, world, fmt, ops)
@@ -128,7 +129,7 @@ class TernaryTensorCodec(TensorCodec):
                 for r in range(world)
             ]
             offset += size
-            if any(r[j] == INF for r in rank_scales):  # non-finite on some rank: the residual as before
+            if name in bucket.flagged:  # non-finite on some rank: the residual as before
                 if kept.get(name) is not None:
                     tern.memory.set(name, "residual", kept[name])
                 results[name] = nan_result(bucket, name, numel, ops.reshape(tensor, (-1,)))

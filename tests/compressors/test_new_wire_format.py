@@ -8,11 +8,11 @@ gradient and the aggregate is the sign of their sum::
 
 The sum an exchange returns (``finish(average=False)``) is ``N vote``, so the average is the
 vote. On the wire the ranks' signs are summed exactly: ``t + 1`` packed into int32 lanes of
-``ceil(log2(2N + 1))``-bit fields (``ops.pack_ternary``), one allreduce-Sum for the bucket,
-and next to it one allreduce-Max of a flag per tensor (1 where a rank's gradient holds
-NaN/Inf: the result is NaN on every rank, as a dense allreduce would give). Neither is a
-format the library knows: the compressor brings its codec (``tensor_codec``), and the
-exchange runs its round without a line of ``hvd_compress`` changed.
+``ceil(log2(2N + 1))``-bit fields (``ops.pack_ternary``), one allreduce-Sum for the bucket
+(a tensor with NaN/Inf on some rank, flagged in the exchange's header, is NaN on every
+rank, as a dense allreduce would give). No format the library knows: the compressor
+brings its codec (``tensor_codec``), and the exchange runs its round without a line of
+``hvd_compress`` changed.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def majority(sign_sum: Any, world: int, dtype: Any, ops: Any) -> Any:
 
 
 class MajorityVoteCodec(TensorCodec):
-    """The exchange's side: one round of an allreduce-Sum of packed signs and an allreduce-Max of flags."""
+    """The exchange's side: one round, an allreduce-Sum of packed signs."""
 
     kind = "sign"
 
@@ -115,13 +115,12 @@ class MajorityVoteCodec(TensorCodec):
     def exchange(self, rows: Any):
         ops, world = self.ops, self.bucket.world
         lanes = ops.concat([ops.pack_ternary(p.values, world) for p in self.payloads])
-        flags = ops.as_float32([float(n in self.bucket.nonfinite) for n in self.names], like=self.payloads[0].values)
-        received = yield [Send("signs", "sum", lanes), Send("flags", "max", flags)]
-        flagged, results, start = ops.to_list(received["flags"]), {}, 0
-        for name, payload, bad in zip(self.names, self.payloads, flagged):
+        received = yield [Send("signs", "sum", lanes)]
+        results, start = {}, 0
+        for name, payload in zip(self.names, self.payloads):
             numel = int(payload.values.shape[0])
             size = ternary_lanes(numel, world)
-            if bad:
+            if name in self.bucket.flagged:  # NaN/Inf on some rank (the header's flags)
                 results[name] = nan_result(self.bucket, name, numel, dict(self.bucket.added)[name])
             else:
                 total = majority(ops.unpack_ternary_sum(received["signs"][start : start + size], numel, world), world,
