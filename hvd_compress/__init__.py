@@ -4,6 +4,9 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
     from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
 
+``HorovodCompression(compressor)`` is the same as Horovod's ``compression=`` wrapper
+(:mod:`hvd_compress.comm.horovod_compression`); a compressor passed directly runs through it.
+
 ``DensityWarmup(compressor, warmup_steps, start)`` is Deep Gradient Compression's
 density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
 (:mod:`hvd_compress.compressors.schedule`).
@@ -30,11 +33,8 @@ from hvd_compress.compressors import (
     TopK,
 )
 from hvd_compress.comm.auto import Auto
+from hvd_compress.comm.horovod_compression import HorovodCompression
 from hvd_compress.comm.nonfinite import NonFiniteGradientError
-
-
-# Registers the adapter that runs Horovod's compress/decompress for every compressor.
-from hvd_compress.comm import horovod as _horovod_adapter  # noqa: E402,F401
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "NoneCompressor",
     "FP16",
     "Compression",
+    "HorovodCompression",
     "DensityWarmup",
     "NonFiniteGradientError",
     "__version__",

@@ -72,11 +72,11 @@ class Simulator:
         Gradients may be numpy arrays, torch or TensorFlow tensors (then that framework's kernels run).
         """
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
-        scales = self._shared_scales(grads)
+        shared = self.compressors[0].encode_options(self.compressors, grads)
         sent = [0] * self.n_ranks
         out: Dict[str, np.ndarray] = {}
         for name, per_rank in grads.items():
-            options = {"scale": scales[name]} if name in scales else {}
+            options = shared.get(name, {})
             payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
             for rank, payload in enumerate(payloads):
                 sent[rank] += payload.nbytes
@@ -97,19 +97,6 @@ class Simulator:
         if len(shapes) != 1:
             raise ValueError(f"hvd_compress: ranks disagree on the shape of '{name}': {shapes}")
         return arrays
-
-    def _shared_scales(self, grads: Dict[str, List[np.ndarray]]) -> Dict[str, float]:
-        """TernGrad scalar sharing: allreduce-Max of every rank's vector of layer scales."""
-        first = self.compressors[0]
-        if not (first.payload_kind == "ternary" and first.scalar_sharing):
-            return {}
-        local = [
-            {name: c.local_scale(per_rank[rank], name) for name, per_rank in grads.items()}
-            for rank, c in enumerate(self.compressors)
-        ]
-        names = [name for name, s in local[0].items() if s is not None]
-        vectors = np.array([[scales[name] for name in names] for scales in local])
-        return dict(zip(names, vectors.max(axis=0).tolist()))
 
     def state_dict(self) -> Dict[str, Any]:
         """Every rank's compressor state (residuals, distortion, random stream)."""

@@ -357,6 +357,9 @@ class Auto(InnerState):
     def fused_kind(self, numel: int) -> str:
         return self.inner.fused_kind(numel)
 
+    def encode_options(self, compressors, grads):
+        return self.inner.encode_options([c.inner for c in compressors], grads)
+
     def residual(self, name: str):
         return self.inner.residual(name)
 

@@ -1,22 +1,23 @@
-"""Fused exchange of one bucket of gradients over a :class:`Communicator`.
+"""Exchange of one bucket of gradients over a :class:`Communicator`.
 
 A bucket holds several tensors (same dtype and device). Their payloads share
 a few collectives instead of a few per tensor:
 
-- first, one allgather of a header ``[config hash, layout hash, count of every
-  sparse tensor]``; ``finish`` checks it before waiting for anything else (and
-  ``launch`` already, for communicators that match collectives by order), so
-  ranks configured differently (compressor, ratio, tensor names, sizes or
-  dense/sparse split) all fail with the same error instead of waiting for
-  collectives the others never start;
-- sparse payloads: one allgather of all indices, one of all values; every
-  rank's segment of each tensor is cut out by the counts (no padding) and the
-  compressor decodes each tensor (scatter-add; RegTop-k learns from it);
-- TernGrad: one allreduce-Max of the vector of the bucket's scales, then the
-  codes drawn with the shared scales travel as one int32 allreduce of packed
-  lanes (and/or one allgather of 2-bit codes, per tensor's wire format);
+- first, one allgather of a header ``[config hash, layout hash, codec's columns
+  (a sparse tensor's count), flags]``, a flag bit per tensor of the bucket
+  (:func:`flag_words`; set: its gradient holds NaN/Inf on this rank; a tensor the
+  codec carries is then NaN on every rank and no rank's state moves: the codec asks
+  ``flagged``); ``finish`` checks
+  it before waiting for anything else (and ``launch`` already, for communicators
+  that match collectives by order), so ranks configured differently (compressor,
+  ratio, tensor names, sizes or dense/sparse split) all fail with the same error
+  instead of waiting for collectives the others never start;
 - dense payloads (None, FP16, tensors under ``dense_below``): one allreduce-Sum
-  of their concatenation.
+  of their concatenation;
+- the rest: the rounds of collectives of the compressor's per-tensor codec
+  (``compressor.tensor_codec(exchange)``: :mod:`hvd_compress.compressors.tensor_codec`
+  for dense and sparse payloads, TernGrad's own), started here; the codec encodes
+  and decodes, this module knows no algorithm.
 
 Usage: ``add(name, grad)`` for each tensor, ``launch()`` once the bucket is
 complete, ``finish(average)`` for ``{name: average or sum}``.
@@ -26,9 +27,10 @@ Torch buckets of one dtype and device whose compressor has a fused form take
 sizes are known in advance, a step reads nothing back to the host and encodes
 the whole bucket with a few kernels. The per-tensor path above serves numpy and
 TensorFlow tensors.
-Every collective of a bucket is started by ``launch`` (TernGrad waits there for
-its shared scales, unless ``launch(complete=False)`` leaves that to
-``complete()``), so ``finish`` only waits and decodes.
+Every collective of a bucket is started by ``launch`` (a round that needs an
+earlier one's result, TernGrad's codes drawn with the shared scales, is started
+there too, unless ``launch(complete=False)`` leaves it to ``complete()``), so
+``finish`` only waits and decodes.
 """
 
 from __future__ import annotations
@@ -36,15 +38,32 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Tuple
 
-from hvd_compress.wire import (DensePayload, SparsePayload, TernaryPayload, different_algorithms, header_config,
-                               header_hash)
+from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
+from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
 
 
 def elements(tensor: Any) -> int:
     """Elements of a tensor of any framework."""
     return math.prod(int(n) for n in tensor.shape)
+
+
+#: flags of non-finite tensors per header column (bits of an int64 that stays positive)
+FLAG_BITS = 63
+
+
+def flag_words(flags: List[bool]) -> List[int]:
+    """``flags`` (one per tensor of the bucket, in order) packed ``FLAG_BITS`` to an int64 column:
+    the header's width depends on the bucket's tensors only, not on which are flagged or dense."""
+    return [sum(1 << bit for bit, flag in enumerate(flags[start : start + FLAG_BITS]) if flag)
+            for start in range(0, len(flags), FLAG_BITS)]
+
+
+def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
+    """Per tensor of ``count``: whether some rank's header row (its last columns, :func:`flag_words`) flags it."""
+    words = -(-count // FLAG_BITS)
+    return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
 
 
 def open_exchange(compressor: Any, comm: Any, key: str) -> Any:
@@ -59,19 +78,21 @@ class BucketExchange:
 
     def __init__(self, compressor: Any, comm: Any, key: str) -> None:
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
+        self.world = comm.size
         self.average = True
         self.shapes: Dict[str, tuple] = {}
         self.added: List[Tuple[str, Any]] = []
         self.dense: List[Tuple[str, DensePayload]] = []
-        self.sparse: List[Tuple[str, SparsePayload]] = []
-        self.ternary: List[Tuple[str, Any, float]] = []
         self.handles: Dict[str, Any] = {}
         self.rows: Any = None  # every rank's header, once checked
         self.ops: Any = None
         self.fused: Any = None  # the step of a fused bucket, once launched
-        self.resume: Any = None  # what launch left for complete()
+        self.codec: Any = None  # the compressor's per-tensor codec, once launched
+        self.steps: Any = None  # the codec's exchange (a generator of rounds), once started
+        self.round: List[str] = []  # the names of the codec's round in flight
+        self.rounds_left = 0  # the codec's rounds still to start
         self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
-        self.kept_residuals: Dict[str, Any] = {}  # TernGrad without shared scales: residuals before encode
+        self.flagged: set = set()  # the codec's names whose gradient holds NaN/Inf on some rank (the header's flags)
         self.kept_state: Dict[str, Any] = {}  # momentum correction: residual and velocity before encode
 
     def add(self, name: str, tensor: Any) -> None:
@@ -81,49 +102,28 @@ class BucketExchange:
         self.added.append((name, tensor))
 
     def _encode(self) -> None:
-        """Per-tensor path: encode every tensor (TernGrad: measure its scale; codes come after sharing)."""
+        """Per-tensor path: the codec encodes every tensor; dense payloads come back for the dense sum.
+
+        A NaN/Inf gradient on this rank is not encoded (its state stays as it was; the codec's
+        ``add_nonfinite``) and every rank's result becomes non-finite, as in a dense allreduce:
+        a dense one carries the NaN/Inf through the sum, one the codec carries is flagged in
+        the header."""
+        self.codec = self.compressor.tensor_codec(self)
         for name, tensor in self.added:
             if elements(tensor) == 0:  # nothing to compress: an empty dense part, as Horovod sends it
                 flat = self.ops.reshape(tensor, (-1,))
                 self.dense.append((name, DensePayload(values=flat, dtype=flat.dtype)))
                 continue
             try:
-                if self.compressor.payload_kind == "ternary":
-                    scale = self.compressor.local_scale(tensor, name)
-                    if scale is not None:
-                        self.ternary.append((name, tensor, scale))
-                        continue
                 kept = self.compressor.step_state(name, elements(tensor))
                 if kept is not None:
                     self.kept_state[name] = kept
-                payload = self.compressor.encode(tensor, name)
+                payload = self.codec.add(name, tensor)
             except NonFiniteGradientError:
-                self._add_nonfinite(name, tensor)
-                continue
-            if isinstance(payload, SparsePayload):
-                self.sparse.append((name, payload))
-            else:
+                self.nonfinite.add(name)
+                payload = self.codec.add_nonfinite(name, tensor)
+            if payload is not None:
                 self.dense.append((name, payload))
-
-    def _add_nonfinite(self, name: str, tensor: Any) -> None:
-        """A NaN/Inf gradient on this rank: nothing is encoded (its state stays as it was), and every
-        rank's result becomes non-finite, as in a dense allreduce. Dense tensors carry the NaN/Inf
-        through the sum; a sparse one sends no entries and the count -1 in the header; TernGrad
-        sends the scale Inf (the shared Max is then Inf: ``0 * Inf = NaN`` everywhere)."""
-        ops = self.ops
-        flat = ops.reshape(tensor, (-1,))
-        numel = flat.shape[0]
-        self.nonfinite.add(name)
-        kind = self.compressor.fused_kind(numel)
-        if kind == "sparse":
-            indices = ops.cast(ops.as_int64([], like=flat), ops.index_dtype(numel))
-            self.sparse.append((name, SparsePayload(values=flat[:0], indices=indices, numel=numel)))
-        elif kind == "ternary":
-            self.ternary.append((name, tensor, float("inf")))
-        else:
-            wire = self.compressor.dense_wire_dtype
-            values = flat if wire is None else ops.cast(flat, getattr(ops, wire))
-            self.dense.append((name, DensePayload(values=values, dtype=flat.dtype)))
 
     # ------------------------------------------------------------------ launch
     def launch(self, complete: bool = True) -> None:
@@ -146,13 +146,10 @@ class BucketExchange:
                 return
         self._encode()
         ops, comm, key = self.ops, self.comm, self.key
-        layout = [(n, self.shapes[n], "dense") for n, _ in self.dense]
-        layout += [(n, self.shapes[n], "sparse") for n, _ in self.sparse]
-        layout += [(n, self.shapes[n], "ternary") for n, _, _ in self.ternary]
-        signature = header_hash(layout)
-        counts = [-1 if n in self.nonfinite else p.values.shape[0] for n, p in self.sparse]
+        layout = [(n, self.shapes[n], "dense") for n, _ in self.dense] + self.codec.layout()
         config = header_config(type(self.compressor).__name__, self.compressor.config_hash())
-        header = ops.as_int64([[config, signature, *counts]], like=self._any_tensor())
+        flags = flag_words([name in self.nonfinite for name, _ in self.added])
+        header = ops.as_int64([[config, header_hash(layout), *self.codec.header(), *flags]], like=self.added[0][1])
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
         self.compressor.stats.add(8 * (2 + len(counts)), 0, 0, 0)  # the header travels every step here
         if comm.matches_by_order:
@@ -160,37 +157,26 @@ class BucketExchange:
         if self.dense:
             flat = ops.concat([ops.reshape(p.values, (-1,)) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
-        if self.sparse:
-            rows = None if self.rows is None else [sum(max(c, 0) for c in row[2:]) for row in self.rows]
-            self.handles["indices"] = comm.allgather_async(
-                ops.concat([p.indices for _, p in self.sparse]), f"{key}.indices", rows
-            )
-            self.handles["values"] = comm.allgather_async(
-                ops.concat([p.values for _, p in self.sparse]), f"{key}.values", rows
-            )
-        if self.ternary:
-            scales = ops.as_float32([s for _, _, s in self.ternary], like=self.ternary[0][1])
-            if self.compressor.scalar_sharing:
-                self.handles["scales"] = comm.allreduce_async(scales, comm.MAX, f"{key}.scales")
-                self.resume = self._launch_ternary_codes
-            else:
-                self.handles["scales"] = comm.allgather_async(scales, f"{key}.scales")
-                self._launch_two_bit_codes()
+        self.rounds_left = self.codec.rounds
+        if self.rounds_left:
+            self.steps = self.codec.exchange(self.rows)
+            self._start(next(self.steps))
         if complete:
             self.complete()
 
+    def _start(self, sends: List[Any]) -> None:
+        self.round = start_round(self.comm, self.key, sends, self.handles)
+        self.rounds_left -= 1
+
     def complete(self) -> None:
-        """Send what waited for another rank's data (see :meth:`launch`)."""
+        """Send what waited for another rank's data (see :meth:`launch`); the layout is agreed on first."""
         if self.fused is not None:
             self.fused.complete(self.comm)
-        elif self.resume is not None:
-            resume, self.resume = self.resume, None
-            resume()
-
-    def _any_tensor(self) -> Any:
-        if self.sparse:
-            return self.sparse[0][1].values
-        return self.ternary[0][1] if self.ternary else self.dense[0][1].values
+            return
+        while self.rounds_left > 0:
+            if self.rows is None:
+                self._check_header()
+            self._start(self.steps.send(wait_round(self.comm, self.round, self.handles)))
 
     def in_flight(self) -> List[Any]:
         """Handles of the collectives ``launch`` started (``finish`` waits for them)."""
@@ -209,13 +195,13 @@ class BucketExchange:
             self._check_header()
         if self.dense:
             results.update(self._finish_dense())
-        if self.sparse:
-            results.update(self._finish_sparse())
-        if self.ternary:
-            results.update(self._finish_ternary())
+        if self.steps is not None:
+            results.update(decode_rounds(self.comm, self.key, self.steps, self.round, self.handles))
         return results
 
-    def _result(self, name: str, total: Any, dtype: Any) -> Any:
+    def result(self, name: str, total: Any, dtype: Any) -> Any:
+        """``total`` (a sum over ranks, flat) as tensor ``name``'s result: averaged unless
+        ``finish(average=False)``, in ``dtype`` and the tensor's shape."""
         if self.average:
             total = self.ops.divide(total, self.comm.size)
         return self.ops.reshape(self.ops.cast(total, dtype), self.shapes[name])
@@ -229,148 +215,11 @@ class BucketExchange:
             part = self.ops.cast(part, acc)
             if name in self.kept_state and self.ops.count_nonfinite(part):  # velocity as before the step
                 self.compressor.restore_step_state(name, self.kept_state[name])
-            results[name] = self._result(name, part, p.dtype)
+            results[name] = self.result(name, part, p.dtype)
         return results
 
     def _check_header(self) -> None:
         self.rows = self.ops.to_list(self.comm.wait(self.handles["header"]))
-        if any(row[:2] != self.rows[0][:2] for row in self.rows):
-            self.comm.fail_together()
-            raise ValueError(
-                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, "
-                f"the names, shapes and order of the gradients, or compressor state loaded from another "
-                f"rank): [config hash, layout hash] per rank = {[row[:2] for row in self.rows]}"
-                f"{different_algorithms(row[0] for row in self.rows)}; "
-                f"this rank runs {self.compressor!r}{self.compressor.state_note()}"
-            )
-
-    def _finish_sparse(self) -> Dict[str, Any]:
-        ops = self.ops
-        indices = self.comm.wait(self.handles["indices"])
-        values = self.comm.wait(self.handles["values"])
-        per_rank = [[max(c, 0) for c in row[2:]] for row in self.rows]
-        flagged = [any(row[2 + j] < 0 for row in self.rows) for j in range(len(self.sparse))]
-        totals = [sum(counts) for counts in per_rank]
-        by_tensor: List[List[SparsePayload]] = [[] for _ in self.sparse]
-        for counts, v, i in zip(per_rank, ops.split(values, totals), ops.split(indices, totals)):
-            for j, (seg_v, seg_i) in enumerate(zip(ops.split(v, counts), ops.split(i, counts))):
-                by_tensor[j].append(SparsePayload(seg_v, seg_i, self.sparse[j][1].numel))
-        results = {}
-        for (name, payload), payloads, bad in zip(self.sparse, by_tensor, flagged):
-            if bad:
-                results[name] = self._nonfinite_result(name, payload)
-            else:
-                results[name] = self.compressor.decode(payloads, self.shapes[name], average=self.average, name=name)
-        return results
-
-    def _nonfinite_result(self, name: str, sent: SparsePayload) -> Any:
-        """NaN for a sparse tensor that was non-finite on some rank. A rank that encoded it takes
-        back what it sent and the step's gradient, so its residual is as before the step."""
-        ops, numel = self.ops, sent.numel
-        residual = self.compressor.memory.peek(name, "residual")
-        if name in self.kept_state:  # momentum correction: residual and velocity put back as they were
-            self.compressor.restore_step_state(name, self.kept_state[name])
-        elif name not in self.nonfinite and residual is not None:
-            flat = ops.reshape(residual, (-1,))
-            returned = ops.cast(ops.sparse_sum([sent.indices], [sent.values], numel), flat.dtype)
-            gradient = ops.cast(ops.reshape(dict(self.added)[name], (-1,)), flat.dtype)
-            self.compressor.memory.set(name, "residual", flat + returned - gradient)
-        nan = ops.full(numel, float("nan"), sent.values, ops.accumulation_dtype(sent.values.dtype))
-        return self._result(name, nan, sent.values.dtype)
-
-    def _launch_ternary_codes(self) -> None:
-        """Shared scales: wait for their Max, encode with them, start the code sum (or 2-bit gather)."""
-        ops, comm, tern = self.ops, self.comm, self.compressor
-        if self.rows is None:  # agree on the layout before waiting for the scales
-            self._check_header()
-        self.shared = ops.to_list(comm.wait(self.handles["scales"]))
-        self.payloads = [
-            tern.encode(t, name, scale=s) if s < float("inf") else tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, True)
-            for (name, t, _), s in zip(self.ternary, self.shared)
-        ]
-        for fmt, op in (("allreduce", comm.SUM), ("allgather", None)):
-            wires = [tern.wire_tensor(p, ops) for p in self.payloads if p.wire_format == fmt]
-            if not wires:
-                continue
-            flat = ops.concat(wires)
-            if op is None:
-                self.handles[fmt] = comm.allgather_async(flat, f"{self.key}.codes2bit")
-            else:
-                self.handles[fmt] = comm.allreduce_async(flat, op, f"{self.key}.lanes")
-
-    def _launch_two_bit_codes(self) -> None:
-        """Each rank's own scale: allgather of the 2-bit codes."""
-        ops, tern = self.ops, self.compressor
-        # residuals before the step, for tensors another rank finds non-finite (known after the gather)
-        self.kept_residuals = {name: tern.memory.peek(name, "residual") for name, _, _ in self.ternary}
-        self.payloads = [
-            tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, False) if name in self.nonfinite else tern.encode(t, name)
-            for name, t, _ in self.ternary
-        ]
-        self.packed = [ops.pack_two_bit(p.codes) for p in self.payloads]
-        self.handles["codes2bit"] = self.comm.allgather_async(ops.concat(self.packed), f"{self.key}.codes2bit")
-
-    def _finish_ternary(self) -> Dict[str, Any]:
-        ops, comm, tern = self.ops, self.comm, self.compressor
-        if not tern.scalar_sharing:
-            return self._finish_ternary_unshared(comm.wait(self.handles["scales"]))
-        received = {fmt: comm.wait(self.handles[fmt]) for fmt in ("allreduce", "allgather") if fmt in self.handles}
-        results, offsets = {}, {"allreduce": 0, "allgather": 0}
-        for (name, tensor, _), payload, scale in zip(self.ternary, self.payloads, self.shared):
-            fmt, numel = payload.wire_format, elements(tensor)
-            size = tern.wire_tensor(payload, ops).shape[0]
-            if fmt == "allreduce":
-                wire = received[fmt][offsets[fmt] : offsets[fmt] + size]
-            else:  # rank r's codes for this tensor sit in rank r's chunk of the gather
-                chunk = received[fmt].shape[0] // comm.size
-                wire = ops.concat(
-                    [
-                        received[fmt][r * chunk + offsets[fmt] : r * chunk + offsets[fmt] + size]
-                        for r in range(comm.size)
-                    ]
-                )
-            offsets[fmt] += size
-            if scale == float("inf"):  # non-finite on some rank
-                results[name] = self._nonfinite_ternary(name, tensor)
-                continue
-            code_sum = tern.code_sum(wire, numel, comm.size, fmt, ops)
-            total = ops.cast(code_sum, ops.accumulation_dtype(tensor.dtype)) * scale
-            results[name] = self._result(name, total, tensor.dtype)
-        return results
-
-    def _nonfinite_ternary(self, name: str, tensor: Any) -> Any:
-        """NaN for a TernGrad tensor that was non-finite on some rank (written out: ``0 * Inf``
-        would warn); a rank that encoded it takes its residual back to before the step."""
-        kept = self.kept_residuals.get(name)
-        if kept is not None:
-            self.compressor.memory.set(name, "residual", kept)
-        like = self.ops.reshape(tensor, (-1,))
-        return self._result(name, self.ops.full(elements(tensor), float("nan"), like,
-                                                self.ops.accumulation_dtype(like.dtype)), like.dtype)
-
-    def _finish_ternary_unshared(self, scales: Any) -> Dict[str, Any]:
-        """Each rank's own scale: allgather of 2-bit codes and scales, decoded per rank."""
-        ops, comm, tern = self.ops, self.comm, self.compressor
-        gathered = comm.wait(self.handles["codes2bit"])
-        chunk = gathered.shape[0] // comm.size
-        rank_scales = ops.to_list(ops.reshape(scales, (comm.size, -1)))
-        results, offset = {}, 0
-        for j, ((name, tensor, _), mine) in enumerate(zip(self.ternary, self.payloads)):
-            size = self.packed[j].shape[0]
-            numel = elements(tensor)
-            ranks = [
-                TernaryPayload(
-                    codes=ops.unpack_two_bit(gathered[r * chunk + offset : r * chunk + offset + size], numel),
-                    scale=rank_scales[r][j],
-                    world_size=comm.size,
-                    shared_scale=False,
-                    dtype=mine.dtype,
-                )
-                for r in range(comm.size)
-            ]
-            offset += size
-            if any(r[j] == float("inf") for r in rank_scales):  # non-finite on some rank
-                results[name] = self._nonfinite_ternary(name, tensor)
-                continue
-            results[name] = tern.decode(ranks, self.shapes[name], average=self.average, name=name)
-        return results
+        check_header(self.comm, self.rows, self.key, self.compressor)
+        anywhere = flagged_anywhere(self.rows, len(self.added))
+        self.flagged = {name for (name, _), bad in zip(self.added, anywhere) if bad}

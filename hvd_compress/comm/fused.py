@@ -11,9 +11,10 @@ compressor configuration, world size) and holds
   ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, whose
   tensors are laid out grouped by size so that each group of equal-size tensors
   is one ``(rows, n)`` matrix;
-- every size on the wire: ``k = ceil(ratio n)`` per tensor (Gaussian-k:
-  ``floor(4k/3)`` slots, unused ones padded), so each rank sends exactly
-  ``K = sum k`` values and indices and no count is exchanged;
+- the compressor's *codec* of the compressed part (``compressor.bucket_codec(bucket)``:
+  :class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec`,
+  :class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec`): every size
+  on the wire, what each round of collectives sends, how the sums decode;
 - the state: the compressed part's error-feedback residual as one flat buffer
   (in at least float32: a float16 gradient's residual cannot overflow; values
   travel in the gradient's dtype, saturated, the rest stays in the residual),
@@ -21,46 +22,22 @@ compressor configuration, world size) and holds
   correction the velocities of both parts, flat buffers like the residual.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
-layout hash]``, read on the host); afterwards a step reads nothing back:
+layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
 
-sparse (Top-k, Gaussian-k, RegTop-k), per bucket::
+    dense part: one cat, one allreduce-Sum       (momentum correction: u = m u + g sent;
+                                                  a tensor whose sum holds NaN/Inf keeps
+                                                  its u from before the step)
+    compressed part: g = one cat;  the codec's rounds (:mod:`hvd_compress.compressors.rounds`),
+                     each started here, waited for by the next round or by ``finish``;
+                     the decode: (total, per-tensor flag)
+    result = total / N;  flagged tensors: residual (and velocity) as before the step,
+                                                 one where per size group
 
-    a = g + r                                   one cat, one add
-    S, f = select(a, score(a))                  per size group one top-k and one tie scan
-                                                (Gaussian-k: moments, one count of all its
-                                                thresholds, one mark), then a fixed number
-                                                of kernels for the bucket
-                                                (:class:`~hvd_compress.kernels.torch_rows.Rows`)
-    send a[S] ++ f, S ++ first entries          two allgathers (fixed size)
-    r = a with a[S] set to 0
-    total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
-                                                one index_add per rank, in rank order
-    result = total / N;  flagged tensors: r as before the step (one where per group)
-
-with momentum correction (``momentum=m``, :mod:`hvd_compress.compressors.sparse`), a
-velocity buffer of the compressed part's layout, and one of the dense part's::
-
-    u = m u + g;  a = r + u                     one mul, one add each
-    ... as above ...;  u[S] = 0                 one index_fill
-    dense part: send u (+ a flushed residual); after the sum, a tensor whose sum holds
-    NaN/Inf keeps its u from before the step    (one index_add of total * 0, one where)
-
-TernGrad: per size group one ``aminmax`` (and ``std`` when clipping), so the
-scales ``max|clip(g)| = min(max|g|, bound)`` and non-finite flags of all
-tensors come at once; one allreduce-Max of ``scales ++ flags`` (waited for on
-the device stream where the transport allows); codes for the whole part with
-each tensor's own draws (per group only the division by its scales), one packed
-int32 allreduce (or 2-bit allgather); the decode multiplies each group's code
-sums by its scales, NaN for a flagged tensor.
-
-Non-finite values behave as in the dense allreduce they replace: each rank
-sends a flag ``f_j`` per compressed tensor with its values, 0, or NaN when
-``a_j`` holds NaN/Inf (``0 *`` what the selection computes anyway: Top-k's
-largest score, Gaussian-k's mean); every rank's flags are added at each
-tensor's first entry, so a NaN/Inf on any rank makes that tensor non-finite
-on every rank (``torch.cuda.amp.GradScaler`` then
-skips the step everywhere), and the tensor's residual and RegTop-k posterior
-keep their values from before the step. Dense tensors carry NaN/Inf through the
+Non-finite values behave as in the dense allreduce they replace: a codec sends a
+flag per compressed tensor (0, or NaN/1 where the tensor holds NaN/Inf on this
+rank), so a NaN/Inf on any rank makes that tensor non-finite on every rank
+(``torch.cuda.amp.GradScaler`` then skips the step everywhere) and its state
+keeps its values from before the step. Dense tensors carry NaN/Inf through the
 sum themselves.
 
 Results are those of the per-tensor compressors (and the Simulator) bit for
@@ -77,7 +54,7 @@ import torch
 
 from hvd_compress import wire
 from hvd_compress.kernels import torch_ops as ops
-from hvd_compress.kernels.torch_rows import Rows
+from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -98,11 +75,10 @@ def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
 
 class Group:
     """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``
-    (rows ``first`` onwards of the compressed tensors); a sparsifier selects ``k`` of each and sends
-    ``slots`` (``k``; Gaussian-k: ``floor(4k/3)``)."""
+    (rows ``first`` onwards of the compressed tensors)."""
 
-    def __init__(self, start: int, first: int, members: List[int], n: int, k: int, slots: int) -> None:
-        self.start, self.members, self.rows, self.n, self.k, self.slots = start, members, len(members), n, k, slots
+    def __init__(self, start: int, first: int, members: List[int], n: int) -> None:
+        self.start, self.members, self.rows, self.n = start, members, len(members), n
         self.stop = start + self.rows * n
         self.first, self.last = first, first + self.rows
 
@@ -132,36 +108,22 @@ class FusedBucket:
                 by_size.setdefault(self.numels[i], []).append(i)
         self.groups: List[Group] = []
         start = 0
-        sparse = compressor.payload_kind == "sparse"
         for n, members in by_size.items():
-            k = compressor.k(n) if sparse else 0
-            first = sum(g.rows for g in self.groups)
-            self.groups.append(Group(start, first, members, n, k, compressor.slots(n) if sparse else 0))
+            self.groups.append(Group(start, sum(g.rows for g in self.groups), members, n))
             start += len(members) * n
         self.compressed = [i for g in self.groups for i in g.members]  # work order
         self.n_compressed = start
-        #: slots may go unused (Gaussian-k): they send index ``n_compressed``, a spare work entry that stays 0
-        self.padded = bool(sparse and getattr(compressor, "pads_slots", False))
-        self.dense = [i for i, kind in enumerate(self.kinds) if kind == "dense"]
-        self.n_dense = sum(self.numels[i] for i in self.dense)
-        self.k_total = sum(g.rows * g.slots for g in self.groups)
-        self.index_dtype = ops.index_dtype(self.n_compressed + 1)
         self.offsets: Dict[int, int] = {}
         for g in self.groups:
             for row, i in enumerate(g.members):
                 self.offsets[i] = g.start + row * g.n
-        #: the selections of the compressed part (sparse); unused slots point at the spare entry
-        self.rows = Rows([(g.start, g.rows, g.n, g.k, g.slots) for g in self.groups], self.device,
-                         spare=self.n_compressed) if sparse and self.groups else None
-        #: each selected slot's compressed-tensor number (row in work order), for RegTop-k's posterior
-        self.slot_rows = self.rows.slot_row if self.rows is not None else None
-        #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
-        #: at the first work position of its tensor (the spare: its own)
-        self.flag_count = len(self.compressed) + self.padded
-        self.flag_positions = torch.tensor([g.start + row * g.n for g in self.groups for row in range(g.rows)]
-                                           + [self.n_compressed] * self.padded, dtype=self.index_dtype,
-                                           device=self.device)
-        self.spare_zero = torch.zeros(int(self.padded), dtype=self.dtype, device=self.device)
+        #: the compressor's codec of the compressed part (what travels, how it decodes)
+        self.codec = compressor.bucket_codec(self) if self.compressed else None
+        #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
+        self.padded = self.codec.spare if self.codec is not None else 0
+        self.spare_zero = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.dense = [i for i, kind in enumerate(self.kinds) if kind == "dense"]
+        self.n_dense = sum(self.numels[i] for i in self.dense)
         #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
         self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
         #: momentum correction's decay (0: off); the dense part's tensors by element, to flag them
@@ -173,7 +135,6 @@ class FusedBucket:
             torch.arange(len(self.dense), device=self.device),
             torch.tensor([self.numels[i] for i in self.dense], dtype=torch.int64, device=self.device),
         ) if self.momentum and self.dense else None
-        self.wire_format = self._ternary_wire_format()
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
         self.signature = wire.header_hash(layout)
@@ -185,32 +146,18 @@ class FusedBucket:
         self.flush_into_dense: Dict[int, torch.Tensor] = {}
         self.checked = False
 
-    def _ternary_wire_format(self) -> str:
-        """How TernGrad's codes travel: packed lanes summed (``allreduce``) or 2-bit codes gathered."""
-        comp = self.compressor
-        if comp.payload_kind != "ternary" or not comp.scalar_sharing:
-            return "allgather"
-        return wire.ternary_wire_format(self.n_compressed, self.world)
-
     def _step_stats(self) -> Tuple[int, int, int, int]:
         """What a step hands the collectives, for :class:`~hvd_compress.compressors.base.WireStats`:
         ``(bytes sent, dense bytes, values sent, elements)``; the same every step of this plan."""
         def size(dtype: torch.dtype) -> int:
             return torch.empty((), dtype=dtype).element_size()
 
-        itemsize, comp, count = size(self.dtype), self.compressor, len(self.compressed)
-        wire_dtype = comp.dense_wire_dtype
+        itemsize, wire_dtype = size(self.dtype), self.compressor.dense_wire_dtype
         sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(torch, wire_dtype)))
         values = self.n_dense
-        if count and comp.payload_kind == "sparse":
-            # k (value, index) slots per tensor, and per tensor its flag with the flag's position
-            sent += (self.k_total + self.flag_count) * (itemsize + size(self.index_dtype))
-            values += self.k_total
-        elif count:
-            codes = (4 * wire.ternary_lanes(self.n_compressed, self.world) if self.wire_format == "allreduce"
-                     else wire.two_bit_bytes(self.n_compressed))
-            sent += codes + 2 * count * size(self.acc)
-            values += self.n_compressed
+        if self.codec is not None:
+            codec_bytes, codec_values = self.codec.wire(self, itemsize)
+            sent, values = sent + codec_bytes, values + codec_values
         numel = self.n_dense + self.n_compressed
         return sent, numel * itemsize, values, numel
 
@@ -240,15 +187,7 @@ class FusedBucket:
         ``launch`` never blocks (ranks may launch their buckets in different orders).
         """
         handle = self.start_check(comm) if handle is None else handle
-        rows = ops.to_list(comm.wait(handle))
-        if any(row != rows[0] for row in rows):
-            comm.fail_together()
-            raise ValueError(
-                f"hvd_compress: ranks disagree on '{self.key}' (compressor or its configuration, the "
-                f"names, shapes and order of the gradients, or compressor state loaded from another rank): "
-                f"[config hash, layout hash] per rank = {rows}{wire.different_algorithms(r[0] for r in rows)}; "
-                f"this rank runs {self.compressor!r} on {self._describe()}{self.compressor.state_note()}"
-            )
+        check_header(comm, ops.to_list(comm.wait(handle)), self.key, self.compressor, f" on {self._describe()}")
         self.checked = True
 
     def _describe(self) -> str:
@@ -340,10 +279,8 @@ class FusedBucket:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
-            if self.compressor.payload_kind == "sparse":
-                self._launch_sparse(g, comm, out)
-            else:
-                self._launch_ternary(g, comm, out)
+            out.steps, out.rounds_left = self.codec.exchange(self, g, out), self.codec.rounds
+            out.start(comm, next(out.steps))
         self.compressor.stats.add(*self.step_stats)
         if complete:
             out.complete(comm)
@@ -382,123 +319,11 @@ class FusedBucket:
         bad = torch.isnan(flags).index_select(0, self.dense_rows)
         self.dense_velocity = torch.where(bad, self.dense_velocity, velocity, out=velocity)
 
-    def _compensated(self, g: torch.Tensor) -> torch.Tensor:
+    def compensated(self, g: torch.Tensor) -> torch.Tensor:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
         if self.residual is None:
             return g
         return g.add_(self.residual) if g.dtype == self.acc else torch.add(g, self.residual)
-
-    def _launch_sparse(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
-        comp = self.compressor
-        if self.momentum:  # u = m u + g; a = r + u
-            out.velocity = u = ops.momentum_update(self.velocity, g, self.momentum)
-            a = u if self.residual is None else torch.add(u, self.residual)
-        else:
-            a = self._compensated(g)
-        scores = comp.bucket_scores(a, self.posterior, ops)
-        idx, probe = comp.bucket_select(a, scores, self.rows, ops)
-        K, count = self.k_total, len(self.compressed)
-        message = torch.empty(K + self.flag_count, dtype=self.dtype, device=self.device)
-        if a.dtype != self.dtype and self.residual is not None:  # values saturate to the gradient's dtype,
-            values, out.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=self.dtype)
-            message[:K].copy_(values)  # the rest stays in the residual
-        elif a.dtype != self.dtype:  # the velocity without error feedback: its values saturate, the rest goes
-            values = ops.saturate(a.index_select(0, idx), self.dtype)
-            message[:K].copy_(values)
-        else:
-            values = torch.index_select(a, 0, idx, out=message[:K])
-            if self.residual is not None:
-                out.residual = a.index_fill_(0, idx, 0)
-        if self.momentum:
-            ops.momentum_mask(out.velocity, idx)  # u[S] = 0 (the spare entry's slots: it stays 0)
-        torch.mul(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
-        if self.padded:
-            message[K + count :].zero_()
-        out.sent = (idx, values)
-        rows = [K + self.flag_count] * self.world
-        out.handles["values"] = comm.allgather_async(message, f"{self.key}.values", rows)
-        positions = torch.empty(self.k_total + self.flag_count, dtype=self.index_dtype, device=self.device)
-        out.handles["indices"] = comm.allgather_async(
-            torch.cat([idx, self.flag_positions], out=positions), f"{self.key}.indices", rows
-        )
-
-    def _launch_ternary(self, g: torch.Tensor, comm: Any, out: "Launched") -> None:
-        comp = self.compressor
-        a = self._compensated(g)
-        local, bound = self._scales(a)
-        uniform = torch.empty(self.n_compressed, dtype=torch.float32, device=self.device)
-        generator = comp.generator(ops, a)
-        for i in sorted(self.compressed):  # draws in the order the tensors were added
-            start = self.offsets[i]
-            torch.rand(self.numels[i], generator=generator, dtype=torch.float32, device=self.device,
-                       out=uniform[start : start + self.numels[i]])
-        uniform = uniform.to(self.dtype)
-        sanitized = torch.nan_to_num(local, nan=0.0, posinf=0.0)
-        bad = torch.ne(sanitized, local).to(self.acc)  # a scale (>= 0) is NaN or +Inf
-        count = len(self.compressed)
-        if comp.scalar_sharing:  # the codes need the Max over ranks: sent by Launched.complete
-            handle = comm.allreduce_async(torch.cat([sanitized, bad]), comm.MAX, f"{self.key}.scales")
-
-            def send_codes() -> None:
-                shared = comm.wait(handle)
-                out.bad = shared[count:] > 0
-                self._send_codes(a, bound, uniform, shared[:count], comm, out)
-
-            out.resume = send_codes
-            return
-        out.handles["scales"] = comm.allgather_async(
-            torch.cat([sanitized, bad]), f"{self.key}.scales", [2 * count] * self.world
-        )
-        self._send_codes(a, bound, uniform, sanitized, comm, out)
-
-    def _scales(self, a: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Every compressed tensor's scale ``max|clip(g)|`` (in the accumulation dtype) and clipping
-        bound (``a``'s dtype; ``None`` without clipping): one ``aminmax`` (and ``std``) per group.
-
-        ``clip(g) = clamp(g, -b, b)`` is monotone, so ``max|clip(g)| = min(max(-min g, max g), b)``
-        exactly; ``b = c std(g)``, or +Inf where ``b = 0`` or ``g`` is constant (no clipping).
-        """
-        comp = self.compressor
-        extremes = [torch.aminmax(grp.view(a), dim=1) for grp in self.groups]
-        low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
-        local = torch.maximum(-low, high).abs()
-        if comp.clip is None:
-            return local.to(self.acc), None
-        std = torch.cat([torch.std(grp.view(a), dim=1, correction=0) for grp in self.groups])
-        bound = (std.double() * comp.clip).to(a.dtype)
-        bound = torch.where((bound == 0) | (low == high), torch.inf, bound)
-        return torch.minimum(local, bound).to(self.acc), bound
-
-    def _send_codes(self, a: torch.Tensor, bound: Optional[torch.Tensor], uniform: torch.Tensor,
-                    scale: torch.Tensor, comm: Any, out: "Launched") -> None:
-        """TernGrad codes drawn with ``scale`` (one per compressed tensor): residual, then the code collective."""
-        scale_a = scale.to(a.dtype)
-        codes = self._codes(a, bound, scale_a, uniform)
-        if self.residual is not None:  # r = a - S t, per group in place
-            for grp in self.groups:
-                grp.view(a).addcmul_(grp.view(codes), grp.column(scale_a), value=-1)
-            out.residual = a
-        out.scale = scale
-        if self.wire_format == "allreduce":
-            lanes = ops.pack_ternary(codes, self.world)
-            out.handles["codes"] = comm.allreduce_async(lanes, comm.SUM, f"{self.key}.lanes")
-        else:
-            packed = ops.pack_two_bit(codes)
-            out.handles["codes"] = comm.allgather_async(packed, f"{self.key}.codes2bit", [packed.shape[0]] * self.world)
-
-    def _codes(self, a: torch.Tensor, bound: Optional[torch.Tensor], scale: torch.Tensor,
-               uniform: torch.Tensor) -> torch.Tensor:
-        """TernGrad codes of every compressed tensor: ``sign(g) [u < |clip(g)| / S]`` with each tensor's ``S``;
-        ``|clip(g)| = min(|g|, b)`` and ``clip`` keeps the sign, so ``clip(g)`` is never formed."""
-        ratio = torch.abs(a)
-        for grp in self.groups:
-            rows = grp.view(ratio)
-            if bound is not None:
-                torch.minimum(rows, grp.column(bound), out=rows)
-            rows.div_(grp.column(scale))
-        keep = torch.lt(uniform, ratio).view(torch.int8)
-        # sign(g) keep = keep - 2 (keep and g < 0): where keep is 1, |g| > 0 (a 0 never passes u < 0)
-        return torch.sub(keep, torch.lt(a, 0).view(torch.int8).bitwise_and_(keep), alpha=2)
 
 
 class Launched:
@@ -510,20 +335,23 @@ class Launched:
         self.residual: Optional[torch.Tensor] = None
         self.velocity: Optional[torch.Tensor] = None  # momentum correction: this step's, masked
         self.dense_velocity: Optional[torch.Tensor] = None
-        self.sent: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self.scale: Optional[torch.Tensor] = None
-        self.bad: Optional[torch.Tensor] = None
         self.header: Any = None  # the layout check still to wait for (name-matched transports)
-        self.resume: Any = None  # what launch left to do once another rank's data is in
+        self.steps: Any = None  # the codec's exchange (a generator of rounds), once started
+        self.round: List[str] = []  # the names of the codec's round in flight
+        self.rounds_left = 0  # the codec's rounds still to start
+
+    def start(self, comm: Any, sends: List[Any]) -> None:
+        """Start a round of the codec's collectives."""
+        self.round = start_round(comm, self.bucket.key, sends, self.handles)
+        self.rounds_left -= 1
 
     def complete(self, comm: Any) -> None:
-        """Check the layout if still pending, then send what waited for other ranks (TernGrad's codes)."""
+        """Check the layout if still pending, then start the rounds that waited for other ranks' data."""
         if self.header is not None:
             self.bucket.check(comm, self.header)
             self.header = None
-        if self.resume is not None:
-            resume, self.resume = self.resume, None
-            resume()
+        while self.rounds_left > 0:
+            self.start(comm, self.steps.send(wait_round(comm, self.round, self.handles)))
 
     # ------------------------------------------------------------------ finish
     def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
@@ -541,10 +369,9 @@ class Launched:
                 results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
                 start += b.numels[i]
         if b.compressed:
-            if b.compressor.payload_kind == "sparse":
-                flat = self._finish_sparse(comm, average)
-            else:
-                flat = self._finish_ternary(comm, average)
+            total, bad = decode_rounds(comm, b.key, self.steps, self.round, self.handles)
+            self._keep(bad)
+            flat = self._scaled(total, average)
             for i in b.compressed:
                 start = b.offsets[i]
                 results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
@@ -553,55 +380,6 @@ class Launched:
     def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
         b = self.bucket
         return ops.cast(torch.div(total, b.divisor) if average else total, b.dtype)
-
-    def _finish_sparse(self, comm: Any, average: bool) -> torch.Tensor:
-        b = self.bucket
-        values = comm.wait(self.handles["values"]).view(b.world, b.k_total + b.flag_count)
-        indices = comm.wait(self.handles["indices"]).view(b.world, b.k_total + b.flag_count)
-        total = torch.zeros(b.n_compressed + b.padded, dtype=b.acc, device=b.device)
-        for rank in range(b.world):  # rank order: the same sums on every rank and device; the flags
-            total.index_add_(0, indices[rank], values[rank].to(b.acc))  # (0 or NaN) add at first entries
-        bad = torch.isnan(values[:, b.k_total :].to(b.acc).sum(dim=0))  # NaN where any rank was non-finite
-        b.compressor.bucket_observe(b, total, self.sent, bad, ops)
-        self._keep(bad)
-        return self._scaled(total, average)
-
-    def _finish_ternary(self, comm: Any, average: bool) -> torch.Tensor:
-        b = self.bucket
-        count = len(b.compressed)
-        received = comm.wait(self.handles["codes"])
-        if b.compressor.scalar_sharing:
-            if b.wire_format == "allreduce":
-                code_sum = ops.unpack_ternary_sum(received, b.n_compressed, b.world)
-            else:  # every rank's codes, summed in int8 (|sum| <= N) or int16
-                chunk = wire.two_bit_bytes(b.n_compressed)
-                code_sum = ops.unpack_two_bit(received[:chunk], b.n_compressed)
-                if b.world > 127:
-                    code_sum = code_sum.to(torch.int16)
-                for r in range(1, b.world):
-                    code_sum += ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
-            bad = self.bad
-            total = self._scaled_rows(code_sum, torch.where(bad, torch.nan, self.scale.to(b.acc)))
-        else:
-            shared = comm.wait(self.handles["scales"]).view(b.world, 2 * count).to(b.acc)
-            bad = (shared[:, count:] > 0).any(dim=0)
-            chunk = wire.two_bit_bytes(b.n_compressed)
-            total = None
-            for r in range(b.world):  # rank order; a flagged tensor: NaN from the first rank's part on
-                codes = ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], b.n_compressed)
-                scale = torch.where(bad, torch.nan, shared[r, :count]) if r == 0 else shared[r, :count]
-                part = self._scaled_rows(codes, scale)
-                total = part if total is None else total.add_(part)
-        self._keep(bad)
-        return self._scaled(total, average)
-
-    def _scaled_rows(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """``codes * S`` per compressed tensor, in the accumulation dtype (integer codes convert exactly)."""
-        b = self.bucket
-        total = torch.empty(b.n_compressed, dtype=b.acc, device=b.device)
-        for grp in b.groups:
-            torch.mul(grp.view(codes), grp.column(scale), out=grp.view(total))
-        return total
 
     def _keep(self, bad: torch.Tensor) -> None:
         """The bucket takes the step's residual (and velocity); flagged tensors keep theirs from before the step."""

@@ -92,7 +92,6 @@ from hvd_compress.comm.communicator import HorovodTorchCommunicator
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.horovod_buckets import Plan, Planned
 from hvd_compress.comm.horovod_calls import allreduce_call
-from hvd_compress.compressors.base import Compressor
 
 
 @dataclass
@@ -238,7 +237,7 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
         return horovod_tf.compress(compressor, tensor)
 
     calls = _calls(compressor)
-    dense = compressor.payload_kind == "dense"  # None, FP16: Horovod's own allreduce, once checked
+    dense = compressor.dense_only  # None, FP16: Horovod's own allreduce, once checked
     if dense and calls.agreed:
         return _direct(compressor, tensor)
     if name is None:
@@ -301,6 +300,3 @@ def decompress(compressor: Any, output: Any, ctx: Any):
         calls.agreed = True
     return result
 
-
-# Every compressor's Horovod ``compress``/``decompress`` runs through this module.
-Compressor.horovod_adapter = sys.modules[__name__]

@@ -176,7 +176,7 @@ class Plan:
         results = step.results.get(ctx.bucket)
         if results is None:
             results = step.results[ctx.bucket] = step.exchanges.pop(ctx.bucket).finish(average=divisor == world)
-            if compressor.payload_kind == "dense":  # None, FP16: checked; Horovod's allreduce from now on
+            if compressor.dense_only:  # None, FP16: checked; Horovod's allreduce from now on
                 compressor._buckets.pop(self.keys[ctx.bucket], None)
                 calls.agreed = True
         result = results.pop(ctx.name)

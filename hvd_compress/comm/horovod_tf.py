@@ -223,9 +223,9 @@ def compress(compressor: Any, tensor: Any):
     compressor.route = "horovod.tensorflow"
     check_agreement(compressor, name, tensor)
     numel = tensor.shape.num_elements()
-    if compressor.payload_kind == "dense" and compressor.dense_wire_dtype is None:  # None
+    if compressor.dense_only and compressor.dense_wire_dtype is None:  # None
         return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
-    if compressor.payload_kind == "dense":  # FP16
+    if compressor.dense_only:  # FP16
         encode = lambda t: [tf.reshape(compressor.encode(t, "gradient passed to Horovod").values, t.shape)]
         (values,) = eagerly(encode, [tensor], [tf.float16])
         return values, _Context(dtype=tensor.dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -246,23 +247,20 @@ class Compressor:
         return ops.reshape(ops.cast(total, dtype), shape)
 
     # --------------------------------------------- Horovod's Compressor interface
-    #: The module that runs Horovod's protocol for every compressor. The comm layer
-    #: registers it (:mod:`hvd_compress.comm.horovod`, imported by ``import hvd_compress``)
-    #: so that this layer never imports a higher one.
-    horovod_adapter: Any = None
-
     def compress(self, tensor: Any, name: Optional[str] = None):
-        """Horovod ``Compressor.compress``: starts this compressor's own collectives.
-
-        See :mod:`hvd_compress.comm.horovod`; returns a placeholder and a context.
-        ``name`` identifies the tensor (the same on every rank); by default the
-        parameter name the calling Horovod optimizer uses.
-        """
-        return _adapter().compress(self, tensor, name)
+        """Horovod ``Compressor.compress`` for a compressor passed directly as ``compression=``:
+        ``HorovodCompression(self).compress`` (:mod:`hvd_compress.comm.horovod_compression`)."""
+        return horovod_interface(self).compress(tensor, name)
 
     def decompress(self, tensor: Any, ctx: Any):
-        """Horovod ``Compressor.decompress``: the dense averaged (or summed) gradient."""
-        return _adapter().decompress(self, tensor, ctx)
+        """Horovod ``Compressor.decompress``: ``HorovodCompression(self).decompress``."""
+        return horovod_interface(self).decompress(tensor, ctx)
+
+    @property
+    def dense_only(self) -> bool:
+        """Every tensor travels as a dense payload (None, FP16): once the ranks' header agrees, a
+        transport may sum the gradients with its own allreduce."""
+        return self.payload_kind == "dense"
 
     # ------------------------------------------------------------- fused buckets
     def fused_kind(self, numel: int) -> str:
@@ -278,8 +276,30 @@ class Compressor:
         """Scores a fused sparse bucket selects by (sparsifiers)."""
         raise NotImplementedError
 
-    def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
-        """Hook: the sum over ranks of a fused bucket's compressed part (RegTop-k learns from it)."""
+    def encode_options(self, compressors: Sequence["Compressor"],
+                       grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
+        """For the Simulator: ``{name: options}`` of every rank's ``encode`` that a real exchange
+        learns from the other ranks first (TernGrad's shared scale); ``compressors`` and ``grads``
+        hold every rank's. Default: nothing."""
+        return {}
+
+    def tensor_codec(self, exchange: Any) -> Any:
+        """The codec of the per-tensor exchange (any framework): dense and sparse payloads
+        (:class:`~hvd_compress.compressors.tensor_codec.TensorCodec`)."""
+        from hvd_compress.compressors.tensor_codec import TensorCodec
+
+        return TensorCodec(self, exchange)
+
+    def bucket_codec(self, bucket: Any) -> Any:
+        """The codec of a fused torch bucket's compressed part (:mod:`hvd_compress.compressors.rounds`);
+        compressors that send every tensor dense have none."""
+        raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
+
+    def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
+        """Hook: the sum over ranks of a fused bucket's compressed part, what this rank sent
+        (``(positions, values)``), the per-tensor flags and each slot's tensor; returns the
+        bucket's new posterior (RegTop-k) or ``None``."""
+        return None
 
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""
@@ -374,13 +394,20 @@ class Compressor:
         """Hook for compressors that learn from the aggregate; default: nothing."""
 
 
-def _adapter() -> Any:
-    if Compressor.horovod_adapter is None:
+#: The module of Horovod's ``compression=`` wrapper, a higher layer: looked up by name, never
+#: imported from here (``import hvd_compress`` loads it).
+HOROVOD_INTERFACE = "hvd_compress.comm.horovod_compression"
+
+
+def horovod_interface(compressor: Compressor) -> Any:
+    """``HorovodCompression(compressor)``, the wrapper Horovod's ``compress``/``decompress`` run through."""
+    module = sys.modules.get(HOROVOD_INTERFACE)
+    if module is None:
         raise RuntimeError(
-            "hvd_compress: no Horovod adapter is registered; import hvd_compress (not only its submodules' "
+            "hvd_compress: the Horovod interface is not loaded; import hvd_compress (not only its submodules' "
             "files) before passing a compressor to Horovod"
         )
-    return Compressor.horovod_adapter
+    return module.HorovodCompression(compressor)
 
 
 def payload_tensor(payload: Any) -> Any:

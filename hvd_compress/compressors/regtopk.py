@@ -79,13 +79,14 @@ class RegTopK(Sparsifier):
         damped = ops.regtopk_scores(a.index_select(0, idx), distortion, self.mu)
         return scores.index_copy_(0, idx, damped.abs_())  # |.|: a NaN of 0 * Inf keeps the sign bit clear
 
-    def bucket_observe(self, bucket: Any, total: Any, sent: Any, bad: Any, ops: Any) -> None:
-        """``D = (T - s) / s`` at the sent slots (``s != 0``), else 1e8; tensors flagged non-finite: 1e8."""
+    def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
+        """The posterior ``(indices, D)``: ``D = (T - s) / s`` at the sent slots (``s != 0``), else 1e8;
+        tensors flagged non-finite: 1e8."""
         idx, values = sent
         own = values.to(total.dtype)
-        informative = (own != 0) & ~bad[bucket.slot_rows]
+        informative = (own != 0) & ~bad[slot_rows]
         distortion = (total.index_select(0, idx) - own) / own
-        bucket.posterior = (idx, ops.where(informative, distortion, ops.NO_DISTORTION))
+        return idx, ops.where(informative, distortion, ops.NO_DISTORTION)
 
     def _sent(self, name: str, indices: Any, values: Any) -> None:
         self.memory.set(name, "sent_indices", indices)

@@ -123,6 +123,12 @@ class Sparsifier(Compressor):
         """(value, index) slots a tensor of ``numel`` elements sends on the fused path: ``k``."""
         return self.k(numel)
 
+    def bucket_codec(self, bucket: Any) -> Any:
+        """:class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec` (imports torch)."""
+        from hvd_compress.compressors.sparse_bucket import SparseBucketCodec
+
+        return SparseBucketCodec(self, bucket)
+
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""
         return a.abs()

@@ -19,6 +19,8 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Dict, List, Optional
 
+import numpy as np
+
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.wire import two_bit_bytes
@@ -70,6 +72,30 @@ class TernGrad(Compressor):
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
+    def encode_options(self, compressors: List["TernGrad"], grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
+        """Scalar sharing in the Simulator: the allreduce-Max of every rank's vector of layer scales."""
+        if not self.scalar_sharing:
+            return {}
+        local = [
+            {name: c.local_scale(per_rank[rank], name) for name, per_rank in grads.items()}
+            for rank, c in enumerate(compressors)
+        ]
+        names = [name for name, s in local[0].items() if s is not None]
+        vectors = np.array([[scales[name] for name in names] for scales in local])
+        return {name: {"scale": s} for name, s in zip(names, vectors.max(axis=0).tolist())}
+
+    def tensor_codec(self, exchange: Any) -> Any:
+        """:class:`~hvd_compress.compressors.terngrad_tensors.TernaryTensorCodec`."""
+        from hvd_compress.compressors.terngrad_tensors import TernaryTensorCodec
+
+        return TernaryTensorCodec(self, exchange)
+
+    def bucket_codec(self, bucket: Any) -> Any:
+        """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec` (imports torch)."""
+        from hvd_compress.compressors.terngrad_bucket import TernaryBucketCodec
+
+        return TernaryBucketCodec(self, bucket)
+
     # ------------------------------------------------------------------ steps
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)
@@ -116,9 +142,9 @@ class TernGrad(Compressor):
         )
 
     def nonfinite_payload(self, flat: Any, ops: Any, shared: bool) -> TernaryPayload:
-        """What a rank sends for a tensor that is non-finite on some rank: zero codes and the
-        scale Inf, so that every rank decodes ``0 * Inf = NaN``; no state changes (the residual
-        keeps its value from before the step)."""
+        """What a rank sends for a tensor that is non-finite on some rank (the exchange flags it):
+        zero codes, the scale Inf (``0 * Inf = NaN``); no state changes (the residual keeps its
+        value from before the step)."""
         zeros = ops.zeros_like(flat)
         return TernaryPayload(
             codes=ops.terngrad_codes(zeros, 0.0, zeros),

@@ -77,3 +77,28 @@ def test_nan_on_one_rank_is_nonfinite_on_every_rank_and_nothing_is_lost(kind, fr
     for step in range(3):  # the same results on every rank
         for name in SHAPES:
             np.testing.assert_array_equal(results[0][step][name], results[1][step][name])
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.1, dense_below=0), lambda: TernGrad(dense_below=0, seed=3)],
+                         ids=["topk", "terngrad"])
+def test_flags_of_buckets_past_one_header_column_name_the_right_tensor(make):
+    """The header packs 63 flags to a column: in a bucket of 130 tensors, a NaN in the 64th, the 127th
+    or the last on one rank makes that tensor NaN on every rank and no other."""
+    names = [f"t{i:03d}" for i in range(130)]
+    bad = {1: "t063", 2: "t126"}
+
+    def run(comm):
+        exchange = BucketExchange(make(), comm, "bucket")
+        rng = np.random.default_rng(comm.rank)
+        for name in names:
+            g = rng.standard_normal(20).astype(np.float32)
+            if bad.get(comm.rank) == name or (comm.rank == 0 and name == names[-1]):
+                g[5] = np.inf
+            exchange.add(name, g)
+        exchange.launch()
+        return exchange.finish(average=True)
+
+    for result in run_ranks(3, run, timeout=60):
+        nonfinite = {name for name, value in result.items() if not np.isfinite(value).all()}
+        assert nonfinite == {"t063", "t126", names[-1]}
+        assert all(np.isnan(result[name]).all() for name in nonfinite)

@@ -1,0 +1,54 @@
+"""What every exchange does the same way: start a codec's round of collectives, check the header.
+
+A codec (:mod:`hvd_compress.compressors.rounds`) says what travels; :func:`start_round`
+starts it on a :class:`~hvd_compress.comm.communicator.Communicator` and :func:`wait_round`
+collects the results. Every bucket's first collective is an allgather of a header
+``[config hash, layout hash, ...]``; :func:`check_header` stops every rank with the same
+error when the ranks' first two entries differ (compressor, its configuration, the
+tensors' names, shapes and order, or state loaded from another rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+from hvd_compress.wire import different_algorithms
+
+
+def start_round(comm: Any, key: str, sends: Sequence[Any], handles: Dict[str, Any]) -> List[str]:
+    """Start every :class:`~hvd_compress.compressors.rounds.Send` of a round, in order, as
+    collective ``<key>.<name>``; their handles go into ``handles``. Returns the round's names."""
+    for send in sends:
+        label = f"{key}.{send.name}"
+        if send.op == "gather":
+            handles[send.name] = comm.allgather_async(send.tensor, label, send.rows)
+        else:
+            handles[send.name] = comm.allreduce_async(send.tensor, comm.SUM if send.op == "sum" else comm.MAX, label)
+    return [send.name for send in sends]
+
+
+def wait_round(comm: Any, names: Sequence[str], handles: Dict[str, Any]) -> Dict[str, Any]:
+    """The results of a round started by :func:`start_round`, waited for in order."""
+    return {name: comm.wait(handles[name]) for name in names}
+
+
+def decode_rounds(comm: Any, key: str, steps: Any, names: Sequence[str], handles: Dict[str, Any]) -> Any:
+    """Hand the codec's generator ``steps`` the results of its last round (``names``); its decode."""
+    try:
+        steps.send(wait_round(comm, names, handles))
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError(f"hvd_compress: the codec of '{key}' has more rounds than it declares")
+
+
+def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "") -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks' ``[config hash, layout hash]`` differ."""
+    if all(row[:2] == rows[0][:2] for row in rows):
+        return
+    comm.fail_together()
+    raise ValueError(
+        f"hvd_compress: ranks disagree on '{key}' (compressor or its configuration, the names, shapes and "
+        f"order of the gradients, or compressor state loaded from another rank): [config hash, layout hash] "
+        f"per rank = {[row[:2] for row in rows]}{different_algorithms(row[0] for row in rows)}; "
+        f"this rank runs {compressor!r}{detail}{compressor.state_note()}"
+    )
