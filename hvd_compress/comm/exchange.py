@@ -149,9 +149,10 @@ class BucketExchange:
         layout = [(n, self.shapes[n], "dense") for n, _ in self.dense] + self.codec.layout()
         config = header_config(type(self.compressor).__name__, self.compressor.config_hash())
         flags = flag_words([name in self.nonfinite for name, _ in self.added])
-        header = ops.as_int64([[config, header_hash(layout), *self.codec.header(), *flags]], like=self.added[0][1])
+        columns = [config, header_hash(layout), *self.codec.header(), *flags]
+        header = ops.as_int64([columns], like=self.added[0][1])
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
-        self.compressor.stats.add(8 * (2 + len(counts)), 0, 0, 0)  # the header travels every step here
+        self.compressor.stats.add(8 * len(columns), 0, 0, 0)  # the header travels every step here
         if comm.matches_by_order:
             self._check_header()
         if self.dense:
