@@ -5,7 +5,7 @@
 (:mod:`benchmarks.terngrad`) all train :func:`make_net` with :func:`train`.
 
 Data: synthetic 1x8x8 "digits" (ten smooth random templates plus Gaussian
-noise, :func:`synthetic_digits`, also the data of ``examples/pytorch_train.py``),
+noise, :func:`synthetic_digits`),
 generated from a seed, no download.
 Each step, every one of N simulated ranks computes the gradient of its own
 shard of the global batch; the gradients go through
@@ -33,7 +33,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench.demo import synthetic_digits
 from hvd_compress.bench import publish, single_threaded_blas
 from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor
@@ -52,6 +51,18 @@ EPOCHS = 5
 
 
 # --------------------------------------------------------------------- data
+def synthetic_digits(n: int, seed: int = 0, noise: float = 0.8):
+    """``n`` noisy 1x8x8 images of ten smooth class templates, and their labels (torch)."""
+    import torch
+    import torch.nn.functional as F
+
+    templates = F.avg_pool2d(torch.randn(10, 1, 10, 10, generator=torch.Generator().manual_seed(1234)), 3, 1)
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=generator)
+    images = templates[labels] + noise * torch.randn(n, 1, 8, 8, generator=generator)
+    return images, labels
+
+
 @dataclass
 class ImageData:
     train_x: Any

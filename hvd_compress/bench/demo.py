@@ -132,14 +132,3 @@ def train(
         dense_bytes_per_step=int(np.mean(dense)),
     )
 
-
-def synthetic_digits(n: int, seed: int = 0, noise: float = 0.8):
-    """``n`` noisy 1x8x8 images of ten smooth class templates, and their labels (torch)."""
-    import torch
-    import torch.nn.functional as F
-
-    templates = F.avg_pool2d(torch.randn(10, 1, 10, 10, generator=torch.Generator().manual_seed(1234)), 3, 1)
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 10, (n,), generator=generator)
-    images = templates[labels] + noise * torch.randn(n, 1, 8, 8, generator=generator)
-    return images, labels
