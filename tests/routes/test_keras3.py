@@ -16,6 +16,7 @@ import os
 import numpy as np
 import pytest
 
+from hvd_compress.comm.exchange import FLAG_BITS
 from tests.distributed import keras_fit as workload
 from tests.distributed import launch
 
@@ -60,8 +61,10 @@ def test_fit_with_callbacks_and_resume_and_custom_loop_equal_simulator(version, 
                 result[f"{phase}/w{i}"], weight, rtol=0, atol=1e-6, err_msg=f"{phase} w{i} differs"
             )
 
-    # each step's exchange also hands over its header: int64 hashes and a count per sparse tensor
-    header = 8 * (2 + sum(w.size >= 1024 for w in fit["weights"]))
+    # each step's exchange also hands over its header: int64 hashes, a count per sparse tensor, and
+    # the non-finite flags of its tensors (63 to an int64 column)
+    weights = fit["weights"]
+    header = 8 * (2 + sum(w.size >= 1024 for w in weights) + -(-len(weights) // FLAG_BITS))
     for rank, logs in enumerate(log["logs"] for log in meta["per_rank"]):
         assert [e["compression_ratio"] for e in logs] == [workload.START, workload.RATIO]
         assert logs[0]["lr"] == pytest.approx(lr)

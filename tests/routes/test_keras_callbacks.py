@@ -28,6 +28,7 @@ except ImportError as error:
 
 from hvd_compress import FP16, DensityWarmup, NoneCompressor, TernGrad, TopK  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.comm.exchange import FLAG_BITS  # noqa: E402
 from hvd_compress.kernels.reference import num_selected  # noqa: E402
 from hvd_compress.keras.callbacks import CompressionStatsCallback, DensityWarmupCallback  # noqa: E402
 
@@ -66,10 +67,11 @@ def sizes(model):
     return [int(np.prod(v.shape)) for v in model.trainable_variables]
 
 
-def header(sparse: int) -> int:
-    """Bytes of the per-step header of one exchange (per dtype): int64 config and layout hashes and
-    one count per sparse tensor; it counts as sent (it is handed to an allgather)."""
-    return 8 * (2 + sparse)
+def header(sparse: int, tensors: int) -> int:
+    """Bytes of the per-step header of one exchange (per dtype) of ``tensors`` tensors: int64 config
+    and layout hashes, one count per sparse tensor and the tensors' non-finite flags (63 to an int64
+    column); it counts as sent (it is handed to an allgather)."""
+    return 8 * (2 + sparse + -(-tensors // FLAG_BITS))
 
 
 def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
@@ -83,7 +85,7 @@ def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
     logs = history.history
     sent = sum(num_selected(n, 0.01) for n in sizes(model))
     numel = sum(sizes(model))
-    step = 8 * sent + header(len(sizes(model)))
+    step = 8 * sent + header(len(sizes(model)), len(sizes(model)))
     for epoch in range(2):  # reset each epoch: both epochs count the same STEPS steps
         assert logs["compression_bytes"][epoch] == STEPS * step
         assert logs["compression_dense_bytes"][epoch] == STEPS * 4 * numel
@@ -113,7 +115,7 @@ def test_stats_from_model_optimizer_with_dense_small_tensors():
     large = [n for n in sizes(model) if n >= 1024]
     small = [n for n in sizes(model) if n < 1024]
     sent = sum(num_selected(n, 0.01) for n in large)
-    assert history.history["compression_bytes"] == [STEPS * (8 * sent + 4 * sum(small) + header(len(large)))]
+    assert history.history["compression_bytes"] == [STEPS * (8 * sent + 4 * sum(small) + header(len(large), len(sizes(model))))]
     assert history.history["compression_density"][0] == pytest.approx((sent + sum(small)) / sum(sizes(model)))
     assert history.history["compression_savings"][0] > 1
 
