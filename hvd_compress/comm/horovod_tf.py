@@ -217,6 +217,10 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
         )
 
 
+# do_not_convert: Horovod calls these while Keras or the user's tf.function traces a step, and
+# AutoGraph converting this package (Python branches on static shapes and configuration only)
+# took seconds of the first step
+@tf.autograph.experimental.do_not_convert
 def compress(compressor: Any, tensor: Any):
     """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
     name = _name(compressor, tensor)
@@ -236,6 +240,7 @@ def compress(compressor: Any, tensor: Any):
     return placeholder, _Context(tensor.dtype, average)
 
 
+@tf.autograph.experimental.do_not_convert
 def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: the dense average (``op=Average``) or sum (``op=Sum``)."""
     _eager_calls.pop(compressor, None)

@@ -46,6 +46,7 @@ class GradientExchange:
             self.communicator = HorovodTensorFlowCommunicator()
         return self.communicator
 
+    @tf.autograph.experimental.do_not_convert  # called while a step is traced: see comm/horovod_tf.py
     def __call__(
         self,
         grads: Sequence[Any],
