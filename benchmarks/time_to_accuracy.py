@@ -20,7 +20,9 @@ Runs, one after another in the same process group and link:
   stepped every iteration);
 - ``Auto`` of that compressor (:class:`hvd_compress.Auto`: it measures each
   bucket's exchange both ways on this link and sends it the cheaper way), with
-  the same variant.
+  the same variant; with the warm-up, ``Auto.remeasure()`` when the ramp reaches
+  the target density, so the choice is made for the density that trains on
+  (during the ramp at 25% the "compressed" exchange sends every tensor dense).
 
 Clock: the sum over steps of each step's wall time (zero-grad, forward,
 backward, exchange, update, warm-up step), the maximum over ranks; the test
@@ -154,10 +156,10 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
     per_epoch = len(data.train_y) // global_batch
     total = training.epochs * per_epoch
     eval_every = max(1, per_epoch // max(1, training.evals_per_epoch))
-    schedule = None
+    schedule, ramp = None, 0
     if warm:
-        steps = max(1, round(training.warmup_epochs * per_epoch))
-        schedule = DensityWarmup(compressor, steps, start=max(training.warmup_start, training.ratio))
+        ramp = max(1, round(training.warmup_epochs * per_epoch))
+        schedule = DensityWarmup(compressor, ramp, start=max(training.warmup_start, training.ratio))
     order = torch.Generator().manual_seed(training.seed)
     curve = {"seconds": [0.0], "step": [0], "test_accuracy": [evaluate_shared(model, data, rank, world)]}
     tx_start, seconds = cluster.tx_bytes(config["ifname"]), 0.0
@@ -172,6 +174,8 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
         opt.step()
         if schedule is not None:
             schedule.step()
+            if step + 1 == ramp and hasattr(compressor, "remeasure"):
+                compressor.remeasure()  # Auto: decide again at the target density, not the ramp's
         seconds += time.perf_counter() - started
         if (step + 1) % eval_every == 0 or step + 1 == total:
             curve["seconds"].append(max_over_ranks(seconds))

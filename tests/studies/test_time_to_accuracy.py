@@ -15,7 +15,7 @@ def test_localhost_run_writes_curves_and_times(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     write_fashion(tmp_path / "fm", train=160, test=40)
     argv = ["time-to-accuracy", "--link", "none", "--ranks", "2", "--data-dir", str(tmp_path / "fm"),
-            "--train-size", "128", "--test-size", "40", "--epochs", "2", "--batch-size", "16", "--warmup-epochs", "1",
+            "--train-size", "128", "--test-size", "40", "--epochs", "3", "--batch-size", "16", "--warmup-epochs", "1",
             "--evals-per-epoch", "2", "--compressor", "regtopk", "--out", str(tmp_path), "--name", "tta"]
     assert main(argv) == 0
     assert (tmp_path / "tta.png").stat().st_size > 0
@@ -31,7 +31,7 @@ def test_localhost_run_writes_curves_and_times(tmp_path, capsys):
         assert rows[name]["final_density"] == 0.01  # the warm-up ended at the target
     for r in rows.values():
         curve = r["curve"]
-        assert r["steps"] == 8 and curve["step"] == [0, 2, 4, 6, 8]  # 4 steps per epoch, 2 evaluations each
+        assert r["steps"] == 12 and curve["step"] == [0, 2, 4, 6, 8, 10, 12]  # 4 steps per epoch, 2 evaluations each
         assert curve["seconds"][0] == 0 and all(a < b for a, b in zip(curve["seconds"], curve["seconds"][1:]))
         assert r["train_seconds"] == curve["seconds"][-1] and r["final_accuracy"] == curve["test_accuracy"][-1]
         assert r["parameters_agree"]  # every rank decoded the same average
@@ -41,10 +41,12 @@ def test_localhost_run_writes_curves_and_times(tmp_path, capsys):
             assert r["speedup"] == pytest.approx(dense["time_to_target"] / r["time_to_target"])
     assert dense["time_to_target"] is not None and dense["speedup"] == 1.0
     assert rows["regtopk"]["payload_bytes"] < dense["payload_bytes"]
+    # Auto measured again once the 4-step ramp reached 1% (1 untimed + 3 timed exchanges): without it, 4
+    assert [d["decided_at"] for d in rows["auto-regtopk"]["decisions"].values()] == [8]
     assert [g["rate"] for g in results["goals"]] == ["1gbit", "10gbit"]
     assert all(g["value"] is None and g["met"] is None for g in results["goals"])  # no such link ran
     captured = capsys.readouterr()
-    assert "time-to-accuracy [localhost] dense: step 8/8" in captured.err
+    assert "time-to-accuracy [localhost] dense: step 12/12" in captured.err
     assert "regtop-k 1% +mc +warm-up" in captured.out
 
 
