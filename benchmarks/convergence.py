@@ -426,7 +426,8 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
             axes[i][j].set_title(f"{model}, " + ("dense and TernGrad" if ratio is None else f"density {ratio:.2%}"))
     s = results["settings"]
     fig.suptitle(
-        f"{s['data']['name']}: test accuracy, {s['ranks']} simulated ranks, mean of seeds "
+        f"{s['data']['name']} ({s['data']['train_images']:,} training images, {s['epochs']} epochs): test accuracy, "
+        f"{s['ranks']} simulated ranks, mean of seeds "
         f"{','.join(map(str, s['seeds']))} (band: min-max)\nline style: "
         + ", ".join(f"{VARIANT_STYLES[v]} {v}" for v in s["variants"])
         + " (mc: momentum correction; dense and TernGrad: solid)"

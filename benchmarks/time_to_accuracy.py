@@ -341,13 +341,13 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
     rows = results["rows"]
     rates = list(dict.fromkeys(r["bits_per_second"] for r in rows))
     fig, axes = report.pyplot().subplots(1, len(rates), figsize=(6.5 * len(rates), 4.4), squeeze=False)
-    colors = {"none": "black"}
     for ax, rate in zip(axes[0], rates):
         shown = [r for r in rows if r["bits_per_second"] == rate]
         for r in shown:
-            style = "--" if r["run"].startswith(AUTO_PREFIX) else "-"
-            ax.plot(r["curve"]["seconds"], r["curve"]["test_accuracy"], style, marker=".", label=r["label"],
-                    color=colors.get(r["run"]))
+            auto = r["run"].startswith(AUTO_PREFIX)
+            color = convergence.cnn.curve_style(convergence.cnn.label(r["run"].removeprefix(AUTO_PREFIX)))["color"]
+            ax.plot(r["curve"]["seconds"], r["curve"]["test_accuracy"], "--" if auto else "-", marker=".",
+                    label=r["label"], color="tab:orange" if auto else color)
         ax.axhline(shown[0]["target_accuracy"], color="grey", linestyle=":", label="target")
         low = min(min(r["curve"]["test_accuracy"][1:] or [0.0]) for r in shown)
         ax.set_ylim(max(0.0, low - 0.02), min(1.0, max(max(r["curve"]["test_accuracy"]) for r in shown) + 0.01))
@@ -357,7 +357,9 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="lower right")
     s = results["settings"]
-    fig.suptitle(f"Time to accuracy: {s['model']} on {s['data']}, {s['ranks']} processes (seed {s['seed']})")
+    fig.suptitle(f"Time to accuracy: {s['model']} on {s['data']} ({s['train_size'] or 'all'} training images), "
+                 f"{s['ranks']} processes, seed {s['seed']}; target: dense's final accuracy - "
+                 f"{s['target_gap_points']:g} points")
     report.save_figure(fig, path)
 
 
