@@ -9,8 +9,11 @@ python -m benchmarks gaussian [--ranks 4] [--epochs 5] [--ratio 0.01] [--layer f
 python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
-                                 [--warmup both|on|off] [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
-                                 [--train-size N] [--test-size N] [--quick] [--out results]
+                                 [--variants plain,mc+warmup] [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
+                                 [--train-size N] [--test-size N] [--quick] [--out results] [--name STEM]
+python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
+                                      [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
+                                      [--out results] [--name STEM]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
@@ -106,13 +109,15 @@ def _convergence(args: argparse.Namespace) -> int:
         epochs=options["epochs"],
         batch_per_rank=options["batch_size"],
         lr=args.lr,
+        momentum=args.momentum,
         warmup_epochs=options["warmup_epochs"],
         warmup_start=args.warmup_start,
     )
     print(
         f"Convergence on {data.name} ({len(data.train_y)} training, {len(data.test_y)} test images): "
         f"{', '.join(args.models)} on {args.ranks} simulated ranks, {setup.epochs} epochs; "
-        f"{', '.join(args.compressors)} at {', '.join(f'{r:g}' for r in args.ratios)}, warm-up {args.warmup}; "
+        f"{', '.join(args.compressors)} at {', '.join(f'{r:g}' for r in args.ratios)}, "
+        f"variants {','.join(args.variants)}; "
         f"seeds {','.join(map(str, args.seeds))}"
     )
     convergence.study(
@@ -121,13 +126,73 @@ def _convergence(args: argparse.Namespace) -> int:
         models=args.models,
         compressors=args.compressors,
         ratios=args.ratios,
-        warmup=args.warmup,
+        variants=args.variants,
         seeds=args.seeds,
         target_gap=args.target_gap,
         out=args.out,
         progress=not args.no_progress,
+        name=args.name,
     )
-    return _wrote(args.out, f"convergence_{data.name}")
+    return _wrote(args.out, args.name or convergence.file_stem(data.name))
+
+
+def _time_to_accuracy(args: argparse.Namespace) -> int:
+    from benchmarks import time_to_accuracy
+
+    names = ("data", "data_dir", "train_size", "test_size", "epochs", "lr", "momentum", "compressor", "ratio",
+             "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
+    training = time_to_accuracy.Training(batch_per_rank=args.batch_size, **{n: getattr(args, n) for n in names})
+    print(
+        f"Time to accuracy: mlp on {args.data}, {args.ranks} processes, {args.epochs} epochs; dense, "
+        f"{training.label(args.compressor)} and Auto of it; {_where(args)}"
+    )
+    return _on_ranks(
+        time_to_accuracy.run,
+        args.out,
+        args.name,
+        training=training,
+        ranks=args.ranks,
+        rates=[None] if args.link == "none" else args.rates,
+        delay=args.delay,
+        target_gap=args.target_gap,
+        name=args.name,
+        progress=not args.no_progress,
+    )
+
+
+def _add_time_to_accuracy(commands: Any) -> None:
+    from benchmarks.convergence import VARIANTS
+    from benchmarks.datasets import DATASETS
+    from benchmarks.time_to_accuracy import Training
+
+    d = Training()
+    p = commands.add_parser(
+        "time-to-accuracy", help="training time to a target accuracy over emulated links: dense, a compressor, Auto"
+    )
+    _add_link(p, rates="emulated link rates",
+              none="plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)")
+    _add_delay(p)
+    p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
+    p.add_argument("--data", choices=DATASETS, default=d.data, help=f"data set (default {d.data})")
+    p.add_argument("--data-dir", help="folder of the Fashion-MNIST IDX files (as for convergence)")
+    p.add_argument("--train-size", type=int, default=d.train_size, help=f"training images ({d.train_size})")
+    p.add_argument("--test-size", type=int, default=d.test_size, help=f"test images ({d.test_size})")
+    p.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
+    p.add_argument("--batch-size", type=int, default=d.batch_per_rank, help=f"per rank ({d.batch_per_rank})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"SGD step size ({d.lr})")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD's momentum, or the compressor's with mc")
+    p.add_argument("--compressor", default=d.compressor, help=f"topk, gaussiank or regtopk ({d.compressor})")
+    _add_ratio(p)
+    p.add_argument("--variant", choices=tuple(VARIANTS), default=d.variant, help=f"({d.variant})")
+    p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help=f"({d.warmup_epochs})")
+    p.add_argument("--warmup-start", type=float, default=d.warmup_start, help=f"({d.warmup_start})")
+    p.add_argument("--evals-per-epoch", type=int, default=d.evals_per_epoch, help=f"({d.evals_per_epoch})")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--target-gap", type=float, default=0.5,
+                   help="target accuracy: dense's final accuracy minus this many points (0.5)")
+    p.add_argument("--no-progress", action="store_true", help="no progress line per evaluation")
+    p.add_argument("--name", default="time_to_accuracy", help="stem of the written files (time_to_accuracy)")
+    _add_out(p, "<name>", _time_to_accuracy)
 
 
 def _names(text: str) -> List[str]:
@@ -135,11 +200,13 @@ def _names(text: str) -> List[str]:
 
 
 def _add_convergence(commands: Any) -> None:
-    from benchmarks.convergence import COMPRESSORS, DEFAULTS, MODELS, QUICK, WARMUP
+    from benchmarks.convergence import COMPRESSORS, DEFAULT_VARIANTS, DEFAULTS, MODELS, QUICK, VARIANTS
     from benchmarks.datasets import DATASETS
 
     p = commands.add_parser(
-        "convergence", help="test accuracy on Fashion-MNIST or digits: dense vs compressors, with/without warm-up"
+        "convergence",
+        help="test accuracy on Fashion-MNIST or digits: dense vs compressors, with/without momentum correction "
+             "and warm-up"
     )
     p.add_argument("--data", choices=DATASETS, default="digits", help="data set (default digits)")
     p.add_argument("--data-dir", help="folder of the Fashion-MNIST IDX files (default: $HVD_COMPRESS_FASHION_MNIST, "
@@ -148,11 +215,15 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--compressors", type=_names, default=list(COMPRESSORS),
                    help=f"{','.join(COMPRESSORS)} (default all; none is dense)")
     p.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="sparsifier densities (0.01,0.001)")
-    p.add_argument("--warmup", choices=WARMUP, default="both", help="sparsifier runs with/without warm-up (both)")
+    p.add_argument("--variants", type=_names, default=list(DEFAULT_VARIANTS),
+                   help=f"sparsifier variants, of {','.join(VARIANTS)} (mc: momentum correction, the optimizer "
+                        f"without momentum; default {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--warmup-start", type=float, default=0.25, help="warm-up start density (0.25)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD step size, momentum 0.9 (0.05)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD's momentum, or the compressor's with mc (0.9)")
     defaults = "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}" for name, d in DEFAULTS.items())
     p.add_argument("--epochs", type=int, help="per-data-set default")
     p.add_argument("--batch-size", type=int, help="per rank; per-data-set default")
@@ -164,7 +235,8 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"tiny run for tests: {', '.join(f'{k} {v}' for k, v in QUICK.items())}. Defaults: {defaults}")
     p.add_argument("--no-progress", action="store_true", help="no progress line per finished run")
-    _add_out(p, "convergence_<data>", _convergence)
+    p.add_argument("--name", help="stem of the written files (default convergence_<data>)")
+    _add_out(p, "<name>", _convergence)
 
 
 def _add_cnn_options(parser: argparse.ArgumentParser, study: str) -> None:
@@ -373,6 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     tern.set_defaults(run=_simulate_terngrad)
 
     _add_convergence(commands)
+    _add_time_to_accuracy(commands)
 
     compress = commands.add_parser("compress", help="encode time vs torch.topk and one memory pass")
     compress.add_argument(

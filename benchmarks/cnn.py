@@ -230,7 +230,9 @@ def train(
     Every step the global batch of ``ranks * batch_per_rank`` images (a fresh
     permutation per epoch) is split into one shard per rank. Returns the
     training loss of every step (mean over ranks), ``evals`` test evaluations,
-    and the wire statistics of every payload, averaged over ranks and steps.
+    the wire statistics of every payload, averaged over ranks and steps, and
+    the momentum the optimizer and the compressor ran with (a compressor with
+    momentum correction, ``momentum=m``, wants ``momentum=0`` here).
     """
     import torch
 
@@ -316,6 +318,8 @@ def train(
         "dense_traffic_per_step": allreduce_traffic(dense_bytes, ranks),
         "traffic_vs_dense": sums["traffic"] / steps_ranks / allreduce_traffic(dense_bytes, ranks),
         "density": sums["values"] / sums["numel"] if sparse else None,
+        "optimizer_momentum": float(optimizer.param_groups[0]["momentum"]),
+        "compressor_momentum": float(getattr(sim.compressors[0], "momentum", 0.0)),
         "layers": layers,
         "wall_seconds": time.perf_counter() - started,
     }

@@ -1,5 +1,5 @@
 """``python -m benchmarks convergence``: test accuracy on real data, dense vs every compressor, with and
-without Deep Gradient Compression's density warm-up, over several seeds.
+without Deep Gradient Compression's momentum correction and density warm-up, over several seeds.
 
 Data (:mod:`benchmarks.datasets`): Fashion-MNIST (28x28, the Debian package
 ``dataset-fashion-mnist``, ``ci/install_fashion_mnist.sh``) or scikit-learn's
@@ -14,22 +14,34 @@ Models (:func:`make_model`), for a ``1 x h x w`` image:
 
 Training (:func:`benchmarks.cnn.train`): N simulated ranks
 (:class:`~hvd_compress.simulator.Simulator`: every rank encodes its own
-gradient, the payloads are gathered, every rank decodes the average), SGD with
-momentum 0.9 on the average, a fresh permutation of the training set per
-epoch, the test set evaluated after every epoch. Runs: dense; Top-k,
-Gaussian-k and RegTop-k at every density, each without and with the warm-up
-(:class:`hvd_compress.DensityWarmup` stepped every iteration, from ``start``
-to the density over the first ``warmup_epochs`` epochs); TernGrad. Every run
-is repeated for every seed (the seed sets the initialization, the batch order
-and the compressors' random streams; the data and its subset are fixed).
+gradient, the payloads are gathered, every rank decodes the average), SGD
+with step size ``lr``, a fresh permutation of the training set per epoch, the
+test set evaluated after every epoch. Runs: dense and TernGrad with SGD
+momentum 0.9 on the average; Top-k, Gaussian-k and RegTop-k at every density
+in every chosen variant (:data:`VARIANTS`):
+
+- ``plain``: SGD momentum 0.9 on the averaged (sparsified) gradient;
+- ``warmup``: the same, with the density warm-up
+  (:class:`hvd_compress.DensityWarmup` stepped every iteration, from
+  ``start`` to the density over the first ``warmup_epochs`` epochs);
+- ``mc``: momentum correction and momentum-factor masking (Lin et al.,
+  "Deep Gradient Compression", ICLR 2018, section 3.2): the compressor is
+  built with ``momentum=0.9`` and keeps the velocity ``u = m u + g`` that
+  error feedback accumulates, the optimizer is SGD without momentum;
+- ``mc+warmup``: both, as DGC trains.
+
+Every run is repeated for every seed (the seed sets the initialization, the
+batch order and the compressors' random streams; the data and its subset are
+fixed).
 
 Reported per model and run, over the seeds: final test accuracy (mean, sample
 standard deviation, min-max), its gap to dense in points, the epoch at which
 the seed-mean curve first reaches the target (dense's final mean minus
 ``target_gap`` points) and the bytes one rank hands to the collectives per
 step, against dense fp32 (payload bytes and ring traffic, as in
-:mod:`benchmarks.cnn`). The warm-up runs' bytes include the denser warm-up
-steps. This is the Simulator: it measures accuracy and bytes, not time.
+:mod:`benchmarks.cnn`), and the momentum the optimizer and the compressor
+ran with. The warm-up runs' bytes include the denser warm-up steps. This is
+the Simulator: it measures accuracy and bytes, not time.
 """
 
 from __future__ import annotations
@@ -53,12 +65,14 @@ from hvd_compress.compressors import Compression, DensityWarmup
 MODELS = ("cnn", "mlp")
 #: Compressor names of ``--compressors``; ``none`` is dense.
 COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
-WARMUP = ("both", "on", "off")
+#: Sparsifier variants: name -> (momentum correction, density warm-up).
+VARIANTS = {"plain": (False, False), "warmup": (False, True), "mc": (True, False), "mc+warmup": (True, True)}
+DEFAULT_VARIANTS = ("plain", "mc+warmup")
 DEFAULT_RATIOS = (0.01, 0.001)
 #: Per data set: epochs, batch per rank, warm-up epochs (images: all unless --train-size / --test-size).
 DEFAULTS = {
     "digits": {"epochs": 20, "batch_size": 16, "warmup_epochs": 2.0},
-    "fashion-mnist": {"epochs": 3, "batch_size": 32, "warmup_epochs": 0.5},
+    "fashion-mnist": {"epochs": 8, "batch_size": 32, "warmup_epochs": 1.0},
 }
 #: ``--quick``: a few steps on a few hundred images.
 QUICK = {"epochs": 2, "batch_size": 16, "warmup_epochs": 1.0, "train_size": 256, "test_size": 128}
@@ -113,35 +127,51 @@ def options_for(data: str, quick: bool, given: Dict[str, Any]) -> Dict[str, Any]
 # ---------------------------------------------------------------------- runs
 @dataclass(frozen=True)
 class Run:
-    """One configuration: ``model``, compressor ``name`` at density ``ratio``, with or without warm-up."""
+    """One configuration: ``model``, compressor ``name`` at density ``ratio``, in sparsifier ``variant``."""
 
     model: str
     name: str
     ratio: Optional[float] = None
-    warmup: bool = False
+    variant: str = "plain"
+
+    @property
+    def momentum_correction(self) -> bool:
+        return VARIANTS[self.variant][0]
+
+    @property
+    def warmup(self) -> bool:
+        return VARIANTS[self.variant][1]
 
     @property
     def label(self) -> str:
-        """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``terngrad``."""
-        return cnn.label(self.name, self.ratio) + (" +warm-up" if self.warmup else "")
+        """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``terngrad``."""
+        return cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
 
-    def compressor(self) -> Any:
-        return Compression.by_name(self.name, self.ratio) if self.ratio else Compression.by_name(self.name)
+    def compressor(self, momentum: float) -> Any:
+        """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
+        if not self.ratio:
+            return Compression.by_name(self.name)
+        return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0)
 
 
 def plan(
-    models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float], warmup: str
+    models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
+    variants: Sequence[str] = DEFAULT_VARIANTS,
 ) -> List[Run]:
-    """Every run, model by model: dense, the sparsifiers per density (without, then with warm-up), TernGrad."""
+    """Every run, model by model: dense, the sparsifiers per density (each variant in the order given),
+    TernGrad."""
     unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
-    if unknown or warmup not in WARMUP:
-        raise ValueError(f"unknown {unknown or warmup}: compressors {COMPRESSORS}, models {MODELS}, warm-up {WARMUP}")
-    flags = {"both": (False, True), "on": (True,), "off": (False,)}[warmup]
+    unknown += [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(
+            f"unknown {unknown or 'empty variants'}: compressors {COMPRESSORS}, models {MODELS}, "
+            f"variants {tuple(VARIANTS)}"
+        )
     runs: List[Run] = []
     for model in dict.fromkeys(models):
         runs += [Run(model, "none")] if "none" in compressors else []
         for ratio in dict.fromkeys(float(r) for r in ratios):
-            runs += [Run(model, n, ratio, w) for n in cnn.SPARSE if n in compressors for w in flags]
+            runs += [Run(model, n, ratio, v) for n in cnn.SPARSE if n in compressors for v in dict.fromkeys(variants)]
         runs += [Run(model, "terngrad")] if "terngrad" in compressors else []
     return runs
 
@@ -164,12 +194,13 @@ class WarmupProbe(cnn.Probe):
 
 @dataclass(frozen=True)
 class Setup:
-    """The training shared by every run: ``ranks``, ``epochs``, batch, step size, warm-up."""
+    """The training shared by every run: ``ranks``, ``epochs``, batch, step size, momentum, warm-up."""
 
     ranks: int = 4
     epochs: int = 5
     batch_per_rank: int = 32
     lr: float = 0.05
+    momentum: float = 0.9
     warmup_epochs: float = 1.0
     warmup_start: float = 0.25
 
@@ -183,12 +214,14 @@ def train_run(run: Run, data: Any, setup: Setup, seed: int, per_epoch: int) -> D
     if run.warmup:
         probe = WarmupProbe(max(1, round(setup.warmup_epochs * per_epoch)), setup.warmup_start)
     result = cnn.train(
-        run.compressor(), data, ranks=setup.ranks, epochs=setup.epochs, batch_per_rank=setup.batch_per_rank,
-        lr=setup.lr, seed=seed, evals=setup.epochs, probe=probe,
+        run.compressor(setup.momentum), data, ranks=setup.ranks, epochs=setup.epochs,
+        batch_per_rank=setup.batch_per_rank, lr=setup.lr, momentum=0.0 if run.momentum_correction else setup.momentum,
+        seed=seed, evals=setup.epochs, probe=probe,
         net=functools.partial(make_model, run.model, tuple(data.train_x.shape[1:])),
     )
     keep = ("final_test_accuracy", "final_test_loss", "final_train_loss", "bytes_per_step", "dense_bytes_per_step",
-            "bytes_vs_dense", "traffic_per_step", "traffic_vs_dense", "density", "steps", "wall_seconds")
+            "bytes_vs_dense", "traffic_per_step", "traffic_vs_dense", "density", "steps", "wall_seconds",
+            "optimizer_momentum", "compressor_momentum")
     return {
         "seed": seed,
         "test_accuracy": result["eval"]["test_accuracy"],  # after epochs 0 (initial), 1, ..., E
@@ -252,7 +285,10 @@ def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, A
     curves = np.array([s["test_accuracy"] for s in seeds])
     final = spread(curves[:, -1])
     row: Dict[str, Any] = {
-        "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio, "warmup": run.warmup,
+        "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio,
+        "variant": run.variant if run.ratio else None, "momentum_correction": run.momentum_correction,
+        "warmup": run.warmup,
+        **{key: seeds[0][key] for key in ("optimizer_momentum", "compressor_momentum")},
         "final_accuracy": final,
         "curve_mean": curves.mean(0).tolist(), "curve_min": curves.min(0).tolist(),
         "curve_max": curves.max(0).tolist(),
@@ -289,18 +325,19 @@ def study(
     models: Sequence[str] = MODELS,
     compressors: Sequence[str] = COMPRESSORS,
     ratios: Sequence[float] = DEFAULT_RATIOS,
-    warmup: str = "both",
+    variants: Sequence[str] = DEFAULT_VARIANTS,
     seeds: Sequence[int] = (0, 1, 2),
     target_gap: float = 0.5,
     out: Optional[str] = None,
     progress: bool = True,
     plot: bool = True,
     stdout: Any = None,
+    name: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Train every run of :func:`plan` for every seed on ``data``; write ``convergence_<data>.json/.png``
-    to ``out`` when given, print the table; returns the results."""
+    """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
+    (default :func:`file_stem`) to ``out`` when given, print the table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs = plan(models, compressors, ratios, warmup)
+    runs = plan(models, compressors, ratios, variants)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -311,9 +348,11 @@ def study(
         "machine": describe_machine(),
         "settings": {
             **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
-            "ratios": list(ratios), "target_gap_points": target_gap, "data": data.describe(),
-            "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
-            "optimizer": "SGD with momentum 0.9 on the averaged gradient (no momentum correction)",
+            "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
+            "data": data.describe(), "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
+            "optimizer": f"SGD, lr {setup.lr}, with momentum {setup.momentum} on the averaged gradient; "
+                         f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "
+                         "and SGD runs without",
             "warmup": "DensityWarmup stepped every iteration from warmup_start to the density over "
                       "warmup_epochs epochs (DGC's exponential ramp)",
             "bytes": "payload bytes one rank hands to the collectives per step, mean over ranks, steps, seeds",
@@ -321,7 +360,12 @@ def study(
         "rows": rows_of(runs, trained, target_gap),
         "wall_seconds": time.perf_counter() - started,
     }
-    return publish(results, out, f"convergence_{data.name}", write_plot if plot else None, print_table, stdout)
+    return publish(results, out, name or file_stem(data.name), write_plot if plot else None, print_table, stdout)
+
+
+def file_stem(data: str) -> str:
+    """``convergence_<data>``: the default name of the JSON and PNG files."""
+    return f"convergence_{data}"
 
 
 def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
@@ -330,23 +374,23 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     say(
         f"Convergence on {s['data']['name']} ({s['data']['train_images']} training, {s['data']['test_images']} test "
         f"images): {s['ranks']} simulated ranks, {s['epochs']} epochs of {s['steps_per_epoch']} steps, batch "
-        f"{s['batch_per_rank']} per rank, lr {s['lr']}, seeds {','.join(map(str, s['seeds']))}"
+        f"{s['batch_per_rank']} per rank, lr {s['lr']}, momentum {s['momentum']}, seeds {','.join(map(str, s['seeds']))}"
     )
-    say(f"\n  {'model':<5} {'run':<26} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
+    say(f"\n  {'model':<5} {'run':<30} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
         f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9}")
     for r in results["rows"]:
         acc = r["final_accuracy"]
         gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f}pt"
         reach = "" if "epochs_to_target" not in r else (str(r["epochs_to_target"] or "never"))
         say(
-            f"  {r['model']:<5} {r['label']:<26} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
+            f"  {r['model']:<5} {r['label']:<30} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
             f"{acc['min']:.3f}-{acc['max']:.3f} {gap:>9} {reach:>13} {r['bytes_per_step']:>11,.0f} "
             f"{r['bytes_vs_dense']:>8.4f}x"
         )
     say(
         f"\n  vs dense: points of final test accuracy against dense's mean; epoch>=target: first epoch whose "
         f"seed-mean accuracy reaches dense's final mean - {s['target_gap_points']:g} points; bytes/step: "
-        "payload bytes per rank and step (warm-up runs include the warm-up)"
+        "payload bytes per rank and step (warm-up runs include the warm-up); mc: momentum correction"
     )
 
 
@@ -382,17 +426,24 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
             axes[i][j].set_title(f"{model}, " + ("dense and TernGrad" if ratio is None else f"density {ratio:.2%}"))
     s = results["settings"]
     fig.suptitle(
-        f"{s['data']['name']}: test accuracy, {s['ranks']} simulated ranks, mean of seeds "
-        f"{','.join(map(str, s['seeds']))} (band: min-max); dashed: with density warm-up"
+        f"{s['data']['name']} ({s['data']['train_images']:,} training images, {s['epochs']} epochs): test accuracy, "
+        f"{s['ranks']} simulated ranks, mean of seeds "
+        f"{','.join(map(str, s['seeds']))} (band: min-max)\nline style: "
+        + ", ".join(f"{VARIANT_STYLES[v]} {v}" for v in s["variants"])
+        + " (mc: momentum correction; dense and TernGrad: solid)"
     )
     save_figure(fig, path)
+
+
+#: Line style of each sparsifier variant in the plot (dense and TernGrad: solid).
+VARIANT_STYLES = {"plain": "solid", "warmup": "dotted", "mc": "dashdot", "mc+warmup": "dashed"}
 
 
 def plot_panel(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
     lows = []
     for r in rows:
         style = cnn.curve_style(cnn.label(r["compressor"]))
-        style["linestyle"] = "--" if r["warmup"] else "-"
+        style["linestyle"] = VARIANT_STYLES[r["variant"] or "plain"]
         epochs = np.arange(len(r["curve_mean"]))
         ax.plot(epochs, r["curve_mean"], marker=".", label=r["label"], linewidth=1.2, **style)
         ax.fill_between(epochs, r["curve_min"], r["curve_max"], color=style["color"], alpha=0.15, linewidth=0)

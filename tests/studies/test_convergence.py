@@ -18,15 +18,17 @@ def test_fashion_mnist_cli(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     write_fashion(tmp_path / "fm", train=200, test=80)
     argv = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "fm"), *TINY, "--models", "mlp",
-            "--compressors", "none,topk,terngrad", "--ratios", "0.01", "--seeds", "0,1", "--out", str(tmp_path)]
+            "--compressors", "none,topk,terngrad", "--ratios", "0.01", "--variants", "plain,warmup,mc+warmup",
+            "--seeds", "0,1", "--out", str(tmp_path)]
     assert main(argv) == 0
     assert (tmp_path / "convergence_fashion-mnist.png").stat().st_size > 0
     results = json.loads((tmp_path / "convergence_fashion-mnist.json").read_text())
     s = results["settings"]
     assert s["data"]["image_shape"] == [1, 28, 28] and s["data"]["train_images"] == 128
     assert s["steps_per_epoch"] == 2 and s["epochs"] == 2 and s["seeds"] == [0, 1]
+    assert s["variants"] == ["plain", "warmup", "mc+warmup"] and s["momentum"] == 0.9
     rows = {(r["model"], r["label"]): r for r in results["rows"]}
-    labels = ["dense", "top-k 1%", "top-k 1% +warm-up", "terngrad"]
+    labels = ["dense", "top-k 1%", "top-k 1% +warm-up", "top-k 1% +mc +warm-up", "terngrad"]
     assert list(rows) == [("mlp", label) for label in labels]
     for r in rows.values():
         assert len(r["seeds"]) == 2 and all(len(seed["test_accuracy"]) == 3 for seed in r["seeds"])
@@ -42,7 +44,38 @@ def test_fashion_mnist_cli(tmp_path, capsys):
         assert [s["warmup_densities"] for s in warm["seeds"]] == [[0.25, 0.01]] * 2  # 2 ramp steps, then 1%
         assert topk["seeds"][0]["warmup_densities"] is None
     out = capsys.readouterr().out
-    assert "top-k 1% +warm-up" in out and "convergence_fashion-mnist.png" in out
+    assert "top-k 1% +mc +warm-up" in out and "convergence_fashion-mnist.png" in out
+
+
+def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
+    """With mc the compressor owns the momentum and SGD has none; every other run is SGD with momentum.
+    The variants' rows say which they are, and mc+warmup ramps the density like the warm-up alone."""
+    pytest.importorskip("sklearn")
+    results = convergence.study(
+        convergence.load("digits", 128, 64), convergence.Setup(epochs=2, batch_per_rank=16, momentum=0.8),
+        models=["mlp"], compressors=["none", "regtopk", "terngrad"], ratios=[0.01],
+        variants=["plain", "mc", "mc+warmup"], seeds=[0, 1], progress=False, plot=False, out=str(tmp_path),
+        name="mc",
+    )
+    saved = json.loads((tmp_path / "mc.json").read_text())
+    assert saved["settings"]["variants"] == ["plain", "mc", "mc+warmup"] == results["settings"]["variants"]
+    rows = {r["label"]: r for r in saved["rows"]}
+    assert list(rows) == ["dense", "regtop-k 1%", "regtop-k 1% +mc", "regtop-k 1% +mc +warm-up", "terngrad"]
+    expected = {  # label: variant, momentum correction, warm-up, the optimizer's and the compressor's momentum
+        "dense": (None, False, False, 0.8, 0.0), "regtop-k 1%": ("plain", False, False, 0.8, 0.0),
+        "regtop-k 1% +mc": ("mc", True, False, 0.0, 0.8),
+        "regtop-k 1% +mc +warm-up": ("mc+warmup", True, True, 0.0, 0.8), "terngrad": (None, False, False, 0.8, 0.0),
+    }
+    for label, (variant, mc, warmup, optimizer, compressor) in expected.items():
+        r = rows[label]
+        assert (r["variant"], r["momentum_correction"], r["warmup"]) == (variant, mc, warmup)
+        momenta = [(seed["optimizer_momentum"], seed["compressor_momentum"]) for seed in r["seeds"]]
+        assert momenta == [(optimizer, compressor)] * 2
+        assert (r["optimizer_momentum"], r["compressor_momentum"]) == (optimizer, compressor)
+        assert [seed["warmup_densities"] is not None for seed in r["seeds"]] == [warmup] * 2
+    plain, mc, mc_warm = rows["regtop-k 1%"], rows["regtop-k 1% +mc"], rows["regtop-k 1% +mc +warm-up"]
+    assert plain["bytes_per_step"] == mc["bytes_per_step"] < mc_warm["bytes_per_step"]  # the ramp sends more
+    assert plain["seeds"][0]["test_loss"] != mc["seeds"][0]["test_loss"]  # the same selection size, other values
 
 
 def test_progress_lines_and_a_missing_data_set(tmp_path, capsys):
@@ -51,6 +84,10 @@ def test_progress_lines_and_a_missing_data_set(tmp_path, capsys):
             "--train-size", "64", "--models", "mlp", "--compressors", "none", "--seeds", "3", "--out", ""]
     assert main(argv) == 0
     assert "convergence [1/1] mlp dense seed 3: test accuracy" in capsys.readouterr().err
+    bad_variant = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "fm"), "--quick",
+                   "--train-size", "64", "--variants", "plain,dgc", "--out", ""]
+    assert main(bad_variant) == 2
+    assert "unknown ['dgc']" in capsys.readouterr().err
     missing = ["convergence", "--data", "fashion-mnist", "--data-dir", str(tmp_path / "none"), "--quick"]
     assert main(missing) == 2
     assert "ci/install_fashion_mnist.sh" in capsys.readouterr().err
@@ -78,10 +115,16 @@ def test_digits_dense_cnn_learns():
 
 
 def test_plan_orders_runs_and_rejects_unknown_names():
-    runs = convergence.plan(["mlp"], ["terngrad", "regtopk", "none"], [0.01, 0.001], "on")
+    runs = convergence.plan(["mlp"], ["terngrad", "regtopk", "none"], [0.01, 0.001], ["warmup"])
     assert [r.label for r in runs] == ["dense", "regtop-k 1% +warm-up", "regtop-k 0.1% +warm-up", "terngrad"]
-    for bad in ({"compressors": ["topk", "fp8"]}, {"models": ["resnet"]}, {"warmup": "sometimes"}):
-        options = {"models": ["cnn"], "compressors": ["topk"], "ratios": [0.01], "warmup": "off", **bad}
+    runs = convergence.plan(["cnn"], ["topk"], [0.01], ["mc+warmup", "plain", "mc+warmup"])
+    assert [r.label for r in runs] == ["top-k 1% +mc +warm-up", "top-k 1%"]
+    assert [(r.momentum_correction, r.warmup) for r in runs] == [(True, True), (False, False)]
+    assert runs[0].compressor(0.9).momentum == 0.9 and runs[1].compressor(0.9).momentum == 0.0
+    assert [r.label for r in convergence.plan(["cnn"], ["topk"], [0.01])] == ["top-k 1%", "top-k 1% +mc +warm-up"]
+    for bad in ({"compressors": ["topk", "fp8"]}, {"models": ["resnet"]}, {"variants": ["sometimes"]},
+                {"variants": []}):
+        options = {"models": ["cnn"], "compressors": ["topk"], "ratios": [0.01], "variants": ["plain"], **bad}
         with pytest.raises(ValueError, match="unknown"):
             convergence.plan(**options)
 
@@ -97,7 +140,8 @@ def test_summary_of_seeds():
     seeds = [{"test_accuracy": [0.1, 0.80, 0.90], "density": 0.02}, {"test_accuracy": [0.1, 0.70, 0.94],
                                                                       "density": 0.04}]
     for s in seeds:
-        s.update(bytes_per_step=10.0, dense_bytes_per_step=100.0, bytes_vs_dense=0.1, traffic_vs_dense=0.2)
+        s.update(bytes_per_step=10.0, dense_bytes_per_step=100.0, bytes_vs_dense=0.1, traffic_vs_dense=0.2,
+                 optimizer_momentum=0.9, compressor_momentum=0.0)
     dense = {"final_accuracy": {"mean": 0.93, "min": 0.925}}
     row = convergence.summarize(convergence.Run("cnn", "topk", 0.01), seeds, dense, gap=0.5)
     assert row["final_accuracy"]["mean"] == pytest.approx(0.92) and row["final_accuracy"]["min"] == 0.90
