@@ -198,6 +198,8 @@ class BucketExchange:
             results.update(self._finish_dense())
         if self.steps is not None:
             results.update(decode_rounds(self.comm, self.key, self.steps, self.round, self.handles))
+        self.handles.clear()  # the collectives' work objects hold the transport's connections: let them go now
+        self.steps = None
         return results
 
     def result(self, name: str, total: Any, dtype: Any) -> Any:
