@@ -20,9 +20,10 @@ Runs, one after another in the same process group and link:
   stepped every iteration);
 - ``Auto`` of that compressor (:class:`hvd_compress.Auto`: it measures each
   bucket's exchange both ways on this link and sends it the cheaper way), with
-  the same variant; with the warm-up, ``Auto.remeasure()`` when the ramp reaches
-  the target density, so the choice is made for the density that trains on
-  (during the ramp at 25% the "compressed" exchange sends every tensor dense).
+  the same variant; with the warm-up, ``DensityWarmup`` has it measure again
+  when the ramp reaches the target density, so the choice is made for the
+  density that trains on (during the ramp at 25% the "compressed" exchange
+  sends every tensor dense).
 
 Clock: the sum over steps of each step's wall time (zero-grad, forward,
 backward, exchange, update, warm-up step), the maximum over ranks; the test
@@ -173,9 +174,7 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
         F.cross_entropy(model(data.train_x[rows]), data.train_y[rows]).backward()
         opt.step()
         if schedule is not None:
-            schedule.step()
-            if step + 1 == ramp and hasattr(compressor, "remeasure"):
-                compressor.remeasure()  # Auto: decide again at the target density, not the ramp's
+            schedule.step()  # reaching the target, it has Auto measure again
         seconds += time.perf_counter() - started
         if (step + 1) % eval_every == 0 or step + 1 == total:
             curve["seconds"].append(max_over_ranks(seconds))

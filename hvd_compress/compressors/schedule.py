@@ -108,6 +108,16 @@ def compressors_of(thing: Any, who: str) -> List[Compressor]:
     return [check_has_density(c, who) for c in found]
 
 
+def reached_target(compressors: List[Any]) -> None:
+    """The ramp has just reached the target density: a compressor that chooses by measuring
+    (``Auto``'s ``remeasure``) measures again, so that it decides for the density that trains
+    rather than for the ramp's denser steps (where the sparsifiers send most tensors dense)."""
+    for compressor in compressors:
+        remeasure = getattr(compressor, "remeasure", None)
+        if callable(remeasure):
+            remeasure()
+
+
 class DensityWarmup:
     """DGC's density warm-up as a schedule: ``warmup_steps`` calls of :meth:`step` from ``start`` to the target.
 
@@ -152,9 +162,13 @@ class DensityWarmup:
         return self.last_step >= self.warmup_steps
 
     def step(self) -> float:
-        """Move one step on and set its density; returns it."""
+        """Move one step on and set its density; returns it. The step that reaches the target has
+        an ``Auto`` compressor measure again (:func:`reached_target`)."""
         self.last_step += 1
-        return self._apply()
+        density = self._apply()
+        if self.last_step == self.warmup_steps:
+            reached_target(self.compressors)
+        return density
 
     def _apply(self) -> float:
         density = self.density

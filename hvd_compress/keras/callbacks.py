@@ -49,7 +49,8 @@ import tensorflow as tf
 from horovod.tensorflow.keras import callbacks as horovod_callbacks
 
 from hvd_compress.compressors.base import Compressor, check_ratio
-from hvd_compress.compressors.schedule import check_has_density, check_start, check_warmup_steps, warmup_density
+from hvd_compress.compressors.schedule import (check_has_density, check_start, check_warmup_steps, reached_target,
+                                               warmup_density)
 from hvd_compress.keras.versions import KERAS3, broadcast_variables
 
 __all__ = [
@@ -304,7 +305,8 @@ class DensityWarmupCallback(_CompressorCallback):
 
     The density is set as ``compressor.ratio`` at ``on_epoch_begin``, logged
     as ``compression_ratio`` at ``on_epoch_end``, and reset to the target at
-    ``on_train_end``. It depends only on the epoch number, so every rank uses
+    ``on_train_end``; at the epoch that reaches the target an ``Auto``
+    compressor measures again (``remeasure``). It depends only on the epoch number, so every rank uses
     the same one (the exchange header checks that ranks agree). While
     ``N * k`` reaches a tensor's size, the sparsifiers send that tensor dense
     (``dense_when_cheaper``).
@@ -337,6 +339,8 @@ class DensityWarmupCallback(_CompressorCallback):
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.ratio = self.density(epoch)
         self.compressor.ratio = self.ratio
+        if epoch == self.warmup_epochs > 0:  # the target is reached: Auto measures again
+            reached_target([self.compressor])
 
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         if logs is not None and self.ratio is not None:

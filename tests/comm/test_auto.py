@@ -232,3 +232,17 @@ def test_tensorflow_per_tensor_path_flushes_into_dense():
     for delivered, residual, choice in results:
         assert choice == "dense" and residual is None
         np.testing.assert_allclose(delivered, produced, rtol=0, atol=1e-12)
+
+
+def test_density_warmup_has_auto_measure_again_when_the_ramp_reaches_the_target(monkeypatch):
+    """During the ramp the sparsifiers send most tensors dense: a choice made there is for the wrong
+    density, so the schedule step that reaches the target (and only that one) calls ``remeasure``."""
+    from hvd_compress import DensityWarmup
+
+    auto = Auto(TopK(0.01), log=False)
+    calls = []
+    monkeypatch.setattr(auto, "remeasure", lambda: calls.append(auto.ratio))
+    schedule = DensityWarmup(auto, warmup_steps=3, start=0.25)
+    for _ in range(5):
+        schedule.step()
+    assert calls == [0.01]

@@ -251,3 +251,15 @@ def test_example_trains_under_horovodrun_and_reports_bytes():
         assert 0 < float(sent) < float(dense)
     assert [float(e[6]) for e in epochs] == [0.25, 0.01]
     assert float(epochs[1][4]) > 20, f"only {epochs[1][4]}x fewer bytes than dense at 1%"
+
+
+def test_density_warmup_callback_has_auto_measure_again_at_the_target_epoch(monkeypatch):
+    from hvd_compress import Auto
+
+    auto = Auto(TopK(0.01), log=False)
+    calls = []
+    monkeypatch.setattr(auto, "remeasure", lambda: calls.append(auto.ratio))
+    warmup = DensityWarmupCallback(auto, warmup_epochs=2, start=0.25)
+    for epoch in range(4):
+        warmup.on_epoch_begin(epoch)
+    assert calls == [0.01]
