@@ -283,12 +283,15 @@ class AutoExchange:
     def finish(self, average: bool = True) -> Dict[str, Any]:
         exchange = self._resolved()
         if not self.marks:
-            return exchange.finish(average)
-        clock, like = self.auto.clock, self.added[0][1]
-        before = clock.mark(like)
-        results = exchange.finish(average)
-        start, launched, dense_start, dense_stop = self.marks
-        self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop))
+            results = exchange.finish(average)
+        else:
+            clock, like = self.auto.clock, self.added[0][1]
+            before = clock.mark(like)
+            results = exchange.finish(average)
+            start, launched, dense_start, dense_stop = self.marks
+            self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop))
+        if isinstance(self.comm, WaitOnce):
+            self.comm.results.clear()  # the handles it kept hold the transport's connections
         return results
 
 

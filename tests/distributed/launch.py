@@ -43,11 +43,14 @@ def require(module: str) -> None:
 def gloo_group(rank: int, size: int, port: int, timeout_s: float = 30.0) -> Iterator[None]:
     """``torch.distributed`` over Gloo for one rank started by ``torch.multiprocessing.spawn``.
 
-    When the body succeeds, every rank meets at a barrier before the group is destroyed: a
-    rank that closes its sockets while a peer's Gloo threads still read them aborts that
-    peer ("terminate called without an active exception", SIGABRT). When the body raises,
-    the group is destroyed at once, since the peers may never reach a barrier.
+    When the body succeeds, every rank collects its garbage (DDP's reducer and its hooks'
+    futures sit in reference cycles that hold Gloo work objects; freed after the group is
+    gone, at exit, they abort the process: "terminate called without an active exception")
+    and meets the others at a barrier before the group is destroyed (a rank that closes its
+    sockets while a peer's Gloo threads still read them aborts that peer the same way). When
+    the body raises, the group is destroyed at once, since the peers may never reach a barrier.
     """
+    import gc
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -56,6 +59,7 @@ def gloo_group(rank: int, size: int, port: int, timeout_s: float = 30.0) -> Iter
     dist.init_process_group("gloo", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
     try:
         yield
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()
