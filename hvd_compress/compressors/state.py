@@ -5,7 +5,8 @@ what it sends; its :class:`CompressorState` (``compressor.state``) holds everyth
 accumulates: per-tensor arrays (residuals, velocities, posteriors, in
 :class:`~hvd_compress.compressors.residual.TensorMemory`), the random streams, the fused
 buckets' plans and the state they hold, and what a route keeps per compressor
-(:meth:`route_data`). It follows PyTorch's ``PowerSGDState`` (torch.distributed's
+(:meth:`route_data`: stock Horovod's plans and calls for torch, the
+layouts checked and eager call counts for TensorFlow). It follows PyTorch's ``PowerSGDState`` (torch.distributed's
 ``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A Compressed Communication
 Framework for Distributed Machine Learning", ICDCS 2021): the exchanges read and write
 state only through this object. ``Compressor.state_dict()`` saves the memory and the random
