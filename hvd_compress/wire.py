@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict, Optional
 
 import numpy as np
 
@@ -43,15 +43,51 @@ def header_hash(value: Any) -> int:
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
-#: the algorithms a header can name (see :func:`header_config`), for the cross-rank check's error
-ALGORITHMS = ("NoneCompressor", "FP16", "TopK", "GaussianK", "RegTopK", "TernGrad")
+#: algorithm numbers a header can carry (:func:`header_config`): compressor class name -> number,
+#: filled by :func:`register_algorithm` (``hvd_compress.compressors.registry`` registers the built-in
+#: compressors with fixed numbers, so headers and their errors never change between releases)
+_ALGORITHM_NUMBERS: Dict[str, int] = {}
+
+#: numbers below this one are kept for the built-in compressors; others get theirs from their name
+FIRST_FREE_NUMBER = 64
+_LARGEST_NUMBER = 2**31 - 1  # the number sits above bit 32 of an int64 column
+
+
+def register_algorithm(algorithm: str, number: Optional[int] = None) -> int:
+    """Give the compressor class ``algorithm`` its header number and return it.
+
+    Without ``number`` it is ``FIRST_FREE_NUMBER + header_hash(algorithm) mod (2^31 - 1 -
+    FIRST_FREE_NUMBER)``: the same on every rank whatever order ranks register in. Two names
+    with one number, or one name with two, are an error.
+    """
+    if number is None:
+        number = FIRST_FREE_NUMBER + header_hash(algorithm) % (_LARGEST_NUMBER - FIRST_FREE_NUMBER)
+    if not 0 < number <= _LARGEST_NUMBER:
+        raise ValueError(f"hvd_compress: algorithm number {number} of {algorithm} must be in 1..{_LARGEST_NUMBER}")
+    owner = algorithm_name(number)
+    if _ALGORITHM_NUMBERS.get(algorithm, number) != number or owner not in (None, algorithm):
+        raise ValueError(
+            f"hvd_compress: cannot number {algorithm} {number}: {owner or algorithm} already has "
+            f"{number if owner else _ALGORITHM_NUMBERS[algorithm]}"
+        )
+    _ALGORITHM_NUMBERS[algorithm] = number
+    return number
+
+
+def unregister_algorithm(algorithm: str) -> None:
+    """Forget ``algorithm``'s number (its headers then carry 0, "another compressor")."""
+    _ALGORITHM_NUMBERS.pop(algorithm, None)
+
+
+def algorithm_name(number: int) -> Optional[str]:
+    """The class name registered with ``number``, ``None`` when none is."""
+    return next((name for name, n in _ALGORITHM_NUMBERS.items() if n == number), None)
 
 
 def header_config(algorithm: str, config_hash: int) -> int:
     """The header's configuration column: the 31-bit hash, and above bit 32 the algorithm's number
-    (0: one not in :data:`ALGORITHMS`), so that every rank can name every rank's algorithm."""
-    code = ALGORITHMS.index(algorithm) + 1 if algorithm in ALGORITHMS else 0
-    return config_hash | code << 32
+    (0: one not registered, :func:`register_algorithm`), so that every rank can name every rank's algorithm."""
+    return config_hash | _ALGORITHM_NUMBERS.get(algorithm, 0) << 32
 
 
 def different_algorithms(columns: Any) -> str:
@@ -60,7 +96,7 @@ def different_algorithms(columns: Any) -> str:
     codes = [int(column) >> 32 for column in columns]
     if len(set(codes)) < 2:
         return ""
-    names = [ALGORITHMS[c - 1] if 0 < c <= len(ALGORITHMS) else "another compressor" for c in codes]
+    names = [algorithm_name(c) or "another compressor" for c in codes]
     return "; ranks run different compressors: " + ", ".join(f"rank {r} {n}" for r, n in enumerate(names))
 
 

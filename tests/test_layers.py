@@ -129,3 +129,31 @@ def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
     found = imports_of("hvd_compress.compressors.base", probe, {"hvd_compress.comm.horovod",
                                                                 "hvd_compress.compressors.sparse"})
     assert found == {"hvd_compress.comm.horovod", "hvd_compress.compressors.sparse"}
+
+
+#: what the exchanges and routes call a compressor in their code
+COMPRESSOR_NAMES = {"compressor", "compression", "inner", "tern"}
+
+
+def private_compressor_reads(source: str, where: str) -> List[str]:
+    """``compressor._x`` / ``self.compressor._x`` / ``compressor.__dict__`` in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+        if name in COMPRESSOR_NAMES and (not node.attr.startswith("__") or node.attr == "__dict__"):
+            found.append(f"{where}:{node.lineno}: {name}.{node.attr}")
+    return sorted(found)
+
+
+def test_the_exchanges_read_no_private_compressor_attribute():
+    """comm, routes and the simulator use the compressor's public API and ``compressor.state``."""
+    found = []
+    for module, path in modules().items():
+        if layer_of(module) >= layer_of("hvd_compress.comm"):
+            found += private_compressor_reads(path.read_text(), module)
+    assert not found, "\n".join(found)
+    assert private_compressor_reads("compressor._buckets.pop(k)\nx = self.compressor.__dict__", "probe") == [
+        "probe:1: compressor._buckets", "probe:2: compressor.__dict__"]

@@ -135,20 +135,18 @@ class AutoStats(WireStats):
 
 # ---------------------------------------------------------------- dense view
 class InnerState(Compressor):
-    """A compressor whose state is another's, ``self.inner``: memory, statistics, fused plans,
-    rank and seed are the inner compressor's (so subclasses skip ``Compressor.__init__``)."""
+    """A compressor whose state is another's, ``self.inner``: its ``state`` (memory, random streams,
+    fused plans), statistics, rank and seed are the inner compressor's (so subclasses skip
+    ``Compressor.__init__``)."""
 
     inner: Compressor
-    memory = property(lambda self: self.inner.memory)
+    state = property(lambda self: self.inner.state)
     stats = property(lambda self: self.inner.stats)
-    _buckets = property(lambda self: self.inner._buckets)
-    _state_origin = property(lambda self: self.inner._state_origin)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
     seed = property(lambda self: self.inner.seed)
     nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
     route = property(lambda self: self.inner.route, lambda self, value: setattr(self.inner, "route", value))
-    loaded_route = property(lambda self: self.inner.loaded_route)
 
     def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)
@@ -167,8 +165,6 @@ class DenseView(InnerState):
 
     def __init__(self, inner: Compressor) -> None:
         self.inner = inner
-        self._generators: Dict[str, Any] = {}
-        self._saved_generators: Dict[str, Any] = {}
 
     #: the inner compressor's momentum correction: its tensors sent dense send their velocity
     momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
@@ -177,23 +173,24 @@ class DenseView(InnerState):
         return {"type": "Dense", "of": repr(self.inner)}
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        memory = self.state.memory
         if self.momentum:  # u = m u + g, sent with the residual left to flush
-            u = updated_velocity(self.memory, flat, name, shape, self.momentum, ops)
-            residual = self.memory.peek(name, "residual")
+            u = updated_velocity(memory, flat, name, shape, self.momentum, ops)
+            residual = memory.peek(name, "residual")
             sent = u if residual is None else u + ops.cast(ops.reshape(residual, (-1,)), u.dtype)
-            self.memory.reset(name)
-            self.memory.track(name, shape)
-            self.memory.set(name, "velocity", u)
+            memory.reset(name)
+            memory.track(name, shape)
+            memory.set(name, "velocity", u)
             return DensePayload(values=ops.saturate(sent, flat.dtype), dtype=flat.dtype)
-        residual = self.memory.peek(name, "residual")
+        residual = memory.peek(name, "residual")
         if residual is not None:
             flat = flat + ops.cast(ops.reshape(residual, (-1,)), flat.dtype)
-        self.memory.reset(name)
+        memory.reset(name)
         return DensePayload(values=flat, dtype=flat.dtype)
 
     def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
         """With momentum correction: the velocity, put back when the tensor's sum is non-finite."""
-        return {"velocity": self.memory.peek(name, "velocity")} if self.momentum else None
+        return {"velocity": self.state.memory.peek(name, "velocity")} if self.momentum else None
 
 
 # ------------------------------------------------------------------ measuring
@@ -327,7 +324,6 @@ class Auto(InnerState):
         self.choices: Dict[str, BucketChoice] = {}
         if not isinstance(compressor.stats, AutoStats):
             compressor.stats = AutoStats(compressor.stats)
-        self._generators, self._saved_generators = {}, {}
 
     # the inner compressor's capabilities (its state: InnerState)
     payload_kind = property(lambda self: self.inner.payload_kind)

@@ -136,8 +136,8 @@ class BucketExchange:
         ``finish`` on any, when ranks may finish them in different orders.
         """
         tensors = [t for _, t in self.added]
-        if self.ops.__name__.endswith("torch_ops"):
-            from hvd_compress.comm import fused  # imports torch: only for torch tensors
+        if self.ops.FUSES_BUCKETS:
+            from hvd_compress.comm import fused  # imports torch: only for kernels that fuse (torch)
 
             if fused.supported(self.compressor, tensors):
                 names = [n for n, _ in self.added]

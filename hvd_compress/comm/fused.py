@@ -401,22 +401,23 @@ class Launched:
 
 
 def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.Tensor], world: int) -> "FusedBucket":
-    """The :class:`FusedBucket` of ``key`` for this layout, kept in ``compressor._buckets``.
+    """The :class:`FusedBucket` of ``key`` for this layout, kept in ``compressor.state.buckets``.
 
     Built when the layout or configuration is new; state of the tensors it
     holds moves over from other buckets through the compressor's per-name memory.
     """
+    run = compressor.state
     shapes = [tuple(t.shape) for t in tensors]
-    bucket = compressor._buckets.get(key)
+    bucket = run.buckets.get(key)
     if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
         return bucket
     fresh = FusedBucket(compressor, key, names, shapes, tensors[0], world)
     wanted = set(names)
-    for other_key, other in list(compressor._buckets.items()):
+    for other_key, other in list(run.buckets.items()):
         if other_key == key or wanted.intersection(other.names):
-            other.flush(compressor.memory)
-            del compressor._buckets[other_key]
+            other.flush(run.memory)
+            del run.buckets[other_key]
     compressor.adopt_loaded_state(ops, tensors[0])
-    fresh.adopt(compressor.memory)
-    compressor._buckets[key] = fresh
+    fresh.adopt(run.memory)
+    run.buckets[key] = fresh
     return fresh

@@ -208,7 +208,8 @@ def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
 
 
 def _calls(compressor: Any) -> _Calls:
-    return compressor.__dict__.setdefault("_horovod_calls", _Calls())
+    """What this route keeps for ``compressor`` (its run state's route data)."""
+    return compressor.state.route_data("horovod.torch", _Calls)
 
 
 def _direct(compressor: Any, tensor: Any):
@@ -296,7 +297,7 @@ def decompress(compressor: Any, output: Any, ctx: Any):
     else:
         result = (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
     if ctx.check_only:  # None, FP16: checked; Horovod's allreduce moves the tensor from now on
-        compressor._buckets.pop(f"hvd_compress.{ctx.name}", None)
+        compressor.state.drop_bucket(f"hvd_compress.{ctx.name}")
         calls.agreed = True
     return result
 

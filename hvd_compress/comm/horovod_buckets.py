@@ -108,7 +108,8 @@ class Plan:
         self.bucket_of = {n: b for b, members in enumerate(self.buckets) for n in members}
         if compressor is not None:
             compressor.route = ROUTE
-            check_names(compressor.memory.restored(), compressor.loaded_route, self.bucket_of.__contains__,
+            run = compressor.state
+            check_names(run.memory.restored(), run.loaded_route, self.bucket_of.__contains__,
                         f"this {ROUTE}", " (without named_parameters= Horovod names parameters "
                         "allreduce.noname.<group>.<index>)")
         self.position = {n: i for i, n in enumerate(self.bucket_of)}
@@ -177,7 +178,7 @@ class Plan:
         if results is None:
             results = step.results[ctx.bucket] = step.exchanges.pop(ctx.bucket).finish(average=divisor == world)
             if compressor.dense_only:  # None, FP16: checked; Horovod's allreduce from now on
-                compressor._buckets.pop(self.keys[ctx.bucket], None)
+                compressor.state.drop_bucket(self.keys[ctx.bucket])
                 calls.agreed = True
         result = results.pop(ctx.name)
         if divisor not in (world, 1.0):

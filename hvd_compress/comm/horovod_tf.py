@@ -46,8 +46,8 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 import tensorflow as tf
 
@@ -131,8 +131,18 @@ def _next_name() -> str:
     return f"hvd_compress.{index}"
 
 
-#: per compressor: the tensors it compressed eagerly without a name since its last ``decompress``
-_eager_calls: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+@dataclass
+class _Calls:
+    """What this route keeps per compressor (its run state's route data)."""
+
+    eager: int = 0  # tensors compressed eagerly without a name since the last ``decompress``
+    checked: Set[tuple] = field(default_factory=set)  # (name, shape, dtype) the ranks agreed on
+
+
+def _calls(compressor: Any) -> _Calls:
+    return compressor.state.route_data("horovod.tensorflow", _Calls)
+
+
 _warned_eager: List[bool] = []
 
 
@@ -152,8 +162,9 @@ def _name(compressor: Any, tensor: Any) -> str:
             "the same order. Pass name= (the same on every rank)",
             stacklevel=6,  # the user's hvd.allreduce line
         )
-    _eager_calls[compressor] = index = _eager_calls.get(compressor, 0) + 1
-    return f"call.{index}"
+    calls = _calls(compressor)
+    calls.eager += 1
+    return f"call.{calls.eager}"
 
 
 #: per outermost graph and compressor: the bytes Horovod's own allreduce moves for it per run of the graph
@@ -184,9 +195,6 @@ def _counted(compressor: Any, tensor: Any, nbytes: int, numel: int) -> Any:
         return tf.identity(tensor)
 
 
-_checked: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
-
-
 def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
     """Once per ``(name, shape, dtype)``: every rank compresses it with the same configuration.
 
@@ -194,7 +202,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
     same gradients in the same order, so the allgathers pair up. In a TF1 graph
     without eager execution there is nothing to run it with, and it is skipped.
     """
-    seen = _checked.setdefault(compressor, set())
+    seen = _calls(compressor).checked
     layout = (name, tuple(tensor.shape.as_list()), tensor.dtype.name)
     if layout in seen:
         return
@@ -243,7 +251,7 @@ def compress(compressor: Any, tensor: Any):
 @tf.autograph.experimental.do_not_convert
 def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: the dense average (``op=Average``) or sum (``op=Sum``)."""
-    _eager_calls.pop(compressor, None)
+    _calls(compressor).eager = 0
     if ctx.average is None:
         return output if ctx.dtype is None else tf.cast(output, ctx.dtype)
     scaling = tf.reshape(output, [-1])[0]  # 1 for op=Average, N for op=Sum

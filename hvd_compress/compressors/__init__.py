@@ -7,9 +7,9 @@ uncalled, as Horovod users write them (:class:`DenseFactory`).
 """
 
 import warnings
-from typing import Any, Type
+from typing import Any, List, Tuple, Type
 
-
+from hvd_compress.compressors import registry
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.gaussiank import GaussianK
 from hvd_compress.compressors.none import FP16, NoneCompressor
@@ -87,34 +87,43 @@ def old_keyword(compression: Any, compressor: Any, where: str) -> Any:
     return compressor
 
 
-class Compression:
-    """Namespace of compressors, like ``horovod.torch.Compression``."""
+class _Names(type):
+    """``Compression.<name>`` and ``Compression.names`` read the name table (:mod:`.registry`)."""
 
-    none = DenseFactory("none", NoneCompressor)
-    fp16 = DenseFactory("fp16", FP16)
-    topk = TopK
-    gaussiank = GaussianK
-    regtopk = RegTopK
-    terngrad = TernGrad
+    @property
+    def names(cls) -> Tuple[str, ...]:
+        """Command-line and config names, every registered compressor's."""
+        return registry.names()
 
-    #: Command-line and config names.
-    names = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return registry.factory(name)
+
+    def __dir__(cls) -> List[str]:
+        return sorted(set(super().__dir__()) | set(registry.names()))
+
+
+class Compression(metaclass=_Names):
+    """Namespace of compressors, like ``horovod.torch.Compression``: ``Compression.topk(0.01)``,
+    ``Compression.fp16``, one attribute per name of the table (``Compression.register`` adds one)."""
 
     @staticmethod
     def by_name(name: str, ratio: float = 0.01, **options) -> Compressor:
-        """A new compressor from its name; ``ratio`` applies to the sparsifiers."""
-        key = name.lower().replace("-", "").replace("_", "")
-        if key in ("topk", "gaussiank", "regtopk"):
-            return getattr(Compression, key)(ratio, **options)
-        if key == "terngrad":
-            return TernGrad(**options)
-        if key == "none":
-            return NoneCompressor(**options)
-        if key == "fp16":
-            return FP16(**options)
-        raise ValueError(
-            f"hvd_compress: unknown compression {name!r}; choose one of {', '.join(Compression.names)}"
-        )
+        """A new compressor from its name; ``ratio`` applies to the classes that take one (sparsifiers)."""
+        return registry.build(name, ratio, **options)
+
+    register = staticmethod(registry.register)
+    unregister = staticmethod(registry.unregister)
+
+
+# the built-in compressors, with the header numbers they have always had
+registry.register("none", NoneCompressor, factory=DenseFactory("none", NoneCompressor), number=1)
+registry.register("fp16", FP16, factory=DenseFactory("fp16", FP16), number=2)
+registry.register("topk", TopK, number=3)
+registry.register("gaussiank", GaussianK, number=4)
+registry.register("regtopk", RegTopK, number=5)
+registry.register("terngrad", TernGrad, number=6)
 
 
 __all__ = [

@@ -20,6 +20,7 @@ from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
+from hvd_compress.compressors.state import CompressorState
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -108,6 +109,11 @@ class Compressor:
     bucket can take :mod:`hvd_compress.comm.fused`), ``dense_wire_dtype`` (the
     dtype dense payloads travel in, ``None`` for the gradient's) and
     :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
+
+    Configuration (``seed``, a subclass's ``ratio`` and options: :meth:`config`) lives on the
+    object; what a run accumulates (per-tensor memory, random streams, fused buckets, route
+    data) lives in ``self.state``, a :class:`~hvd_compress.compressors.state.CompressorState`,
+    which is all the exchanges touch; ``self.memory`` is ``self.state.memory``.
     """
 
     payload_kind = "dense"
@@ -123,15 +129,19 @@ class Compressor:
     def __init__(self, seed: int = 0) -> None:
         self.seed = check_count(seed, f"{type(self).__name__} seed")
         self.rank, self.size = 0, 1
-        self.memory = TensorMemory()
+        self.state = CompressorState()  # what a run accumulates, apart from the configuration
         self.stats = WireStats()
-        self._generators: Dict[str, Any] = {}
-        self._saved_generators: Dict[str, Any] = {}
-        self._buckets: Dict[str, Any] = {}  # key -> FusedBucket: plan and state of fused buckets
-        self._state_origin: Optional[tuple] = None  # (rank, world) that saved the loaded state
         self._route: Optional[str] = None  # the route that runs it, recorded in state_dict()
-        self.loaded_route = ""  # the route that wrote the state last loaded
-        self._loaded_elsewhere = False  # loaded state may hold another framework's arrays
+
+    @property
+    def memory(self) -> TensorMemory:
+        """Per-tensor arrays by name (``state.memory``): residuals, velocities, posteriors."""
+        return self.state.memory
+
+    @property
+    def loaded_route(self) -> str:
+        """The route that wrote the state last loaded (``""``: none, or not recorded)."""
+        return self.state.loaded_route
 
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
@@ -140,17 +150,18 @@ class Compressor:
             raise ValueError(f"hvd_compress: rank {rank} is not in [0, {size})")
         if (rank, size) != (self.rank, self.size):
             self.rank, self.size = int(rank), int(size)
-            self._generators = {}
+            self.state.generators = {}
         return self
 
     def generator(self, ops: Any, like: Any) -> Any:
         """This rank's random stream for ``like``'s framework, seeded from ``(seed, rank)``."""
-        if ops.__name__ not in self._generators:
+        streams, saved = self.state.generators, self.state.saved_generators
+        if ops.__name__ not in streams:
             stream = ops.generator(self.seed, self.rank, like)
-            if ops.__name__ in self._saved_generators:
-                ops.set_generator_state(stream, self._saved_generators.pop(ops.__name__))
-            self._generators[ops.__name__] = stream
-        return self._generators[ops.__name__]
+            if ops.__name__ in saved:
+                ops.set_generator_state(stream, saved.pop(ops.__name__))
+            streams[ops.__name__] = stream
+        return streams[ops.__name__]
 
     def config(self) -> Dict[str, Any]:
         """Type and parameters; ranks must agree on it."""
@@ -167,9 +178,9 @@ class Compressor:
 
     def state_note(self) -> str:
         """``""``, or why this rank's loaded state is not its own (for the cross-rank check's error)."""
-        if self._state_origin is None:
+        if self.state.origin is None:
             return ""
-        rank, world = self._state_origin
+        rank, world = self.state.origin
         if rank == self.rank:
             return ""
         return (
@@ -213,9 +224,9 @@ class Compressor:
     def adopt_loaded_state(self, ops: Any, like: Any) -> None:
         """Move loaded state written by another framework (a numpy residual for torch gradients...)
         into ``ops``'s, next to ``like``: once after each ``load_state_dict``, not in a step."""
-        if not self._loaded_elsewhere:
+        if not self.state.loaded_elsewhere:
             return
-        self._loaded_elsewhere = False
+        self.state.loaded_elsewhere = False
         for name in self.memory.names():
             for key, value in list(self.memory.slots(name).items()):
                 if value is not None and kernels.ops_for(value, name) is not ops:
@@ -267,11 +278,6 @@ class Compressor:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
         return "dense"
 
-    def _flush_buckets(self) -> None:
-        """Write the fused buckets' state into the per-name memory (checkpoints, inspection)."""
-        for bucket in self._buckets.values():
-            bucket.flush(self.memory)
-
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """Scores a fused sparse bucket selects by (sparsifiers)."""
         raise NotImplementedError
@@ -319,7 +325,7 @@ class Compressor:
 
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
-        self._flush_buckets()
+        self.state.flush_buckets()
         residual = self.memory.peek(name, "residual")
         if residual is None:
             return None
@@ -327,23 +333,21 @@ class Compressor:
 
     def reset(self, name: Optional[str] = None) -> None:
         """Drop the state of one tensor, or of all."""
-        for key, bucket in list(self._buckets.items()):
-            if name is None or name in bucket.names:
-                del self._buckets[key]
+        self.state.drop_buckets(name)
         self.memory.reset(name)
         if name is None:
-            self._state_origin = None
+            self.state.origin = None
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
-        self._flush_buckets()
+        self.state.flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
                  "world": self.size, "route": self.route}
         state["generators"] = {
-            **self._saved_generators,
+            **self.state.saved_generators,
             **{
                 module: kernels.module(module).generator_state(stream)
-                for module, stream in self._generators.items()
+                for module, stream in self.state.generators.items()
             },
         }
         state["checksum"] = state_checksum(state)
@@ -358,14 +362,15 @@ class Compressor:
         saved none start from zero; residuals of ranks no longer present are not applied).
         """
         check_state(state, self)
-        self._buckets = {}
-        self.memory.load_state_dict(state["tensors"])
-        self._loaded_elsewhere = bool(state["tensors"])
-        self._generators = {}
-        self._saved_generators = dict(state.get("generators", {}))
-        self.loaded_route = writer(state)
+        run = self.state
+        run.buckets = {}
+        run.memory.load_state_dict(state["tensors"])
+        run.loaded_elsewhere = bool(state["tensors"])
+        run.generators = {}
+        run.saved_generators = dict(state.get("generators", {}))
+        run.loaded_route = writer(state)
         holds_state = bool(state["tensors"]) or bool(state.get("generators"))
-        self._state_origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
+        run.origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 
     # ------------------------------------------------------------ for subclasses
     def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:

@@ -151,7 +151,7 @@ class Sparsifier(Compressor):
 
     def velocity(self, name: str) -> Optional[Any]:
         """Momentum-correction velocity ``u`` of ``name`` in the tensor's shape (``None`` if it has none)."""
-        self._flush_buckets()
+        self.state.flush_buckets()
         velocity = self.memory.peek(name, "velocity")
         if velocity is None:
             return None

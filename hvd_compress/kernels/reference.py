@@ -23,6 +23,10 @@ from hvd_compress.wire import ternary_field_bits
 #: Wire dtype of ``FP16``.
 float16 = np.float16
 
+#: Whether the exchanges may hand this module's tensors to the fused bucket path
+#: (``hvd_compress.comm.fused``); only the torch kernels have one.
+FUSES_BUCKETS = False
+
 #: RegTop-k's "no information" distortion (plain Top-k score), as in the reference code.
 NO_DISTORTION = 1e8
 

@@ -46,6 +46,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     num_selected,
 )
 
+#: no fused bucket path for TensorFlow tensors: they take the per-tensor exchange
+FUSES_BUCKETS = False
+
 _WORD = 1 << 32
 
 

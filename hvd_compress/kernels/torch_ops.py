@@ -32,6 +32,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     num_selected,
 )
 
+#: torch tensors may take the fused bucket path (``hvd_compress.comm.fused``, ``kernels.torch_rows``)
+FUSES_BUCKETS = True
+
 _WORD = 1 << 32
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}

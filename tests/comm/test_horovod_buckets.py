@@ -70,9 +70,9 @@ def test_results_do_not_depend_on_the_order_gradients_arrive_and_equal_the_simul
         plan, calls = Plan(FakeHorovodOptimizer(named)), _Calls()
         results.append([run_step(plan, compressor, calls, grads, order) for grads in steps])
         # one bucket in plan order whatever the arrival order (its layout is checked across ranks)
-        assert list(compressor._buckets) == ["hvd_compress.p3"]
-        assert compressor._buckets["hvd_compress.p3"].names == ["p3", "p2", "p1", "p0"]
-        assert compressor._buckets["hvd_compress.p3"].kinds == ["sparse", "sparse", "dense", "sparse"]
+        assert list(compressor.state.buckets) == ["hvd_compress.p3"]
+        assert compressor.state.buckets["hvd_compress.p3"].names == ["p3", "p2", "p1", "p0"]
+        assert compressor.state.buckets["hvd_compress.p3"].kinds == ["sparse", "sparse", "dense", "sparse"]
     sim = Simulator(1, TopK(0.25, dense_below=10))
     for step, grads in enumerate(steps):
         expected = sim.step({n: [g.numpy()] for n, g in grads.items()})
@@ -94,7 +94,7 @@ def test_a_complete_bucket_launches_at_once_and_the_rest_at_the_first_decompress
         plan.record(compressor, comm, calls, "p0", grads["p0"])
     result = plan.decompress(compressor, comm, calls, torch.ones(1), ctx)  # p2 never came
     assert set(plan.step.results) == {0} and result.shape == (64,)
-    assert compressor._buckets["hvd_compress.p2"].names == ["p1"]
+    assert compressor.state.buckets["hvd_compress.p2"].names == ["p1"]
 
 
 def test_checkpoint_mid_training_resumes_exactly_and_saving_changes_nothing():

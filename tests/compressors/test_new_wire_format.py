@@ -12,7 +12,8 @@ vote. On the wire the ranks' signs are summed exactly: ``t + 1`` packed into int
 (a tensor with NaN/Inf on some rank, flagged in the exchange's header, is NaN on every
 rank, as a dense allreduce would give). No format the library knows: the compressor
 brings its codec (``tensor_codec``), and the exchange runs its round without a line of
-``hvd_compress`` changed.
+``hvd_compress`` changed. ``Compression.register`` gives it a name: ``Compression.by_name``
+builds it, and a rank running another compressor is told which one each rank runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 
-from hvd_compress import FP16
+from hvd_compress import FP16, Compression
 from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.comm.threads import run_ranks
 from hvd_compress.compressors.base import Compressor, dense_sum
@@ -32,7 +33,7 @@ from hvd_compress.compressors.rounds import Send
 from hvd_compress.compressors.tensor_codec import TensorCodec, nan_result
 from hvd_compress.compressors.validation import check_count, checked
 from hvd_compress.simulator import Simulator
-from hvd_compress.wire import DensePayload, ternary_lanes
+from hvd_compress.wire import FIRST_FREE_NUMBER, DensePayload, header_config, register_algorithm, ternary_lanes
 from tests import conformance
 
 
@@ -176,6 +177,42 @@ def test_state_dict_round_trip_continues_exactly(framework):
 def test_ranks_configured_differently_fail_clearly():
     conformance.check_ranks_disagreeing_fail_clearly(make, lambda: MajorityVote(dense_below=100))
     conformance.check_ranks_disagreeing_fail_clearly(make, FP16)
+
+
+def vote_against_fp16() -> None:
+    """Rank 0 votes, rank 1 runs FP16: the header check's error (thread ranks)."""
+    compressors = [make(), FP16()]
+    run_ranks(2, lambda comm: conformance.exchange_steps(comm, compressors[comm.rank], 1, "numpy"), timeout=20)
+
+
+@pytest.fixture
+def registered():
+    """``majorityvote`` in the name table for one test."""
+    Compression.register("majority-vote", MajorityVote)
+    yield
+    Compression.unregister("majority_vote")
+
+
+def test_registered_by_name_and_named_in_the_disagreement_error(registered):
+    assert Compression.names[-1] == "majorityvote" and Compression.majorityvote is MajorityVote
+    built = Compression.by_name("Majority-Vote", 0.5, dense_below=3)  # no ratio parameter: ignored
+    assert isinstance(built, MajorityVote) and built.dense_below == 3
+    number = header_config("MajorityVote", 0) >> 32
+    assert number >= FIRST_FREE_NUMBER and header_config("TopK", 0) >> 32 == 3  # built-ins keep theirs
+    with pytest.raises(ValueError, match="ranks run different compressors: rank 0 MajorityVote, rank 1 FP16"):
+        vote_against_fp16()
+    with pytest.raises(ValueError, match="is taken by MajorityVote"):
+        Compression.register("majorityvote", FP16)
+    with pytest.raises(ValueError, match="cannot number Other 3: TopK already has 3"):
+        register_algorithm("Other", 3)
+
+
+def test_unregistered_it_is_another_compressor():
+    assert "majorityvote" not in Compression.names and header_config("MajorityVote", 0) >> 32 == 0
+    with pytest.raises(ValueError, match="unknown compression 'majorityvote'"):
+        Compression.by_name("majorityvote")
+    with pytest.raises(ValueError, match="rank 0 another compressor, rank 1 FP16"):
+        vote_against_fp16()
 
 
 def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():

@@ -9,6 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
+from hvd_compress.comm.auto import Auto
+from hvd_compress.compressors.state import CompressorState
 from hvd_compress.simulator import Simulator
 
 from tests.helpers import ALL_COMPRESSORS
@@ -92,3 +94,31 @@ def test_random_compressors_do_differ_without_the_checkpoint():
     run(sim, range(1, 6))
     later, first = run(sim, [6])[0], run(fresh, [6])[0]
     assert not np.array_equal(later["conv.weight"], first["conv.weight"])
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", sorted(ALL_COMPRESSORS))
+def test_the_run_state_is_all_in_compressor_state(kind, framework):
+    """Configuration apart from state: with a fresh ``CompressorState`` on every rank, a simulator
+    that ran five steps continues exactly as a new one starts (residuals, posteriors, streams gone)."""
+    used = Simulator(N_RANKS, ALL_COMPRESSORS[kind](), seed=5)
+    run(used, range(1, 6), framework)
+    configs = [c.config() for c in used.compressors]
+    for compressor in used.compressors:
+        compressor.state = CompressorState()
+    fresh = Simulator(N_RANKS, ALL_COMPRESSORS[kind](), seed=5)
+    assert_identical(run(used, [6], framework), run(fresh, [6], framework))
+    assert [c.config() for c in used.compressors] == configs
+    assert all(c.memory is c.state.memory for c in used.compressors)
+
+
+def test_auto_and_its_dense_view_share_the_inner_state():
+    inner = ALL_COMPRESSORS["regtopk"]()
+    auto = Auto(inner, pin="dense", log=False)
+    assert auto.state is inner.state and auto.dense.state is inner.state and auto.memory is inner.memory
+
+
+def test_route_data_is_made_once_per_key():
+    state = CompressorState()
+    first = state.route_data("a route", list)
+    assert state.route_data("a route", dict) is first and state.route_data("another", dict) == {}

@@ -235,7 +235,7 @@ def every_tensor_dense() -> dict:
             counted.append(compression.stats.bytes_sent)
     messages = [str(w.message) for w in caught if "hvd_compress" in str(w.message)]
     params = list(model.parameters())
-    return {"names": compression.memory.names(), "buckets": len(compression._buckets),
+    return {"names": compression.memory.names(), "buckets": len(compression.state.buckets),
             "index": _calls(compression).index, "warnings": len(messages), "distinct": len(set(messages)),
             "step_bytes": [b - a for a, b in zip([0] + counted, counted)], "density": compression.stats.density,
             "dense_bytes": sum(4 * p.numel() for p in params), "tensors": len(params)}
