@@ -47,7 +47,6 @@ the Simulator: it measures accuracy and bytes, not time.
 from __future__ import annotations
 
 import functools
-import math
 import sys
 import time
 import warnings
@@ -57,7 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks import cnn
-from benchmarks.datasets import Images, load
+from benchmarks.datasets import Images
 from hvd_compress.bench import publish
 from hvd_compress.bench.report import describe_machine, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, DensityWarmup
