@@ -35,7 +35,7 @@ for name in "${@:-numpy torch tensorflow}"; do
     if [[ "$(cat "$venv/.stamp" 2>/dev/null)" != "$key" ]]; then
       rm -rf "$venv" && mkdir -p "$(dirname "$venv")"
       # shellcheck disable=SC2086  # PINS holds several requirement specifiers
-      if ! { python3 -m venv "$venv" &&
+      if ! { "${PYTHON:-python3}" -m venv "$venv" &&
              "$venv/bin/python" -m pip install "$SRC[${EXTRA[$install]},test]" ${PINS[$install]}; } >"$log" 2>&1; then
         echo "install FAILED; last lines of $log:"; tail -n 30 "$log"; exit 1
       fi
