@@ -303,7 +303,14 @@ def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable
                 compression=make_compressor(compressor, env.ratio),
             )
         return _step_fn(env, model, opt), info
+    return _ddp_route(env, model, route, compressor, info)
 
+
+def _ddp_route(
+    env: Environment, model: Any, route: str, compressor: str, info: Dict[str, Any]
+) -> Tuple[Callable[[], None], Dict[str, Any]]:
+    """:func:`build_route` for the routes through DDP (``ddp``, its torch hooks, ``ours-ddp-hook``): ``model``
+    wrapped in DDP with the route's comm hook, and ``info`` completed."""
     # torch's PowerSGD hook waits on collectives inside its future callbacks; gloo runs those callbacks on
     # its 2 worker threads, so two buckets waiting at once deadlock: on gloo that row uses one bucket.
     one_bucket = route == "ddp+powersgd" and not env.cuda
