@@ -373,30 +373,36 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
                     f"hvd_compress: worker {rank} got {ctrl.tolist()} before sending its gradient"
                 )
 
-        header = np.array(
-            [
-                GRAD,
-                rank,
-                version,
-                iteration,
-                fmt,
-                values.size,
-                numel,
-                np.float64(scale).view(np.int64),
-                _dtype_code(values.dtype),
-                0 if indices is None else _dtype_code(indices.dtype),
-            ],
-            dtype=np.int64,
-        )
-        sends = [comm.Isend(header, dest=0, tag=TAG_HDR), comm.Isend(values, dest=0, tag=TAG_VALUES)]
-        if indices is not None:
-            sends.append(comm.Isend(indices, dest=0, tag=TAG_INDICES))
-        for request in sends:
-            _wait(request)
+        _send_gradient(comm, rank, version, iteration, numel, fmt, values, indices, scale)
         iteration += 1
     bye = np.zeros(HDR_LEN, dtype=np.int64)
     bye[0], bye[1], bye[3] = BYE, rank, iteration
     _wait(comm.Isend(bye, dest=0, tag=TAG_HDR))
+
+
+def _send_gradient(comm, rank, version, iteration, numel, fmt, values, indices, scale) -> None:
+    """Send rank 0 one gradient: its ``GRAD`` header (layout in the module docstring), then the payload's
+    ``values`` (and ``indices``) on their own tags; returns once every send completed."""
+    header = np.array(
+        [
+            GRAD,
+            rank,
+            version,
+            iteration,
+            fmt,
+            values.size,
+            numel,
+            np.float64(scale).view(np.int64),
+            _dtype_code(values.dtype),
+            0 if indices is None else _dtype_code(indices.dtype),
+        ],
+        dtype=np.int64,
+    )
+    sends = [comm.Isend(header, dest=0, tag=TAG_HDR), comm.Isend(values, dest=0, tag=TAG_VALUES)]
+    if indices is not None:
+        sends.append(comm.Isend(indices, dest=0, tag=TAG_INDICES))
+    for request in sends:
+        _wait(request)
 
 
 # ------------------------------------------------------------------- server
