@@ -303,7 +303,14 @@ def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable
                 compression=make_compressor(compressor, env.ratio),
             )
         return _step_fn(env, model, opt), info
+    return _ddp_route(env, model, route, compressor, info)
 
+
+def _ddp_route(
+    env: Environment, model: Any, route: str, compressor: str, info: Dict[str, Any]
+) -> Tuple[Callable[[], None], Dict[str, Any]]:
+    """:func:`build_route` for the routes through DDP (``ddp``, its torch hooks, ``ours-ddp-hook``): ``model``
+    wrapped in DDP with the route's comm hook, and ``info`` completed."""
     # torch's PowerSGD hook waits on collectives inside its future callbacks; gloo runs those callbacks on
     # its 2 worker threads, so two buckets waiting at once deadlock: on gloo that row uses one bucket.
     one_bucket = route == "ddp+powersgd" and not env.cuda
@@ -601,11 +608,35 @@ def run(
     hvd, horovod_note, todo, skipped = rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
+    rows, backend = _time_rows(Environment(workload, ratio, hvd, dropin_comm), todo, steps, warmup, progress)
+    _ratios(rows)
+
+    machine = report.machine(torch, [device])
+    results = {
+        "benchmark": "train-step",
+        "machine": machine,
+        "settings": _settings(
+            workload, device, machine, backend, steps, warmup, ratio, compressors, routes, dropin_comm, hvd,
+            horovod_note,
+        ),
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+        "skipped": skipped,
+    }
+    save(results, json_path, plot_path)
+    print_table(results, stdout)
+    return results
+
+
+def _time_rows(
+    env: Environment, todo: Sequence[Tuple[str, str]], steps: int, warmup: int, progress: bool
+) -> Tuple[List[Dict[str, Any]], str]:
+    """``(rows, backend)``: :func:`run_row` of every ``(route, compressor)`` in ``todo``, inside a one-rank
+    :func:`process_group` on ``env``'s device, with a progress bar (``progress``)."""
     rows: List[Dict[str, Any]] = []
     bar = report.progress_bar(len(todo), "bench train-step", "row", progress)
     try:
-        with process_group(device == "cuda") as backend:
-            env = Environment(workload, ratio, hvd, dropin_comm)
+        with process_group(env.cuda) as backend:
             for route, compressor in todo:
                 row = run_row(env, route, compressor, steps, warmup)
                 rows.append(row)
@@ -617,56 +648,64 @@ def run(
                 bar.update()
     finally:
         bar.close()
-    _ratios(rows)
+    return rows, backend
 
-    machine = report.machine(torch, [device])
-    results = {
-        "benchmark": "train-step",
-        "machine": machine,
-        "settings": {
-            "model": model,
-            "model_description": workload.description,
-            "parameters": workload.parameter_count,
-            "batch": batch,
-            "device": device,
-            "device_name": machine["devices"][device],
-            "torch_version": torch.__version__,
-            "world_size": 1,
-            "backend": backend,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "steps": steps,
-            "warmup": warmup,
-            "ratio": ratio,
-            "compressors": list(compressors),
-            "routes": [r for r in ROUTES if r in routes or r == BASELINE],
-            "dropin_comm": dropin_comm,
-            "horovod": None if hvd is None else getattr(sys.modules.get("horovod"), "__version__", "?"),
-            "horovod_note": horovod_note,
-            "optimizer": f"SGD lr {LR:g} momentum 0.9",
-            "powersgd": {"matrix_approximation_rank": POWERSGD_RANK, "start_powerSGD_iter": POWERSGD_START},
-            "statistic": "median and min of the timed full steps (time.perf_counter"
-            + ("; torch.cuda.synchronize() before and after each)" if device == "cuda" else ")"),
-            "ratio_column": f"median_ms / the {BASELINE} row's median_ms (same run)",
-            "host_syncs": (
-                "torch.cuda.set_sync_debug_mode('warn') warnings over one steady-state step"
-                if device == "cuda"
-                else "host reads (count_host_reads: item, tolist, bool, int, float, index, numpy, "
-                "cpu of device tensors) over one steady-state step"
-            ),
-            "peak_mem": (
-                "torch.cuda.max_memory_allocated() over the row, after reset_peak_memory_stats()"
-                if device == "cuda"
-                else "growth of the process peak RSS over the row (VmHWM reset via /proc/self/clear_refs "
-                "minus VmRSS at the row's start); null where unavailable"
-            ),
-        },
-        "wall_seconds": time.perf_counter() - started,
-        "rows": rows,
-        "skipped": skipped,
+
+def _settings(
+    workload: Workload,
+    device: str,
+    machine: Dict[str, Any],
+    backend: str,
+    steps: int,
+    warmup: int,
+    ratio: float,
+    compressors: Sequence[str],
+    routes: Sequence[str],
+    dropin_comm: str,
+    hvd: Any,
+    horovod_note: Optional[str],
+) -> Dict[str, Any]:
+    """The results' ``settings``: what ran (model, device, options, Horovod) and how it was measured."""
+    import torch
+
+    cuda = device == "cuda"
+    return {
+        "model": workload.name,
+        "model_description": workload.description,
+        "parameters": workload.parameter_count,
+        "batch": workload.batch,
+        "device": device,
+        "device_name": machine["devices"][device],
+        "torch_version": torch.__version__,
+        "world_size": 1,
+        "backend": backend,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "steps": steps,
+        "warmup": warmup,
+        "ratio": ratio,
+        "compressors": list(compressors),
+        "routes": [r for r in ROUTES if r in routes or r == BASELINE],
+        "dropin_comm": dropin_comm,
+        "horovod": None if hvd is None else getattr(sys.modules.get("horovod"), "__version__", "?"),
+        "horovod_note": horovod_note,
+        "optimizer": f"SGD lr {LR:g} momentum 0.9",
+        "powersgd": {"matrix_approximation_rank": POWERSGD_RANK, "start_powerSGD_iter": POWERSGD_START},
+        "statistic": "median and min of the timed full steps (time.perf_counter"
+        + ("; torch.cuda.synchronize() before and after each)" if cuda else ")"),
+        "ratio_column": f"median_ms / the {BASELINE} row's median_ms (same run)",
+        "host_syncs": (
+            "torch.cuda.set_sync_debug_mode('warn') warnings over one steady-state step"
+            if cuda
+            else "host reads (count_host_reads: item, tolist, bool, int, float, index, numpy, "
+            "cpu of device tensors) over one steady-state step"
+        ),
+        "peak_mem": (
+            "torch.cuda.max_memory_allocated() over the row, after reset_peak_memory_stats()"
+            if cuda
+            else "growth of the process peak RSS over the row (VmHWM reset via /proc/self/clear_refs "
+            "minus VmRSS at the row's start); null where unavailable"
+        ),
     }
-    save(results, json_path, plot_path)
-    print_table(results, stdout)
-    return results
 
 
 def _ratios(rows: List[Dict[str, Any]]) -> None:

@@ -70,7 +70,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -264,7 +264,31 @@ def async_sgd(
     comm = MPI.COMM_WORLD if comm is None else getattr(comm, "comm", comm)
     install_abort_on_error()
     rank, size = comm.Get_rank(), comm.Get_size()
-    # argument checks: the same on every rank, so every rank raises alike
+    clip = _check_arguments(size, steps, lr, clip, timeout)
+    x0, mine = _rank_configuration(comm, x0, deterministic, steps, abort_on_error)
+    compressor = old_keyword(compression, compressor, "async_sgd")
+    local = _compressor_for(compressor, rank)
+    mine[2] = 0 if local is None else local.config_hash()
+    numel, dtype = _agreed_model(comm, mine)
+
+    try:
+        if rank == 0:
+            server = _Server(
+                comm, x0, steps, float(lr), clip, loss_fn, loss_every, local, delay_schedule, deterministic,
+                float(timeout),
+            )
+            return server.run()
+        _worker(comm, rank, numel, dtype, grad_fn, local, delay_schedule, seed)
+        return None
+    except BaseException as error:
+        if abort_on_error and not isinstance(error, KeyboardInterrupt):
+            _abort(comm, error)
+        raise
+
+
+def _check_arguments(size: int, steps: Any, lr: Any, clip: Any, timeout: Any) -> Optional[float]:
+    """Raise on a bad world ``size`` or argument (the same on every rank, so every rank raises alike); returns
+    ``clip`` as a float (or None)."""
     if size < 2:
         raise ValueError(
             "hvd_compress: async_sgd needs at least 2 ranks (a server and a worker); run under mpirun -np N"
@@ -276,8 +300,16 @@ def async_sgd(
     clip = _check_clip(clip)
     if not (timeout > 0):
         raise ValueError(f"hvd_compress: timeout must be positive, got {timeout!r}")
+    return clip
 
-    # one cheap collective: rank 0's shape and dtype, and everyone's configuration
+
+def _rank_configuration(
+    comm: Any, x0: Any, deterministic: bool, steps: int, abort_on_error: bool
+) -> Tuple[Any, np.ndarray]:
+    """``(x0, mine)``: ``x0`` as a numpy array (checked: a non-empty flat float32/float64 vector, else a
+    TypeError, after aborting the job when ``abort_on_error``) and this rank's configuration
+    ``[numel, dtype code, compressor hash, deterministic, steps]`` (numel and dtype -1 without ``x0``; the
+    hash 0, for the caller to fill in)."""
     mine = np.array([-1, -1, 0, int(bool(deterministic)), int(steps)], dtype=np.int64)
     if x0 is not None:
         x0 = np.asarray(x0)
@@ -290,9 +322,13 @@ def async_sgd(
                 _abort(comm, error)
             raise error
         mine[0], mine[1] = x0.size, _dtype_code(x0.dtype)
-    compressor = old_keyword(compression, compressor, "async_sgd")
-    local = _compressor_for(compressor, rank)
-    mine[2] = 0 if local is None else local.config_hash()
+    return x0, mine
+
+
+def _agreed_model(comm: Any, mine: np.ndarray) -> Tuple[int, np.dtype]:
+    """``(numel, dtype)`` of rank 0's ``x0``, after one cheap collective (``Allgather`` of every rank's
+    :func:`_rank_configuration`) that checks rank 0 has ``x0`` and every rank agrees with it."""
+    size = comm.Get_size()
     everyone = np.empty((size, mine.size), dtype=np.int64)
     comm.Allgather(mine, everyone)
     if everyone[0, 0] < 0:
@@ -309,29 +345,7 @@ def async_sgd(
             f"compressor, deterministic or steps ([numel, dtype, compressor hash, deterministic, steps] "
             f"per rank = {everyone.tolist()})"
         )
-    numel, dtype = int(everyone[0, 0]), np.dtype(chr(int(everyone[0, 1])))
-
-    try:
-        if rank == 0:
-            return _Server(
-                comm,
-                x0,
-                steps,
-                float(lr),
-                clip,
-                loss_fn,
-                loss_every,
-                local,
-                delay_schedule,
-                deterministic,
-                float(timeout),
-            ).run()
-        _worker(comm, rank, numel, dtype, grad_fn, local, delay_schedule, seed)
-        return None
-    except BaseException as error:
-        if abort_on_error and not isinstance(error, KeyboardInterrupt):
-            _abort(comm, error)
-        raise
+    return int(everyone[0, 0]), np.dtype(chr(int(everyone[0, 1])))
 
 
 # ------------------------------------------------------------------- worker
@@ -373,30 +387,36 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
                     f"hvd_compress: worker {rank} got {ctrl.tolist()} before sending its gradient"
                 )
 
-        header = np.array(
-            [
-                GRAD,
-                rank,
-                version,
-                iteration,
-                fmt,
-                values.size,
-                numel,
-                np.float64(scale).view(np.int64),
-                _dtype_code(values.dtype),
-                0 if indices is None else _dtype_code(indices.dtype),
-            ],
-            dtype=np.int64,
-        )
-        sends = [comm.Isend(header, dest=0, tag=TAG_HDR), comm.Isend(values, dest=0, tag=TAG_VALUES)]
-        if indices is not None:
-            sends.append(comm.Isend(indices, dest=0, tag=TAG_INDICES))
-        for request in sends:
-            _wait(request)
+        _send_gradient(comm, rank, version, iteration, numel, fmt, values, indices, scale)
         iteration += 1
     bye = np.zeros(HDR_LEN, dtype=np.int64)
     bye[0], bye[1], bye[3] = BYE, rank, iteration
     _wait(comm.Isend(bye, dest=0, tag=TAG_HDR))
+
+
+def _send_gradient(comm, rank, version, iteration, numel, fmt, values, indices, scale) -> None:
+    """Send rank 0 one gradient: its ``GRAD`` header (layout in the module docstring), then the payload's
+    ``values`` (and ``indices``) on their own tags; returns once every send completed."""
+    header = np.array(
+        [
+            GRAD,
+            rank,
+            version,
+            iteration,
+            fmt,
+            values.size,
+            numel,
+            np.float64(scale).view(np.int64),
+            _dtype_code(values.dtype),
+            0 if indices is None else _dtype_code(indices.dtype),
+        ],
+        dtype=np.int64,
+    )
+    sends = [comm.Isend(header, dest=0, tag=TAG_HDR), comm.Isend(values, dest=0, tag=TAG_VALUES)]
+    if indices is not None:
+        sends.append(comm.Isend(indices, dest=0, tag=TAG_INDICES))
+    for request in sends:
+        _wait(request)
 
 
 # ------------------------------------------------------------------- server
