@@ -1,4 +1,4 @@
-"""The library's import graph: layers import only downward, and no module imports itself back.
+"""The library's shape: layers import only downward, no module imports itself back, no function is too long.
 
 Layers, lowest first (docs/design.md explains each):
 
@@ -157,3 +157,18 @@ def test_the_exchanges_read_no_private_compressor_attribute():
     assert not found, "\n".join(found)
     assert private_compressor_reads("compressor._buckets.pop(k)\nx = self.compressor.__dict__", "probe") == [
         "probe:1: compressor._buckets", "probe:2: compressor.__dict__"]
+
+
+#: the longest a library function may be, its docstring included: longer ones are split into named steps
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_library_function_is_longer_than_the_limit():
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
