@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 
 from benchmarks import convergence  # noqa: E402
 from benchmarks.cli import main  # noqa: E402
+from benchmarks.datasets import load  # noqa: E402
 from tests.studies.test_datasets import write_fashion  # noqa: E402
 
 #: 128 training images, 4 ranks x 16: 2 steps per epoch, 2 epochs.
@@ -52,7 +53,7 @@ def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
     The variants' rows say which they are, and mc+warmup ramps the density like the warm-up alone."""
     pytest.importorskip("sklearn")
     results = convergence.study(
-        convergence.load("digits", 128, 64), convergence.Setup(epochs=2, batch_per_rank=16, momentum=0.8),
+        load("digits", 128, 64), convergence.Setup(epochs=2, batch_per_rank=16, momentum=0.8),
         models=["mlp"], compressors=["none", "regtopk", "terngrad"], ratios=[0.01],
         variants=["plain", "mc", "mc+warmup"], seeds=[0, 1], progress=False, plot=False, out=str(tmp_path),
         name="mc",
@@ -107,7 +108,7 @@ def test_digits_dense_cnn_learns():
     """On 512 real digits, a dense CNN learns in a few steps."""
     pytest.importorskip("sklearn")
     results = convergence.study(
-        convergence.load("digits", 512, 200), convergence.Setup(epochs=3, batch_per_rank=16),
+        load("digits", 512, 200), convergence.Setup(epochs=3, batch_per_rank=16),
         models=["cnn"], compressors=["none"], seeds=[0], progress=False, plot=False,
     )
     curve = results["rows"][0]["curve_mean"]
