@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Tuple
 from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
-from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
+from hvd_compress.comm.rounds import Rounds, check_header
 
 
 def elements(tensor: Any) -> int:
@@ -88,9 +88,7 @@ class BucketExchange:
         self.ops: Any = None
         self.fused: Any = None  # the step of a fused bucket, once launched
         self.codec: Any = None  # the compressor's per-tensor codec, once launched
-        self.steps: Any = None  # the codec's exchange (a generator of rounds), once started
-        self.round: List[str] = []  # the names of the codec's round in flight
-        self.rounds_left = 0  # the codec's rounds still to start
+        self.rounds = Rounds(comm, key, self.handles)  # the codec's rounds of collectives
         self.nonfinite: set = set()  # names whose gradient holds NaN/Inf on this rank (per-tensor path)
         self.flagged: set = set()  # the codec's names whose gradient holds NaN/Inf on some rank (the header's flags)
         self.kept_state: Dict[str, Any] = {}  # momentum correction: residual and velocity before encode
@@ -158,26 +156,19 @@ class BucketExchange:
         if self.dense:
             flat = ops.concat([ops.reshape(p.values, (-1,)) for _, p in self.dense])
             self.handles["dense"] = comm.allreduce_async(flat, comm.SUM, f"{key}.dense")
-        self.rounds_left = self.codec.rounds
-        if self.rounds_left:
-            self.steps = self.codec.exchange(self.rows)
-            self._start(next(self.steps))
+        if self.codec.rounds:
+            self.rounds.begin(self.codec.exchange(self.rows), self.codec.rounds)
         if complete:
             self.complete()
-
-    def _start(self, sends: List[Any]) -> None:
-        self.round = start_round(self.comm, self.key, sends, self.handles)
-        self.rounds_left -= 1
 
     def complete(self) -> None:
         """Send what waited for another rank's data (see :meth:`launch`); the layout is agreed on first."""
         if self.fused is not None:
             self.fused.complete(self.comm)
             return
-        while self.rounds_left > 0:
-            if self.rows is None:
-                self._check_header()
-            self._start(self.steps.send(wait_round(self.comm, self.round, self.handles)))
+        if self.rounds.left > 0 and self.rows is None:
+            self._check_header()
+        self.rounds.advance()
 
     def in_flight(self) -> List[Any]:
         """Handles of the collectives ``launch`` started (``finish`` waits for them)."""
@@ -196,10 +187,9 @@ class BucketExchange:
             self._check_header()
         if self.dense:
             results.update(self._finish_dense())
-        if self.steps is not None:
-            results.update(decode_rounds(self.comm, self.key, self.steps, self.round, self.handles))
-        self.handles.clear()  # the collectives' work objects hold the transport's connections: let them go now
-        self.steps = None
+        if self.rounds.begun:
+            results.update(self.rounds.decode())
+        self.rounds.release()
         return results
 
     def result(self, name: str, total: Any, dtype: Any) -> Any:

@@ -54,7 +54,7 @@ import torch
 
 from hvd_compress import wire
 from hvd_compress.kernels import torch_ops as ops
-from hvd_compress.comm.rounds import check_header, decode_rounds, start_round, wait_round
+from hvd_compress.comm.rounds import Rounds, check_header
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -269,7 +269,7 @@ class FusedBucket:
         collective's result first (TernGrad's codes, drawn with the shared scale) is
         sent by ``Launched.complete()``.
         """
-        out = Launched(self)
+        out = Launched(self, comm)
         if not self.checked:
             if comm.matches_by_order:
                 self.check(comm)
@@ -280,8 +280,7 @@ class FusedBucket:
             out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
-            out.steps, out.rounds_left = self.codec.exchange(self, g, out), self.codec.rounds
-            out.start(comm, next(out.steps))
+            out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
         self.compressor.stats.add(*self.step_stats)
         if complete:
             out.complete(comm)
@@ -331,29 +330,21 @@ class FusedBucket:
 class Launched:
     """One step of a :class:`FusedBucket`: the collectives in flight and what ``finish`` needs."""
 
-    def __init__(self, bucket: FusedBucket) -> None:
+    def __init__(self, bucket: FusedBucket, comm: Any) -> None:
         self.bucket = bucket
         self.handles: Dict[str, Any] = {}
+        self.rounds = Rounds(comm, bucket.key, self.handles)  # the codec's rounds of collectives
         self.residual: Optional[torch.Tensor] = None
         self.velocity: Optional[torch.Tensor] = None  # momentum correction: this step's, masked
         self.dense_velocity: Optional[torch.Tensor] = None
         self.header: Any = None  # the layout check still to wait for (name-matched transports)
-        self.steps: Any = None  # the codec's exchange (a generator of rounds), once started
-        self.round: List[str] = []  # the names of the codec's round in flight
-        self.rounds_left = 0  # the codec's rounds still to start
-
-    def start(self, comm: Any, sends: List[Any]) -> None:
-        """Start a round of the codec's collectives."""
-        self.round = start_round(comm, self.bucket.key, sends, self.handles)
-        self.rounds_left -= 1
 
     def complete(self, comm: Any) -> None:
         """Check the layout if still pending, then start the rounds that waited for other ranks' data."""
         if self.header is not None:
             self.bucket.check(comm, self.header)
             self.header = None
-        while self.rounds_left > 0:
-            self.start(comm, self.steps.send(wait_round(comm, self.round, self.handles)))
+        self.rounds.advance()
 
     # ------------------------------------------------------------------ finish
     def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
@@ -371,14 +362,13 @@ class Launched:
                 results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
                 start += b.numels[i]
         if b.compressed:
-            total, bad = decode_rounds(comm, b.key, self.steps, self.round, self.handles)
+            total, bad = self.rounds.decode()
             self._keep(bad)
             flat = self._scaled(total, average)
             for i in b.compressed:
                 start = b.offsets[i]
                 results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
-        self.handles.clear()  # the collectives' work objects hold the transport's connections: let them go now
-        self.steps = None
+        self.rounds.release()
         return results
 
     def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:

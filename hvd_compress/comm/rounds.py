@@ -41,6 +41,51 @@ def decode_rounds(comm: Any, key: str, steps: Any, names: Sequence[str], handles
     raise RuntimeError(f"hvd_compress: the codec of '{key}' has more rounds than it declares")
 
 
+class Rounds:
+    """A codec's rounds of collectives for one bucket and one step, as both exchanges drive them.
+
+    ``handles`` is the exchange's dict of collective handles (its header and dense sum go
+    there too, so ``in_flight`` lists everything). :meth:`begin` starts the first of the
+    codec's ``count`` rounds (its generator ``steps``), :meth:`advance` starts each later one
+    with the results of the one before (waiting for them), :meth:`decode` hands the codec
+    the last round's results and returns its decode, and :meth:`release` lets the handles
+    go (their work objects hold the transport's connections).
+    """
+
+    def __init__(self, comm: Any, key: str, handles: Dict[str, Any]) -> None:
+        self.comm, self.key, self.handles = comm, key, handles
+        self.steps: Any = None  # the codec's generator, once begun
+        self.names: List[str] = []  # the names of the round in flight
+        self.left = 0  # rounds still to start
+
+    @property
+    def begun(self) -> bool:
+        return self.steps is not None
+
+    def begin(self, steps: Any, count: int) -> None:
+        """Start the first of ``count`` rounds of ``steps`` (nothing when ``count`` is 0)."""
+        self.left = count
+        if count:
+            self.steps = steps
+            self._start(next(steps))
+
+    def advance(self) -> None:
+        """Start every round still to start, each with the results of the one before."""
+        while self.left > 0:
+            self._start(self.steps.send(wait_round(self.comm, self.names, self.handles)))
+
+    def decode(self) -> Any:
+        return decode_rounds(self.comm, self.key, self.steps, self.names, self.handles)
+
+    def release(self) -> None:
+        self.handles.clear()
+        self.steps = None
+
+    def _start(self, sends: Sequence[Any]) -> None:
+        self.names = start_round(self.comm, self.key, sends, self.handles)
+        self.left -= 1
+
+
 def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "") -> None:
     """Raise the same ``ValueError`` on every rank when the ranks' ``[config hash, layout hash]`` differ."""
     if all(row[:2] == rows[0][:2] for row in rows):
