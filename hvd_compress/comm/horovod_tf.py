@@ -54,7 +54,8 @@ import tensorflow as tf
 from hvd_compress.comm.communicator import HorovodCommunicator
 from hvd_compress.comm.exchange import open_exchange
 from hvd_compress.comm.horovod_calls import allreduce_call
-from hvd_compress.wire import different_algorithms, header_config, header_hash
+from hvd_compress.comm.rounds import check_header
+from hvd_compress.wire import header_config, header_hash
 
 
 class HorovodTensorFlowCommunicator(HorovodCommunicator):
@@ -216,13 +217,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
         header = tf.constant([[config, header_hash(layout)]], tf.int64)
         rows = comm.wait(comm.allgather_async(header, f"{name}.agree")).numpy().tolist()
         compressor.stats.add(16, 0, 0, 0)
-    if any(row != rows[0] for row in rows):
-        raise ValueError(
-            f"hvd_compress: ranks disagree on '{name}' (compressor or its configuration, or the names, "
-            f"shapes and order of the gradients): [config hash, layout hash] per rank = {rows}"
-            f"{different_algorithms(r[0] for r in rows)}; this rank runs {compressor!r} on "
-            f"{layout[1]} {layout[2]}{compressor.state_note()}"
-        )
+    check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}")
 
 
 # do_not_convert: Horovod calls these while Keras or the user's tf.function traces a step, and
