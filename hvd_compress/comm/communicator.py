@@ -29,7 +29,10 @@ class Communicator:
         raise NotImplementedError
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        """Elementwise ``op`` (``SUM`` or ``MAX``) over ranks; integer tensors sum exactly."""
+        """Elementwise ``op`` (``SUM`` or ``MAX``) over ranks; integer tensors sum exactly.
+
+        The input is left as it is: the result is a new tensor (or, in a world of one rank, may be
+        the input itself), so a caller can send a buffer it keeps (momentum correction's velocity)."""
         raise NotImplementedError
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:

@@ -8,9 +8,9 @@ What a step of a bucket needs to know in advance is known in advance: a
 compressor configuration, world size) and holds
 
 - the split of the bucket into a *dense* part (None, FP16, tensors under
-  ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, whose
-  tensors are laid out grouped by size so that each group of equal-size tensors
-  is one ``(rows, n)`` matrix;
+  ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, each
+  laid out grouped by size so that each group of equal-size tensors is one
+  ``(rows, n)`` matrix;
 - the compressor's *codec* of the compressed part (``compressor.bucket_codec(bucket)``:
   :class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec`,
   :class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec`): every size
@@ -26,7 +26,8 @@ layout hash]``, read on the host); afterwards a step reads nothing back. Per ste
 
     dense part: one cat, one allreduce-Sum       (momentum correction: u = m u + g sent;
                                                   a tensor whose sum holds NaN/Inf keeps
-                                                  its u from before the step)
+                                                  its u from before the step: per size group
+                                                  one flag pass and one where)
     compressed part: g = one cat;  the codec's rounds (:mod:`hvd_compress.compressors.rounds`),
                      each started here, waited for by the next round or by ``finish``;
                      the decode: (total, per-tensor flag)
@@ -74,8 +75,8 @@ def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
 
 
 class Group:
-    """``rows`` compressed tensors of ``n`` elements each, adjacent in the work layout from ``start``
-    (rows ``first`` onwards of the compressed tensors)."""
+    """``rows`` tensors of ``n`` elements each, adjacent in their part's flat layout from ``start``
+    (rows ``first`` onwards of that part's tensors)."""
 
     def __init__(self, start: int, first: int, members: List[int], n: int) -> None:
         self.start, self.members, self.rows, self.n = start, members, len(members), n
@@ -102,17 +103,9 @@ class FusedBucket:
         self.config_hash = compressor.config_hash()
         self.numels = [math.prod(s) for s in self.shapes]
         self.kinds = [compressor.fused_kind(n) for n in self.numels]
-        by_size: Dict[int, List[int]] = {}
-        for i, kind in enumerate(self.kinds):
-            if kind != "dense":
-                by_size.setdefault(self.numels[i], []).append(i)
-        self.groups: List[Group] = []
-        start = 0
-        for n, members in by_size.items():
-            self.groups.append(Group(start, sum(g.rows for g in self.groups), members, n))
-            start += len(members) * n
+        self.groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind != "dense"])
         self.compressed = [i for g in self.groups for i in g.members]  # work order
-        self.n_compressed = start
+        self.n_compressed = self.groups[-1].stop if self.groups else 0
         self.offsets: Dict[int, int] = {}
         for g in self.groups:
             for row, i in enumerate(g.members):
@@ -122,20 +115,15 @@ class FusedBucket:
         #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
         self.padded = self.codec.spare if self.codec is not None else 0
         self.spare_zero = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
-        self.dense = [i for i, kind in enumerate(self.kinds) if kind == "dense"]
-        self.n_dense = sum(self.numels[i] for i in self.dense)
+        #: the dense part, laid out by size groups too (momentum correction flags its tensors per group)
+        self.dense_groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind == "dense"])
+        self.dense = [i for g in self.dense_groups for i in g.members]
+        self.n_dense = self.dense_groups[-1].stop if self.dense_groups else 0
+        self.dense_offsets = {i: g.start + row * g.n for g in self.dense_groups for row, i in enumerate(g.members)}
         #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
         self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
-        #: momentum correction's decay (0: off); the dense part's tensors by element, to flag them
+        #: momentum correction's decay (0: off)
         self.momentum = float(getattr(compressor, "momentum", 0.0) or 0.0)
-        self.dense_offsets: Dict[int, int] = {}
-        for i in self.dense:
-            self.dense_offsets[i] = sum(self.numels[j] for j in self.dense_offsets)
-        self.dense_lengths = self.dense_rows = None
-        if self.momentum and self.dense:
-            self.dense_lengths = torch.tensor([self.numels[i] for i in self.dense], device=self.device)
-            self.dense_rows = torch.repeat_interleave(
-                torch.arange(len(self.dense), device=self.device), self.dense_lengths)
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
         self.signature = wire.header_hash(layout)
@@ -146,6 +134,17 @@ class FusedBucket:
         self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.flush_into_dense: Dict[int, torch.Tensor] = {}
         self.checked = False
+
+    def _by_size(self, indices: List[int]) -> List[Group]:
+        """Tensors ``indices`` as groups of equal size, in the order each size first appears, adjacent."""
+        by_size: Dict[int, List[int]] = {}
+        for i in indices:
+            by_size.setdefault(self.numels[i], []).append(i)
+        groups: List[Group] = []
+        for n, members in by_size.items():
+            start, first = (groups[-1].stop, groups[-1].last) if groups else (0, 0)
+            groups.append(Group(start, first, members, n))
+        return groups
 
     def _step_stats(self) -> Tuple[int, int, int, int]:
         """What a step hands the collectives, for :class:`~hvd_compress.compressors.base.WireStats`:
@@ -305,7 +304,7 @@ class FusedBucket:
             return None
         g = torch.cat([tensors[i].reshape(-1) for i in self.dense])
         out.dense_velocity = u = ops.momentum_update(self.dense_velocity, g, self.momentum)
-        sent = u.clone()  # the collective may write into its input
+        sent = u.clone() if self.flush_into_dense else u  # collectives leave their input as it is
         for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush)
             start = self.dense_offsets[i]
             sent[start : start + self.numels[i]].add_(self.flush_into_dense.pop(i))
@@ -314,11 +313,10 @@ class FusedBucket:
 
     def keep_dense_velocity(self, total: torch.Tensor, velocity: torch.Tensor) -> None:
         """The dense part's new velocity, but a tensor whose sum holds NaN/Inf keeps its old one."""
-        # per tensor, the sum of 0 * its elements: NaN where it holds NaN/Inf (one segmented pass;
-        # an index_add_ into a few slots cost 3.5x as much on the CPU and contends on a GPU)
-        flags = torch.segment_reduce(total * 0, "sum", lengths=self.dense_lengths)
-        bad = torch.isnan(flags).index_select(0, self.dense_rows)
-        self.dense_velocity = torch.where(bad, self.dense_velocity, velocity, out=velocity)
+        for grp in self.dense_groups:  # per tensor (row), the sum of 0 * its elements: NaN where it holds NaN/Inf
+            bad = torch.isnan(torch.mul(grp.view(total), 0).sum(dim=1, keepdim=True))
+            torch.where(bad, grp.view(self.dense_velocity), grp.view(velocity), out=grp.view(velocity))
+        self.dense_velocity = velocity
 
     def compensated(self, g: torch.Tensor) -> torch.Tensor:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
@@ -354,6 +352,8 @@ class Launched:
         results: Dict[str, torch.Tensor] = {}
         if b.dense:
             total = comm.wait(self.handles["dense"]).to(b.acc)
+            if total is self.dense_velocity:  # a world of one hands back its input: keep the velocity apart
+                total = total.clone()
             if self.dense_velocity is not None:
                 b.keep_dense_velocity(total, self.dense_velocity)
             flat = self._scaled(total, average)

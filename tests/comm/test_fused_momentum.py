@@ -15,6 +15,7 @@ velocities, and a steady step reads nothing back to the host.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import pytest
@@ -272,3 +273,37 @@ def test_cuda_steady_state_step_never_synchronizes_and_equals_the_cpu(kind, dtyp
     want = {n: tuple(None if x is None else x.cpu() for x in pair) for n, pair in state_of(on_cpu).items()}
     got = {n: tuple(None if x is None else x.cpu() for x in pair) for n, pair in state_of(on_gpu).items()}
     assert_state_equal(got, want, f"{kind} {dtype}")
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
+    """One rank (its collective hands back the buffer it was given): a NaN in one of two equal-size
+    dense tensors makes that result NaN and keeps its velocity from before the step, while the other
+    tensor of its size group steps, u = m u + g; the per-tensor path (numpy) gives the same."""
+    shapes = {"w": (30, 40), "b1": (7,), "b2": (7,)}  # b1, b2: one size group of the dense part
+
+    def run(numpy):
+        compressor, comm, out = TopK(0.05, dense_below=8, momentum=0.9), SingleProcessCommunicator(), []
+        for step in range(3):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, shape in shapes.items():
+                g = torch.full(shape, float(step + 1)) + torch.arange(math.prod(shape)).view(shape) / 8
+                if step == 1 and name == "b1":
+                    g.view(-1)[3] = float("nan")
+                exchange.add(name, g.numpy() if numpy else g)
+            exchange.launch()
+            results = {n: torch.as_tensor(t).clone() for n, t in exchange.finish(average=average).items()}
+            out.append((results, {n: torch.as_tensor(compressor.velocity(n)).clone() for n in shapes}))
+        return out
+
+    fused, per_tensor = run(False), run(True)
+    (before, before_u), (nan_step, nan_u) = fused[0], fused[1]
+    assert torch.isnan(nan_step["b1"]).any() and torch.isfinite(nan_step["b2"]).all()
+    assert torch.equal(nan_u["b1"], before_u["b1"]), "the NaN tensor keeps its velocity"
+    assert not torch.equal(nan_u["b2"], before_u["b2"]), "its group's other tensor steps"
+    assert torch.isfinite(fused[2][0]["b1"]).all(), "the step after trains normally"
+    for step, ((got, got_u), (want, want_u)) in enumerate(zip(fused, per_tensor)):
+        for name in shapes:
+            assert torch.equal(got[name], want[name].float()) or (
+                torch.isnan(got[name]).any() and torch.isnan(want[name]).any()), (step, name)
+            assert torch.equal(got_u[name].double(), want_u[name].double()), (step, name)
