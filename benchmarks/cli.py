@@ -139,11 +139,11 @@ def _convergence(args: argparse.Namespace) -> int:
 def _time_to_accuracy(args: argparse.Namespace) -> int:
     from benchmarks import time_to_accuracy
 
-    names = ("data", "data_dir", "train_size", "test_size", "epochs", "lr", "momentum", "compressor", "ratio",
-             "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
+    names = ("data", "data_dir", "model", "train_size", "test_size", "epochs", "lr", "momentum", "compressor",
+             "ratio", "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
     training = time_to_accuracy.Training(batch_per_rank=args.batch_size, **{n: getattr(args, n) for n in names})
     print(
-        f"Time to accuracy: mlp on {args.data}, {args.ranks} processes, {args.epochs} epochs; dense, "
+        f"Time to accuracy: {args.model} on {args.data}, {args.ranks} processes, {args.epochs} epochs; dense, "
         f"{training.label(args.compressor)} and Auto of it; {_where(args)}"
     )
     return _on_ranks(
@@ -161,7 +161,7 @@ def _time_to_accuracy(args: argparse.Namespace) -> int:
 
 
 def _add_time_to_accuracy(commands: Any) -> None:
-    from benchmarks.convergence import VARIANTS
+    from benchmarks.convergence import MODELS, VARIANTS
     from benchmarks.datasets import DATASETS
     from benchmarks.time_to_accuracy import Training
 
@@ -175,6 +175,7 @@ def _add_time_to_accuracy(commands: Any) -> None:
     p.add_argument("--ranks", type=int, default=4, help="processes (default 4)")
     p.add_argument("--data", choices=DATASETS, default=d.data, help=f"data set (default {d.data})")
     p.add_argument("--data-dir", help="folder of the Fashion-MNIST IDX files (as for convergence)")
+    p.add_argument("--model", choices=MODELS, default=d.model, help=f"({d.model})")
     p.add_argument("--train-size", type=int, default=d.train_size, help=f"training images ({d.train_size})")
     p.add_argument("--test-size", type=int, default=d.test_size, help=f"test images ({d.test_size})")
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
@@ -200,7 +201,7 @@ def _names(text: str) -> List[str]:
 
 
 def _add_convergence(commands: Any) -> None:
-    from benchmarks.convergence import COMPRESSORS, DEFAULT_VARIANTS, DEFAULTS, MODELS, QUICK, VARIANTS
+    from benchmarks.convergence import COMPRESSORS, DEFAULT_MODELS, DEFAULT_VARIANTS, DEFAULTS, MODELS, QUICK, VARIANTS
     from benchmarks.datasets import DATASETS
 
     p = commands.add_parser(
@@ -211,7 +212,8 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--data", choices=DATASETS, default="digits", help="data set (default digits)")
     p.add_argument("--data-dir", help="folder of the Fashion-MNIST IDX files (default: $HVD_COMPRESS_FASHION_MNIST, "
                    "else /usr/share/datasets/fashion-mnist)")
-    p.add_argument("--models", type=_names, default=list(MODELS), help="cnn,mlp (default both)")
+    p.add_argument("--models", type=_names, default=list(DEFAULT_MODELS),
+                   help=f"of {','.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     p.add_argument("--compressors", type=_names, default=list(COMPRESSORS),
                    help=f"{','.join(COMPRESSORS)} (default all; none is dense)")
     p.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="sparsifier densities (0.01,0.001)")

@@ -61,7 +61,10 @@ from hvd_compress.bench import publish
 from hvd_compress.bench.report import describe_machine, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, DensityWarmup
 
-MODELS = ("cnn", "mlp")
+#: Models of ``--models`` by default; ``wide-mlp`` (hidden layers of 1024) has a gradient of 1.9M
+#: parameters, one that takes longer to send over 1 Gbit/s than to compute (time-to-accuracy's model).
+DEFAULT_MODELS = ("cnn", "mlp")
+MODELS = DEFAULT_MODELS + ("wide-mlp",)
 #: Compressor names of ``--compressors``; ``none`` is dense.
 COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
 #: Sparsifier variants: name -> (momentum correction, density warm-up).
@@ -85,10 +88,11 @@ def make_model(kind: str, shape: Sequence[int], seed: int = 0) -> Any:
     _, h, w = shape
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        if kind == "mlp":
+        if kind in ("mlp", "wide-mlp"):
+            first, second = (256, 128) if kind == "mlp" else (1024, 1024)
             return torch.nn.Sequential(
-                torch.nn.Flatten(), torch.nn.Linear(h * w, 256), torch.nn.ReLU(),
-                torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10),
+                torch.nn.Flatten(), torch.nn.Linear(h * w, first), torch.nn.ReLU(),
+                torch.nn.Linear(first, second), torch.nn.ReLU(), torch.nn.Linear(second, 10),
             )
         if kind != "cnn":
             raise ValueError(f"unknown model {kind!r}; choose one of {', '.join(MODELS)}")
@@ -321,7 +325,7 @@ def rows_of(runs: Sequence[Run], trained, gap: float) -> List[Dict[str, Any]]:
 def study(
     data: Images,
     setup: Setup = Setup(),
-    models: Sequence[str] = MODELS,
+    models: Sequence[str] = DEFAULT_MODELS,
     compressors: Sequence[str] = COMPRESSORS,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     variants: Sequence[str] = DEFAULT_VARIANTS,
