@@ -139,8 +139,8 @@ def _convergence(args: argparse.Namespace) -> int:
 def _time_to_accuracy(args: argparse.Namespace) -> int:
     from benchmarks import time_to_accuracy
 
-    names = ("data", "data_dir", "model", "train_size", "test_size", "epochs", "lr", "momentum", "compressor",
-             "ratio", "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
+    names = ("data", "data_dir", "model", "train_size", "test_size", "epochs", "lr", "lr_schedule", "momentum",
+             "compressor", "ratio", "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
     training = time_to_accuracy.Training(batch_per_rank=args.batch_size, **{n: getattr(args, n) for n in names})
     print(
         f"Time to accuracy: {args.model} on {args.data}, {args.ranks} processes, {args.epochs} epochs; dense, "
@@ -181,6 +181,8 @@ def _add_time_to_accuracy(commands: Any) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
     p.add_argument("--batch-size", type=int, default=d.batch_per_rank, help=f"per rank ({d.batch_per_rank})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD step size ({d.lr})")
+    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default=d.lr_schedule,
+                   help=f"cosine: the step size decays from --lr to 0 over the run ({d.lr_schedule})")
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD's momentum, or the compressor's with mc")
     p.add_argument("--compressor", default=d.compressor, help=f"topk, gaussiank or regtopk ({d.compressor})")
     _add_ratio(p)

@@ -25,6 +25,10 @@ Runs, one after another in the same process group and link:
   density that trains on (during the ramp at 25% the "compressed" exchange
   sends every tensor dense).
 
+Every run follows the same step-size schedule (``lr_schedule``: by default a cosine decay
+from ``lr`` to 0 over the run, stepped every iteration, so that the last evaluations settle
+instead of swinging by a point around the target; ``constant`` keeps ``lr``).
+
 Clock: the sum over steps of each step's wall time (zero-grad, forward,
 backward, exchange, update, warm-up step), the maximum over ranks; the test
 evaluations (``evals_per_epoch`` per epoch, each rank scoring its share of the
@@ -71,6 +75,8 @@ class Training:
     epochs: int = 4
     batch_per_rank: int = 32
     lr: float = 0.05
+    #: ``cosine``: the step size decays from ``lr`` to 0 over the run (per step); ``constant``
+    lr_schedule: str = "cosine"
     momentum: float = 0.9
     compressor: str = "topk"
     ratio: float = 0.01
@@ -157,6 +163,8 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
     per_epoch = len(data.train_y) // global_batch
     total = training.epochs * per_epoch
     eval_every = max(1, per_epoch // max(1, training.evals_per_epoch))
+    decay = (torch.optim.lr_scheduler.CosineAnnealingLR(sgd, total) if training.lr_schedule == "cosine"
+             else None)
     schedule, ramp = None, 0
     if warm:
         ramp = max(1, round(training.warmup_epochs * per_epoch))
@@ -175,6 +183,8 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
         opt.step()
         if schedule is not None:
             schedule.step()  # reaching the target, it has Auto measure again
+        if decay is not None:
+            decay.step()
         seconds += time.perf_counter() - started
         if (step + 1) % eval_every == 0 or step + 1 == total:
             curve["seconds"].append(max_over_ranks(seconds))
