@@ -13,9 +13,7 @@ and times whole training steps: zero_grad, forward, backward, the gradient
 exchange and the optimizer step (SGD, momentum 0.9), with
 ``torch.cuda.synchronize()`` before and after each timed step on CUDA;
 ``warmup`` untimed steps first, then the median and minimum of ``steps``.
-Rows:
-
-the routes of :mod:`hvd_compress.bench.routes` (``local``, ``ddp``, the
+Rows: the routes of :mod:`hvd_compress.bench.routes` (``local``, ``ddp``, the
 baseline: ``ratio`` = median / ddp's median, ``overhead_ms`` = median - ddp's
 median; ``ddp+fp16``, ``ddp+handwritten-topk``, and ``ours-ddp-hook``,
 ``ours-dropin``, ``ours-stock-horovod`` per compressor), plus

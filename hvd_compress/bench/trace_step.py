@@ -20,8 +20,8 @@ Rows: ``local`` (no exchange: what every other row is compared with; ``added``
 
 Models: ``resnet50`` and ``gpt2`` are :mod:`hvd_compress.bench.shapes` models
 (the real parameter shapes and order, a cheap loss touching every parameter;
-no torchvision or transformers), ``mlp`` is :class:`~hvd_compress.bench.routes.MLPWorkload`. The forward and
-backward of these stand-ins are not the real models', but they are the same in
+no torchvision or transformers), ``mlp`` is
+:class:`~hvd_compress.bench.routes.MLPWorkload`. The forward and backward of these stand-ins are not the real models', but they are the same in
 every row, so the added figures are the exchange's alone.
 """
 
