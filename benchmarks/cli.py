@@ -20,6 +20,9 @@ python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ra
                           [--out results]
 python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
                              [--out results]
+python -m benchmarks train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
+                                [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE]
+                                [--plot FILE]
 """
 
 from __future__ import annotations
@@ -29,7 +32,22 @@ import sys
 from typing import Any, Callable, List, Optional
 
 from hvd_compress import Compression
-from hvd_compress.cli import _add_ratio, _floats, _ints, run_command
+from hvd_compress.cli import _add_ratio, run_command
+from hvd_compress.cli import _names as _some_of
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected integers like 2,4,16, got {text!r}") from error
+
+
+def _floats(text: str) -> List[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4,8, got {text!r}") from error
 
 def _wrote(folder: Optional[str], stem: str) -> int:
     if folder:
@@ -401,6 +419,72 @@ def _add_link(parser: argparse.ArgumentParser, rates: str, none: str) -> None:
     )
 
 
+def _train_step(args: argparse.Namespace) -> int:
+    from benchmarks import train_step
+
+    print(
+        f"Training step at world size 1: {args.model} on {args.device}, batch "
+        f"{args.batch or train_step.DEFAULT_BATCH[args.model]}, {args.steps} steps after {args.warmup}, "
+        f"{', '.join(args.compressors)} at ratio {args.ratio}"
+    )
+    train_step.run(
+        model=args.model,
+        device=args.device,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch=args.batch,
+        compressors=args.compressors,
+        ratio=args.ratio,
+        routes=args.routes,
+        dropin_comm=args.dropin_comm,
+        seed=args.seed,
+        json_path=args.json or None,
+        plot_path=args.plot or None,
+    )
+    for path in (args.json, args.plot):
+        if path:
+            print(f"Wrote {path}")
+    return 0
+
+
+def _add_train_step(commands: Any) -> None:
+    from benchmarks.train_step import COMPRESSORS, DROPIN_COMMS, MODELS, ROUTES
+
+    train = commands.add_parser(
+        "train-step", help="full training-step time per route (DDP, hooks, ours) at world size 1, CPU or GPU"
+    )
+    train.add_argument("--model", choices=MODELS, default="mlp", help="resnet50 and gpt2 need [bench-gpu]")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    train.add_argument("--steps", type=int, default=25, help="timed steps per row (median and min reported)")
+    train.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    train.add_argument("--batch", type=int, help="default: resnet50 64, gpt2 8, mlp 32")
+    train.add_argument(
+        "--compressors",
+        type=_some_of(COMPRESSORS),
+        default=list(COMPRESSORS),
+        help=f"ours, per route (default {','.join(COMPRESSORS)})",
+    )
+    _add_ratio(train)
+    train.add_argument(
+        "--routes",
+        type=_some_of(ROUTES),
+        default=list(ROUTES),
+        help=f"default all: {','.join(ROUTES)} (ddp, the baseline, always runs)",
+    )
+    train.add_argument(
+        "--dropin-comm",
+        choices=DROPIN_COMMS,
+        default="auto",
+        help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
+    )
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--json", default="results/train_step.json", help="results file (default %(default)s)")
+    train.add_argument(
+        "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
+    )
+    train.set_defaults(run=_train_step)
+
+
 def _add_delay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
@@ -532,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--max-ranks", type=int, default=512, help="model curves up to this N (default 512)")
     scaling.add_argument("--seed", type=int, default=0)
     _add_out(scaling, "scaling", _bench_scaling)
-
+    _add_train_step(commands)
     return parser
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hvd_compress.bench import publish
+from benchmarks.output import publish
 from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 from hvd_compress.compressors import Compression
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload

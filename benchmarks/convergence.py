@@ -57,8 +57,8 @@ import numpy as np
 
 from benchmarks import cnn
 from benchmarks.datasets import Images
-from hvd_compress.bench import publish
-from hvd_compress.bench.report import describe_machine, pyplot, require_packages, save_figure
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, DensityWarmup
 
 #: Models of ``--models`` by default; ``wide-mlp`` (hidden layers of 1024) has a gradient of 1.9M

@@ -19,8 +19,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from hvd_compress.bench import publish, single_threaded_blas
-from hvd_compress.bench.report import describe_machine, progress_bar, pyplot, require_packages, save_figure
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench import single_threaded_blas
+from hvd_compress.bench.report import progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compressor
 from hvd_compress.simulator import Simulator
 

@@ -56,7 +56,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks import cluster
-from hvd_compress.bench import publish, report
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench import report
 from benchmarks.compress import format_size
 from benchmarks.wire import numel, resnet18_shapes
 from hvd_compress.compressors import TopK
@@ -344,7 +345,7 @@ def run(
         bar.close()
     results = {
         "benchmark": "scaling",
-        "machine": report.describe_machine(),
+        "machine": describe_machine(),
         "settings": settings,
         "wall_seconds": time.perf_counter() - started,
         "library_rule": {

@@ -61,7 +61,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import cluster
-from hvd_compress.bench import publish, report
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench import report
 from benchmarks.compress import format_size
 from benchmarks.wire import (
     COMPRESSORS,
@@ -483,7 +484,7 @@ def run(
         bar.close()
     results = {
         "benchmark": "step",
-        "machine": report.describe_machine(),
+        "machine": describe_machine(),
         "settings": settings,
         "links": links,
         "wall_seconds": time.perf_counter() - started,

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks import cnn
-from hvd_compress.bench import publish
+from benchmarks.output import publish
 from hvd_compress.bench.report import pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor, TernGrad
 from hvd_compress.simulator import Simulator

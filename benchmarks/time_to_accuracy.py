@@ -56,7 +56,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from benchmarks import cluster, convergence
 from benchmarks.step import AUTO_PREFIX, AUTO_WARMUP, CountingCommunicator
-from hvd_compress.bench import publish, report
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench import report
 
 MODULE = "benchmarks.time_to_accuracy"
 #: (rate, run compared, bound, "speedup" >= bound or "time ratio" <= bound): printed, never asserted.
@@ -313,7 +314,7 @@ def run(
             rows.extend(rows_of(lk, training, per_rank, target_gap))
     results = {
         "benchmark": "time_to_accuracy",
-        "machine": report.describe_machine(),
+        "machine": describe_machine(),
         "settings": {**asdict(training), "ranks": ranks, "rates": list(rates), "delay": delay,
                      "target_gap_points": target_gap, "runs": [training.label(n) for n in training.runs()],
                      "clock": "sum of the step times (evaluations excluded), maximum over ranks"},

@@ -33,7 +33,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.bench import publish, report
+from benchmarks.output import describe_machine, publish
+from hvd_compress.bench import report
 from benchmarks.compress import format_size, gradient
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.base import check_ratio
@@ -253,7 +254,7 @@ def run(
 
     results = {
         "benchmark": "wire",
-        "machine": report.describe_machine(),
+        "machine": describe_machine(),
         "settings": {
             "ranks": ranks,
             "ratio": ratio,

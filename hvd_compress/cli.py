@@ -1,13 +1,12 @@
 """The ``hvd-compress`` command: what a user runs on their own machines.
 
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
-hvd-compress bench train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
-                              [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 hvd-compress bench trace [--model resnet50] [--device cpu] [--warmup 3] [--compressors none,fp16,...]
                          [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 
-The paper reproductions and link studies are in the repository's ``benchmarks/``
-folder: ``python -m benchmarks --help``.
+The training-step timing benchmark, the paper reproductions and the link
+studies are in the repository's ``benchmarks/`` folder, run from a source
+checkout: ``python -m benchmarks --help``.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ import sys
 from typing import Any, Callable, List, Optional, Sequence
 
 from hvd_compress import Compression, __version__
+
+#: ``hvd-compress bench`` subcommands now in the repository's ``benchmarks/`` (``python -m benchmarks``).
+MOVED = ("train-step",)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -73,29 +75,14 @@ def _wrote(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_train_step(args: argparse.Namespace) -> int:
-    from hvd_compress.bench import train_step
-
+def _moved(args: argparse.Namespace) -> int:
+    """A subcommand that left the installed package: say where it went; exit status 2."""
     print(
-        f"Training step at world size 1: {args.model} on {args.device}, batch "
-        f"{args.batch or train_step.DEFAULT_BATCH[args.model]}, {args.steps} steps after {args.warmup}, "
-        f"{', '.join(args.compressors)} at ratio {args.ratio}"
+        f"hvd-compress: 'bench {args.study}' moved to the repository's benchmarks: run "
+        f"'python -m benchmarks {args.study} ...' (same options) from a source checkout of hvd_compress",
+        file=sys.stderr,
     )
-    train_step.run(
-        model=args.model,
-        device=args.device,
-        steps=args.steps,
-        warmup=args.warmup,
-        batch=args.batch,
-        compressors=args.compressors,
-        ratio=args.ratio,
-        routes=args.routes,
-        dropin_comm=args.dropin_comm,
-        seed=args.seed,
-        json_path=args.json or None,
-        plot_path=args.plot or None,
-    )
-    return _wrote(args)
+    return 2
 
 
 def _bench_trace(args: argparse.Namespace) -> int:
@@ -136,20 +123,6 @@ def _names(choices: Sequence[str]) -> Callable[[str], List[str]]:
     return parse
 
 
-def _ints(text: str) -> List[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected integers like 2,4,16, got {text!r}") from error
-
-
-def _floats(text: str) -> List[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4,8, got {text!r}") from error
-
-
 def _add_ratio(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
 
@@ -170,49 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", help="write the results to this file")
     demo.set_defaults(run=_demo)
 
-    from hvd_compress.bench.train_step import COMPRESSORS, DROPIN_COMMS, MODELS, ROUTES
-
-    bench = commands.add_parser("bench", help="benchmarks; ratios against baselines measured in the same run")
+    bench = commands.add_parser("bench", help="what a route adds to a training step, against torch's routes")
     benchmarks = bench.add_subparsers(dest="study", required=True)
-    train = benchmarks.add_parser(
-        "train-step", help="full training-step time per route (DDP, hooks, ours) at world size 1, CPU or GPU"
-    )
-    train.add_argument("--model", choices=MODELS, default="mlp", help="resnet50 and gpt2 need [bench-gpu]")
-    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    train.add_argument("--steps", type=int, default=25, help="timed steps per row (median and min reported)")
-    train.add_argument("--warmup", type=int, default=8, help="untimed steps first")
-    train.add_argument("--batch", type=int, help="default: resnet50 64, gpt2 8, mlp 32")
-    train.add_argument(
-        "--compressors",
-        type=_names(COMPRESSORS),
-        default=list(COMPRESSORS),
-        help=f"ours, per route (default {','.join(COMPRESSORS)})",
-    )
-    _add_ratio(train)
-    train.add_argument(
-        "--routes",
-        type=_names(ROUTES),
-        default=list(ROUTES),
-        help=f"default all: {','.join(ROUTES)} (ddp, the baseline, always runs)",
-    )
-    train.add_argument(
-        "--dropin-comm",
-        choices=DROPIN_COMMS,
-        default="auto",
-        help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
-    )
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--json", default="results/train_step.json", help="results file (default %(default)s)")
-    train.add_argument(
-        "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
-    )
-    train.set_defaults(run=_bench_train_step)
-    _add_trace(benchmarks, DROPIN_COMMS)
+    for study in MOVED:  # every option is taken, so that the message says where the command went
+        moved = benchmarks.add_parser(study, help=f"moved: python -m benchmarks {study}", prefix_chars="+")
+        moved.add_argument("options", nargs="*")
+        moved.set_defaults(run=_moved)
+    _add_trace(benchmarks)
     return parser
 
 
-def _add_trace(benchmarks: Any, dropin_comms: Sequence[str]) -> None:
+def _add_trace(benchmarks: Any) -> None:
     from hvd_compress.bench import trace_step
+    from hvd_compress.bench.routes import DROPIN_COMMS
 
     trace = benchmarks.add_parser(
         "trace",
@@ -239,7 +182,7 @@ def _add_trace(benchmarks: Any, dropin_comms: Sequence[str]) -> None:
     )
     trace.add_argument(
         "--dropin-comm",
-        choices=dropin_comms,
+        choices=DROPIN_COMMS,
         default="auto",
         help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
     )

@@ -7,7 +7,6 @@ import importlib
 import os
 import platform
 import sys
-import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -106,15 +105,6 @@ def machine(torch: Any, devices: Sequence[str]) -> Dict[str, Any]:
         info["devices"]["cuda"] = torch.cuda.get_device_name()
         info["cuda_version"] = torch.version.cuda
     return info
-
-
-def describe_machine() -> Dict[str, Any]:
-    """:func:`machine` for CPU runs: torch's fields are ``None`` without torch."""
-    try:
-        import torch
-    except ImportError:
-        torch = types.SimpleNamespace(get_num_threads=lambda: None, __version__=None)
-    return machine(torch, ["cpu"])
 
 
 # --------------------------------------------------------------------- figures

@@ -1,7 +1,7 @@
 """Kernels, bytes and device waits of one steady training step per route: ``hvd-compress bench trace``.
 
 The stand-in for a GPU profile when no GPU is at hand. Each row builds a
-route as ``bench train-step`` does (:func:`hvd_compress.bench.train_step.build_route`,
+route of :mod:`hvd_compress.bench.routes` (:func:`~hvd_compress.bench.routes.build_route`,
 world size 1 in a one-rank gloo group, NCCL on CUDA), runs ``warmup`` steps
 (the plan, DDP's bucket rebuild and the header checks happen there), then
 traces one more step with :func:`hvd_compress.bench.trace.count_ops` (its
@@ -13,15 +13,15 @@ selection): the trace counts what a GPU would launch.
 Rows: ``local`` (no exchange: what every other row is compared with; ``added``
 = the row minus ``local``), ``ddp`` (allreduce), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+handwritten-topk``
-(:func:`~hvd_compress.bench.train_step.handwritten_topk_hook`, the peer:
+(:func:`~hvd_compress.bench.routes.handwritten_topk_hook`, the peer:
 ``ops_vs_handwritten`` = added ops / its added ops, same for bytes), then
 ``ours-ddp-hook``, ``ours-dropin`` and ``ours-stock-horovod`` per compressor.
 ``local`` and the hand-written hook always run.
 
 Models: ``resnet50`` and ``gpt2`` are :mod:`hvd_compress.bench.shapes` models
 (the real parameter shapes and order, a cheap loss touching every parameter;
-no torchvision or transformers), ``mlp`` is train-step's MLP. The forward and
-backward of these stand-ins are not the real models', but they are the same in
+no torchvision or transformers), ``mlp`` is
+:class:`~hvd_compress.bench.routes.MLPWorkload`. The forward and backward of these stand-ins are not the real models', but they are the same in
 every row, so the added figures are the exchange's alone.
 """
 
@@ -34,13 +34,14 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvd_compress.bench import report, train_step
+from hvd_compress.bench import report
+from hvd_compress.bench import routes as step_routes
 
 MODELS = ("resnet50", "gpt2", "mlp")
 COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
 LOCAL, PEER = "local", "ddp+handwritten-topk"
-TORCH_ROUTES = tuple((r, c) for r, c in train_step.TORCH_ROUTES if r in (LOCAL, "ddp", "ddp+fp16", PEER))
-OUR_ROUTES = train_step.OUR_ROUTES
+TORCH_ROUTES = step_routes.TORCH_ROUTES
+OUR_ROUTES = step_routes.OUR_ROUTES
 ROUTES = tuple(r for r, _ in TORCH_ROUTES if r != LOCAL) + OUR_ROUTES
 ALWAYS = (LOCAL, PEER)
 DEFAULT_WARMUP = 3
@@ -54,9 +55,9 @@ def plan(routes: Sequence[str], compressors: Sequence[str]) -> List[Tuple[str, s
 
 
 def workload(model: str, device: Any, seed: int) -> Any:
-    """The shape model of ``resnet50``/``gpt2``, or train-step's MLP."""
+    """The shape model of ``resnet50``/``gpt2``, or the MLP."""
     if model == "mlp":
-        return train_step.Workload("mlp", device, train_step.DEFAULT_BATCH["mlp"], seed)
+        return step_routes.MLPWorkload(device, step_routes.MLP_BATCH, seed)
     from hvd_compress.bench.shapes import ShapeWorkload
 
     return ShapeWorkload(model, device, seed)
@@ -78,7 +79,7 @@ def trace_row(env: Any, route: str, compressor: str, warmup: int) -> Dict[str, A
     step = None
     try:
         with accelerator_path():
-            step, info = train_step.build_route(env, route, compressor)
+            step, info = step_routes.build_route(env, route, compressor)
             row["warmup"] = max(warmup, info.pop("min_warmup"), 1)
             row.update(info)
             for _ in range(row["warmup"]):
@@ -186,12 +187,12 @@ def run(
 
     ratio = check_ratio(ratio)
     _check(model, device, warmup, routes, compressors)
-    load = workload(model, train_step.torch_device(device, dropin_comm), seed)
-    hvd, horovod_note, todo, skipped = train_step.rows_to_run(plan(routes, compressors), routes, dropin_comm)
+    load = workload(model, step_routes.torch_device(device, dropin_comm), seed)
+    hvd, horovod_note, todo, skipped = step_routes.rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
-    with train_step.process_group(device == "cuda") as backend:
-        rows = _rows(train_step.Environment(load, ratio, hvd, dropin_comm), todo, warmup, progress)
+    with step_routes.process_group(device == "cuda") as backend:
+        rows = _rows(step_routes.Environment(load, ratio, hvd, dropin_comm), todo, warmup, progress)
     compare(rows, top)
     machine = report.machine(torch, [device])
     results = {
@@ -206,7 +207,7 @@ def run(
         "rows": rows,
         "skipped": skipped,
     }
-    train_step.save(results, json_path, plot_path, plot=write_plot)
+    step_routes.save(results, json_path, plot_path, plot=write_plot)
     print_table(results, stdout)
     return results
 
@@ -231,7 +232,7 @@ def _settings(v: Dict[str, Any], machine: Dict[str, Any], torch: Any, hvd: Any) 
         "dropin_comm": v["dropin_comm"],
         "horovod": None if hvd is None else getattr(sys.modules.get("horovod"), "__version__", "?"),
         "horovod_note": v["horovod_note"],
-        "optimizer": f"SGD lr {train_step.LR:g} momentum 0.9",
+        "optimizer": f"SGD lr {step_routes.LR:g} momentum 0.9",
         "code_path": "hvd_compress.kernels.torch_ops.accelerator_path() (no CPU-only numpy shortcuts)",
         "counting": (
             "one steady step traced with a TorchDispatchMode (hvd_compress.bench.trace): ops = aten "

@@ -277,24 +277,3 @@ class Rows:
                 chosen = ops.gaussiank_from(row, float(thresholds[r0 + i]), k)
                 out[lo + i * width : lo + i * width + chosen.shape[0]] = chosen.long() + (start + i * row.shape[0])
         return out
-
-
-# ------------------------------------------------------------ one group, 2-D
-def topk_rows(scores: torch.Tensor, k: int, host: Optional[bool] = None) -> torch.Tensor:
-    """:func:`torch_ops.topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64
-    ``(rows, k)``, ascending, ties to the lower index, NaN above +Inf (see :meth:`Rows.topk`)."""
-    rows, n = scores.shape
-    plan = Rows([(0, rows, n, k, k)], scores.device)
-    positions = plan.topk(scores.reshape(-1), host)[0].view(rows, k)
-    return torch.sort(positions - plan.slot_start.view(rows, k), dim=1).values
-
-
-def gaussiank_rows(a: torch.Tensor, magnitude: torch.Tensor, ratio: float, k: int,
-                   read_back: Optional[bool] = None) -> torch.Tensor:
-    """:func:`torch_ops.gaussiank_select` of every row of a 2-D ``a`` (``magnitude = |a|``), in
-    ``gaussiank_slots(k)`` columns: int64 ``(rows, slots)``, ascending, unused slots holding ``n``."""
-    rows, n = a.shape
-    slots = reference.gaussiank_slots(k)
-    plan = Rows([(0, rows, n, k, slots)], a.device, spare=rows * n)
-    positions = plan.gaussiank(a.reshape(-1), magnitude.reshape(-1), ratio, read_back)[0].view(rows, slots)
-    return torch.where(positions == rows * n, n, positions - plan.slot_start.view(rows, slots))

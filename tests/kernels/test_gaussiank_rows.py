@@ -21,11 +21,21 @@ from hypothesis import strategies as st  # noqa: E402
 
 from hvd_compress.kernels import reference as R  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
-from hvd_compress.kernels.torch_rows import Rows, _OUTCOMES, gaussiank_rows  # noqa: E402
+from hvd_compress.kernels.torch_rows import Rows, _OUTCOMES  # noqa: E402
 from tests.kernels.frameworks import FLOATS  # noqa: E402
 from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 
 pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=True)
+
+
+def gaussiank_rows(a, magnitude, ratio, k, read_back=None):
+    """:func:`torch_ops.gaussiank_select` of every row of a 2-D ``a`` (``magnitude = |a|``), in
+    ``gaussiank_slots(k)`` columns: int64 ``(rows, slots)``, ascending, unused slots holding ``n``."""
+    rows, n = a.shape
+    slots = R.gaussiank_slots(k)
+    plan = Rows([(0, rows, n, k, slots)], a.device, spare=rows * n)
+    positions = plan.gaussiank(a.reshape(-1), magnitude.reshape(-1), ratio, read_back)[0].view(rows, slots)
+    return torch.where(positions == rows * n, n, positions - plan.slot_start.view(rows, slots))
 
 
 @st.composite

@@ -18,12 +18,21 @@ from hypothesis import strategies as st  # noqa: E402
 
 from hvd_compress.kernels import reference as R  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
-from hvd_compress.kernels.torch_rows import Rows, topk_rows  # noqa: E402
+from hvd_compress.kernels.torch_rows import Rows  # noqa: E402
 from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 
 pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=True)
 WAYS = {"host": True, "accelerator": False}
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def topk_rows(scores, k, host=None):
+    """:func:`torch_ops.topk_indices` of every row of a 2-D ``scores`` (``k <= columns``): int64
+    ``(rows, k)``, ascending, ties to the lower index, NaN above +Inf (see :meth:`Rows.topk`)."""
+    rows, n = scores.shape
+    plan = Rows([(0, rows, n, k, k)], scores.device)
+    positions = plan.topk(scores.reshape(-1), host)[0].view(rows, k)
+    return torch.sort(positions - plan.slot_start.view(rows, k), dim=1).values
 
 
 @st.composite

@@ -1,16 +1,18 @@
-"""``hvd-compress bench trace``: the counting rules on known operator sequences, the shape models'
-sizes, and a tiny run of the command on the MLP (structure only, no thresholds)."""
+"""``hvd-compress bench trace``: the counting rules on known operator sequences, the hand-written Top-k
+hook it compares with, the shape models' sizes, and a tiny run of the command on the MLP (structure only,
+no thresholds)."""
 
 import json
 import math
 import threading
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from hvd_compress.bench import shapes, trace_step, train_step  # noqa: E402
+from hvd_compress.bench import routes, shapes, trace_step  # noqa: E402
 from hvd_compress.bench.trace import count_ops, difference, top  # noqa: E402
 from hvd_compress.cli import main  # noqa: E402
 
@@ -123,7 +125,7 @@ def test_callbacks_of_futures_completed_on_another_thread_are_counted():
 
 
 def test_collectives_are_counted_apart():
-    with train_step.process_group(cuda=False):
+    with routes.process_group(cuda=False):
         x = torch.ones(10)
         counts = _count(lambda: dist.all_reduce(x))
     assert (counts.collectives, counts.collective_bytes) == (1, 40)
@@ -135,6 +137,44 @@ def test_difference_and_top():
     assert added == {"add": [2, 200], "mul": [2, 50], "neg": [-1, -8]}
     assert top(added, 1, 5) == [("add", 2, 200), ("mul", 2, 50)]
     assert top(added, 0, 1) == [("add", 2, 200)]
+
+
+# ------------------------------------------------------- the hand-written hook
+class _Bucket:
+    """What the hook uses of ``dist.GradBucket``."""
+
+    def __init__(self, flat, index=0):
+        self.flat, self.i = flat, index
+
+    def buffer(self):
+        return self.flat
+
+    def index(self):
+        return self.i
+
+
+def test_handwritten_hook_is_topk_with_error_feedback():
+    ratio, numel = 0.05, 300
+    k = math.ceil(ratio * numel)
+    state = routes.HandwrittenTopKState(ratio)
+    rng = np.random.default_rng(0)
+    residual = np.zeros(numel, dtype=np.float32)
+    with routes.process_group(cuda=False):
+        for step in range(4):
+            grad = rng.standard_normal(numel).astype(np.float32)
+            a = grad + residual
+            chosen = np.argsort(-np.abs(a), kind="stable")[:k]
+            expected = np.zeros(numel, dtype=np.float32)
+            expected[chosen] = a[chosen]  # world size 1: the average is this rank's top-k
+            residual = a.copy()
+            residual[chosen] = 0
+
+            result = routes.handwritten_topk_hook(state, _Bucket(torch.from_numpy(grad.copy()))).wait()
+            assert result.dtype == torch.float32 and result.shape == (numel,)
+            np.testing.assert_array_equal(result.numpy(), expected, err_msg=f"step {step}")
+            np.testing.assert_array_equal(state.residuals[0].numpy(), residual)
+            assert int((result != 0).sum()) == k
+    assert not dist.is_initialized()
 
 
 # ------------------------------------------------------------- shape models
@@ -208,7 +248,7 @@ def test_a_failing_row_is_reported_and_the_others_run(tmp_path, monkeypatch, cap
     def broken(state, bucket):
         raise RuntimeError("hook exploded")
 
-    monkeypatch.setattr(train_step, "handwritten_topk_hook", broken)
+    monkeypatch.setattr(routes, "handwritten_topk_hook", broken)
     results = trace_step.run(
         model="mlp", warmup=1, compressors=["none"], routes=["ours-dropin"], progress=False, stdout=None
     )

@@ -24,6 +24,13 @@ def test_demo_writes_json(tmp_path, capsys):
     assert result["dense_bytes_per_step"] == 2 * result["bytes_per_step"]
 
 
+def test_a_moved_subcommand_says_where_it_went(capsys):
+    for argv in (["bench", "train-step"], ["bench", "train-step", "--model", "mlp", "--steps", "2", "--help"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "'bench train-step' moved" in err and "'python -m benchmarks train-step ...'" in err, err
+
+
 def test_simulate_linreg(capsys):
     assert benchmarks_main(["linreg", "--steps", "50"]) == 0
     out = capsys.readouterr().out
@@ -47,5 +54,6 @@ def test_python_m_benchmarks_lists_the_studies():
         [sys.executable, "-m", "benchmarks", "--help"], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    for study in ("linreg", "cnn", "gaussian", "terngrad", "convergence", "compress", "wire", "step", "scaling"):
+    studies = ("linreg", "cnn", "gaussian", "terngrad", "convergence", "compress", "wire", "step", "scaling")
+    for study in studies + ("train-step",):
         assert study in done.stdout

@@ -1,4 +1,5 @@
-"""Full training-step time of every exchange route, one process (world size 1), CPU or GPU.
+"""Full training-step time of every exchange route, one process (world size 1), CPU or GPU:
+``python -m benchmarks train-step``.
 
 ``torch.distributed`` is initialised in this process with a single rank
 (``nccl`` on CUDA, ``gloo`` on the CPU; ``MASTER_ADDR=127.0.0.1`` and a free
@@ -12,28 +13,16 @@ and times whole training steps: zero_grad, forward, backward, the gradient
 exchange and the optimizer step (SGD, momentum 0.9), with
 ``torch.cuda.synchronize()`` before and after each timed step on CUDA;
 ``warmup`` untimed steps first, then the median and minimum of ``steps``.
-Rows:
+Rows: the routes of :mod:`hvd_compress.bench.routes` (``local``, ``ddp``, the
+baseline: ``ratio`` = median / ddp's median, ``overhead_ms`` = median - ddp's
+median; ``ddp+fp16``, ``ddp+handwritten-topk``, and ``ours-ddp-hook``,
+``ours-dropin``, ``ours-stock-horovod`` per compressor), plus
 
-* ``local``: no DDP, the plain optimizer (no exchange at all);
-* ``ddp``: ``DistributedDataParallel`` with its allreduce, the baseline:
-  ``ratio`` = median / ddp's median, ``overhead_ms`` = median - ddp's median;
-* ``ddp+fp16``: torch's ``fp16_compress_hook``;
 * ``ddp+powersgd``: torch's ``powerSGD_hook``, rank 4, from iteration
   ``POWERSGD_START`` on (that row warms up past it). On gloo (CPU) this row
   puts all gradients in one DDP bucket: the hook waits on collectives inside
   its future callbacks, which gloo runs on its two worker threads, so two
-  buckets doing so at once deadlock (seen intermittently);
-* ``ddp+handwritten-topk``: :func:`handwritten_topk_hook` below, a flat-bucket
-  Top-k with error feedback in a few lines: the peer to beat;
-* per compressor: ``ours-ddp-hook`` (:func:`hvd_compress.torch.ddp_hook`),
-  ``ours-dropin`` (:class:`hvd_compress.torch.DistributedOptimizer`, over
-  Horovod when ``horovod.torch`` imports and initialises, else over
-  :class:`~hvd_compress.comm.torch_dist.TorchDistCommunicator`; ``dropin_comm``
-  picks one) and ``ours-stock-horovod`` (``horovod.torch.DistributedOptimizer``
-  with our compressor; skipped, with a note, without Horovod). Stock Horovod
-  registers no gradient hooks at world size 1 (so nothing would be
-  compressed); the row builds its optimizer with ``HOROVOD_ELASTIC=1``, which
-  makes it register them, so the row times the real path.
+  buckets doing so at once deadlock (seen intermittently).
 
 ``host_syncs_per_step`` is measured over one more steady-state step: on CUDA
 the warnings of ``torch.cuda.set_sync_debug_mode("warn")``; on the CPU the
@@ -51,103 +40,52 @@ A row that fails records its error and the benchmark goes on. Outputs: the
 JSON (``rows``, ``skipped``, ``settings``, ``machine``), a PNG of the ratios
 and a table. Models: ``resnet50`` (torchvision, 3x224x224, 1000 classes),
 ``gpt2`` (transformers' GPT-2 small, sequence 512, LM loss) and ``mlp``
-(:data:`MLP_SIZES`, no extra package).
+(:class:`hvd_compress.bench.routes.MLPWorkload`, no extra package).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 import gc
-import inspect
-import math
-import os
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from hvd_compress.bench import report
+from hvd_compress.bench import routes as step_routes
 from hvd_compress.bench.host_reads import count_host_reads
+from hvd_compress.bench.routes import (
+    BASELINE,
+    DROPIN_COMMS,
+    LR,
+    OUR_ROUTES,
+    Environment,
+    process_group,
+    rows_to_run,
+    torch_device,
+)
 
 MODELS = ("resnet50", "gpt2", "mlp")
 #: ``auto-regtopk``: ``Auto(RegTopK)``, each bucket the cheaper way after measuring (world size 1: dense).
 COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad", "auto-regtopk")
-AUTO_PREFIX = "auto-"
-#: Untimed steps an ``auto-`` row needs: one untimed and three timed measurements, then the decision.
-AUTO_STEADY_AFTER = 5
-SPARSE = ("topk", "gaussiank", "regtopk")
-BASELINE = "ddp"
-#: Routes without one of our compressors: (route, what it exchanges).
-TORCH_ROUTES = (
-    ("local", "none"),
-    ("ddp", "none"),
-    ("ddp+fp16", "fp16"),
-    ("ddp+powersgd", "powersgd-r4"),
-    ("ddp+handwritten-topk", "topk"),
-)
-#: Routes run once per compressor of ours.
-OUR_ROUTES = ("ours-ddp-hook", "ours-dropin", "ours-stock-horovod")
+POWERSGD = "ddp+powersgd"
+#: Routes without one of our compressors: (route, what it exchanges); PowerSGD before the hand-written hook.
+TORCH_ROUTES = step_routes.TORCH_ROUTES[:3] + ((POWERSGD, "powersgd-r4"),) + step_routes.TORCH_ROUTES[3:]
 ROUTES = tuple(r for r, _ in TORCH_ROUTES) + OUR_ROUTES
-DEFAULT_BATCH = {"resnet50": 64, "gpt2": 8, "mlp": 32}
-#: The MLP: input features, hidden widths, classes. Weights are >= 1024 elements (sent sparse),
-#: biases below (sent dense), as in a real model.
-MLP_SIZES = (512, 768, 768, 10)
+DEFAULT_BATCH = {"resnet50": 64, "gpt2": 8, "mlp": step_routes.MLP_BATCH}
 GPT2_SEQUENCE = 512
 POWERSGD_RANK = 4
 POWERSGD_START = 2
-LR = 1e-3
 #: What the CUDA sync-debug warnings say (``c10::cuda::warn_or_error_on_sync``).
 SYNC_WARNING = "synchronizing CUDA operation"
-DROPIN_COMMS = ("auto", "torch", "horovod")
 GLOO_POWERSGD_NOTE = (
     "one DDP bucket: torch's PowerSGD hook waits inside its gloo future callbacks, and two buckets "
     "doing so at once take both gloo worker threads (deadlock)"
 )
-
-
-# ======================================================== the peer to beat
-class HandwrittenTopKState:
-    """State of :func:`handwritten_topk_hook`: the density and a residual per bucket index."""
-
-    def __init__(self, ratio: float) -> None:
-        self.ratio = ratio
-        self.residuals: Dict[int, Any] = {}
-
-
-def handwritten_topk_hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
-    """Top-k with error feedback on DDP's flat bucket, allgather of (values, indices): a DDP comm hook.
-
-    (After DDP rebuilds its buckets a residual may meet a reordered bucket; a hand-written hook
-    typically ignores that, and so does this one, except for a size change.)
-    """
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
-    grad = bucket.buffer()
-    residual = state.residuals.get(bucket.index())
-    a = grad + residual if residual is not None and residual.shape == grad.shape else grad.clone()
-    k = max(1, math.ceil(state.ratio * a.numel()))
-    indices = torch.topk(a.abs(), k, sorted=False).indices
-    values = a[indices]
-    a[indices] = 0
-    state.residuals[bucket.index()] = a
-    all_values = [torch.empty_like(values) for _ in range(world)]
-    all_indices = [torch.empty_like(indices) for _ in range(world)]
-    futures = [
-        dist.all_gather(all_values, values, async_op=True).get_future(),
-        dist.all_gather(all_indices, indices, async_op=True).get_future(),
-    ]
-
-    def average(_: Any) -> Any:
-        dense = torch.zeros_like(grad).scatter_add_(0, torch.cat(all_indices), torch.cat(all_values))
-        return dense.div_(world)
-
-    return torch.futures.collect_all(futures).then(average)
 
 
 # ================================================================ workloads
@@ -164,8 +102,9 @@ def _optional(module: str) -> Any:
         ) from error
 
 
-class Workload:
-    """A model factory and its loss on one fixed synthetic batch."""
+class ModelWorkload:
+    """torchvision's ResNet-50 or transformers' GPT-2 small and its loss on one fixed synthetic batch (the
+    workload interface of :class:`hvd_compress.bench.routes.MLPWorkload`)."""
 
     def __init__(self, model: str, device: Any, batch: int, seed: int) -> None:
         import torch
@@ -178,7 +117,7 @@ class Workload:
             self.inputs = torch.randn(batch, 3, 224, 224, generator=generator).to(device)
             self.labels = torch.randint(0, 1000, (batch,), generator=generator).to(device)
             self.description = f"torchvision resnet50, batch {batch} x 3x224x224, 1000 random labels"
-        elif model == "gpt2":
+        else:
             self._transformers = _optional("transformers")
             vocab = self._transformers.GPT2Config().vocab_size
             shape = (batch, GPT2_SEQUENCE)
@@ -186,13 +125,6 @@ class Workload:
             self.description = (
                 f"GPT-2 small (transformers), batch {batch} x {GPT2_SEQUENCE} random tokens, LM loss"
             )
-        elif model == "mlp":
-            self.inputs = torch.randn(batch, MLP_SIZES[0], generator=generator).to(device)
-            self.labels = torch.randint(0, MLP_SIZES[-1], (batch,), generator=generator).to(device)
-            sizes = "-".join(map(str, MLP_SIZES))
-            self.description = f"MLP {sizes} (ReLU), batch {batch}, random labels"
-        else:
-            raise ValueError(f"hvd_compress: model must be one of {', '.join(MODELS)}, got {model!r}")
 
     def build(self) -> Any:
         """A fresh model on the device, in training mode, with the same initial weights every time."""
@@ -201,14 +133,8 @@ class Workload:
         torch.manual_seed(self.seed)
         if self.name == "resnet50":
             model = self._models.resnet50()
-        elif self.name == "gpt2":
-            model = self._transformers.GPT2LMHeadModel(self._transformers.GPT2Config())
         else:
-            layers: List[Any] = []
-            for i, (n_in, n_out) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
-                layers += [torch.nn.ReLU()] if i else []
-                layers.append(torch.nn.Linear(n_in, n_out))
-            model = torch.nn.Sequential(*layers)
+            model = self._transformers.GPT2LMHeadModel(self._transformers.GPT2Config())
         self.parameter_count = sum(p.numel() for p in model.parameters())
         return model.to(self.device).train()
 
@@ -220,145 +146,39 @@ class Workload:
         return torch.nn.functional.cross_entropy(model(self.inputs), self.labels)
 
 
+def workload(model: str, device: Any, batch: int, seed: int) -> Any:
+    """The workload of ``model``: :class:`ModelWorkload`, or the library's MLP."""
+    if model == "mlp":
+        return step_routes.MLPWorkload(device, batch, seed)
+    if model in MODELS:
+        return ModelWorkload(model, device, batch, seed)
+    raise ValueError(f"hvd_compress: model must be one of {', '.join(MODELS)}, got {model!r}")
+
+
 # =================================================================== routes
-class Environment:
-    """What every row shares: the workload, the device, our options and Horovod (if it initialised)."""
-
-    def __init__(self, workload: Workload, ratio: float, hvd: Any, dropin_comm: str) -> None:
-        self.workload, self.ratio, self.hvd, self.dropin_comm = workload, ratio, hvd, dropin_comm
-
-    @property
-    def cuda(self) -> bool:
-        return self.workload.device.type == "cuda"
-
-
-def make_compressor(name: str, ratio: float) -> Any:
-    from hvd_compress.compressors import Compression
-
-    if name.startswith(AUTO_PREFIX):
-        from hvd_compress import Auto
-
-        return Auto(Compression.by_name(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_STEADY_AFTER - 2, log=False)
-    return Compression.by_name(name, ratio)
-
-
-def _sgd(params: Any) -> Any:
-    import torch
-
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
-def _ddp(env: Environment, model: Any, one_bucket: bool = False) -> Any:
-    """DDP with its default buckets, or (``one_bucket``) all gradients in one bucket."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = env.workload.device
-    options = {}
-    if one_bucket:
-        options["bucket_cap_mb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1
-    return DistributedDataParallel(model, device_ids=[device.index] if env.cuda else None, **options)
-
-
-def _step_fn(env: Environment, model: Any, opt: Any) -> Callable[[], None]:
-    def step() -> None:
-        opt.zero_grad()  # set_to_none=True, torch's default (Horovod's zero_grad takes no argument)
-        env.workload.loss(model).backward()
-        opt.step()
-
-    return step
-
-
 def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable[[], None], Dict[str, Any]]:
-    """The step function of a row and what to record about it (``communicator``, ``min_warmup``)."""
-    model = env.workload.build()
-    info: Dict[str, Any] = {"min_warmup": AUTO_STEADY_AFTER if compressor.startswith(AUTO_PREFIX) else 0}
-    if route == "local":
-        return _step_fn(env, model, _sgd(model.parameters())), info
-    if route == "ours-dropin":
-        from hvd_compress.torch import DistributedOptimizer
+    """:func:`hvd_compress.bench.routes.build_route`, and ``ddp+powersgd``: the step function of a row and
+    what to record about it (``communicator``, ``min_warmup``, ``note``)."""
+    if route != POWERSGD:
+        return step_routes.build_route(env, route, compressor)
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        communicator = None  # Horovod's
-        use_horovod = env.dropin_comm == "horovod" or (env.dropin_comm == "auto" and env.hvd is not None)
-        if env.dropin_comm == "horovod" and env.hvd is None:
-            raise RuntimeError("--dropin-comm horovod, but horovod.torch did not import or initialise")
-        if not use_horovod:
-            from hvd_compress.comm.torch_dist import TorchDistCommunicator
-
-            communicator = TorchDistCommunicator()
-        info["communicator"] = "horovod" if use_horovod else "torch.distributed"
-        opt = DistributedOptimizer(
-            _sgd(model.parameters()),
-            named_parameters=model.named_parameters(),
-            compression=make_compressor(compressor, env.ratio),
-            communicator=communicator,
-        )
-        return _step_fn(env, model, opt), info
-    if route == "ours-stock-horovod":
-        hvd = env.hvd
-        info["communicator"] = "horovod"
-        with _environ(HOROVOD_ELASTIC="1"):  # at size 1 Horovod registers its hooks only when elastic
-            opt = hvd.DistributedOptimizer(
-                _sgd(model.parameters()),
-                named_parameters=model.named_parameters(),
-                compression=make_compressor(compressor, env.ratio),
-            )
-        return _step_fn(env, model, opt), info
-    return _ddp_route(env, model, route, compressor, info)
-
-
-def _ddp_route(
-    env: Environment, model: Any, route: str, compressor: str, info: Dict[str, Any]
-) -> Tuple[Callable[[], None], Dict[str, Any]]:
-    """:func:`build_route` for the routes through DDP (``ddp``, its torch hooks, ``ours-ddp-hook``): ``model``
-    wrapped in DDP with the route's comm hook, and ``info`` completed."""
     # torch's PowerSGD hook waits on collectives inside its future callbacks; gloo runs those callbacks on
     # its 2 worker threads, so two buckets waiting at once deadlock: on gloo that row uses one bucket.
-    one_bucket = route == "ddp+powersgd" and not env.cuda
-    ddp = _ddp(env, model, one_bucket=one_bucket)
-    info["communicator"] = "torch.distributed"
+    one_bucket = not env.cuda
+    ddp = step_routes.ddp(env, env.workload.build(), one_bucket=one_bucket)
+    state = powersgd.PowerSGDState(
+        process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START
+    )
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    # time PowerSGD itself, not its allreduce warm-up
+    info = {"communicator": "torch.distributed", "min_warmup": POWERSGD_START + 1}
     if one_bucket:
         info["note"] = GLOO_POWERSGD_NOTE
-    if route == "ddp+fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif route == "ddp+powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-        state = powersgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=POWERSGD_START
-        )
-        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-        info["min_warmup"] = POWERSGD_START + 1  # time PowerSGD itself, not its allreduce warm-up
-    elif route == "ddp+handwritten-topk":
-        ddp.register_comm_hook(HandwrittenTopKState(env.ratio), handwritten_topk_hook)
-    elif route == "ours-ddp-hook":
-        from hvd_compress.torch import CompressionState, ddp_hook
-
-        state = CompressionState(make_compressor(compressor, env.ratio))
-        if "named_parameters" in inspect.signature(CompressionState).parameters:  # names as ours-dropin's
-            state = CompressionState(state.compressor, named_parameters=model.named_parameters())
-        ddp.register_comm_hook(state, ddp_hook)
-    elif route != BASELINE:
-        raise ValueError(f"hvd_compress: unknown route {route!r}; choose from {', '.join(ROUTES)}")
-    return _step_fn(env, ddp, _sgd(ddp.parameters())), info
+    return step_routes.step_fn(env, ddp, step_routes.sgd(ddp.parameters())), info
 
 
 # ============================================================== measuring
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def _proc_status_kib(field: str) -> Optional[int]:
     try:
         with open("/proc/self/status") as f:
@@ -488,44 +308,6 @@ def plan(routes: Sequence[str], compressors: Sequence[str]) -> List[Tuple[str, s
 
 
 # ================================================================== setup
-def init_horovod() -> Tuple[Any, Optional[str]]:
-    """``horovod.torch``, initialised, or (None, why not)."""
-    try:
-        import horovod.torch as hvd
-    except Exception as error:  # noqa: BLE001  (a broken build raises more than ImportError)
-        return None, f"horovod.torch does not import ({type(error).__name__}: {error})"
-    try:
-        hvd.init()
-    except Exception as error:  # noqa: BLE001
-        return None, f"hvd.init() failed ({type(error).__name__}: {error})"
-    if hvd.size() != 1:
-        return None, f"Horovod runs {hvd.size()} ranks; this benchmark runs at world size 1"
-    return hvd, None
-
-
-@contextlib.contextmanager
-def process_group(cuda: bool) -> Iterator[str]:
-    """A one-rank default process group (nccl on CUDA, gloo on the CPU); yields the backend."""
-    import torch.distributed as dist
-
-    from hvd_compress.bench import free_port
-
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            raise ValueError(
-                "hvd_compress: bench train-step and trace run at world size 1, but a larger group exists"
-            )
-        yield dist.get_backend()
-        return
-    backend = "nccl" if cuda else "gloo"
-    with _environ(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
-        dist.init_process_group(backend, init_method="env://", rank=0, world_size=1)
-    try:
-        yield backend
-    finally:
-        dist.destroy_process_group()
-
-
 def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int], routes, compressors):
     if model not in MODELS:
         raise ValueError(f"hvd_compress: model must be one of {', '.join(MODELS)}, got {model!r}")
@@ -543,38 +325,6 @@ def _check(model: str, device: str, steps: int, warmup: int, batch: Optional[int
             raise ValueError(
                 f"hvd_compress: unknown compressor {name!r}; choose from {', '.join(COMPRESSORS)}"
             )
-
-
-def torch_device(device: str, dropin_comm: str) -> Any:
-    """The device rows run on (``"cpu"`` or ``"cuda"``, the current one, made current), after checking
-    ``dropin_comm`` and that CUDA is there when asked for."""
-    import torch
-
-    if dropin_comm not in DROPIN_COMMS:
-        raise ValueError(f"hvd_compress: dropin_comm must be one of {', '.join(DROPIN_COMMS)}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("hvd_compress: --device cuda asked for, but torch.cuda.is_available() is False")
-    if device != "cuda":
-        return torch.device("cpu")
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(dev)
-    return dev
-
-
-def rows_to_run(planned: Sequence[Tuple[str, str]], routes: Sequence[str], dropin_comm: str):
-    """``(hvd, note, todo, skipped)``: Horovod initialised when a route needs it (``None`` otherwise or
-    when it cannot start, ``note`` saying why), the ``(route, compressor)`` rows to run, and the stock
-    rows skipped without it."""
-    hvd, horovod_note = None, None
-    if "ours-stock-horovod" in routes or ("ours-dropin" in routes and dropin_comm != "torch"):
-        hvd, horovod_note = init_horovod()
-    todo, skipped = [], []
-    for route, compressor in planned:
-        if route == "ours-stock-horovod" and hvd is None:
-            skipped.append({"route": route, "compressor": compressor, "note": f"skipped: {horovod_note}"})
-        else:
-            todo.append((route, compressor))
-    return hvd, horovod_note, todo, skipped
 
 
 # ==================================================================== run
@@ -604,11 +354,11 @@ def run(
     _check(model, device, steps, warmup, batch, routes, compressors)
     batch = int(batch) if batch is not None else DEFAULT_BATCH[model]
     dev = torch_device(device, dropin_comm)
-    workload = Workload(model, dev, batch, seed)  # raises early when torchvision/transformers is missing
+    load = workload(model, dev, batch, seed)  # raises early when torchvision/transformers is missing
     hvd, horovod_note, todo, skipped = rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
-    rows, backend = _time_rows(Environment(workload, ratio, hvd, dropin_comm), todo, steps, warmup, progress)
+    rows, backend = _time_rows(Environment(load, ratio, hvd, dropin_comm), todo, steps, warmup, progress)
     _ratios(rows)
 
     machine = report.machine(torch, [device])
@@ -616,14 +366,14 @@ def run(
         "benchmark": "train-step",
         "machine": machine,
         "settings": _settings(
-            workload, device, machine, backend, steps, warmup, ratio, compressors, routes, dropin_comm, hvd,
+            load, device, machine, backend, steps, warmup, ratio, compressors, routes, dropin_comm, hvd,
             horovod_note,
         ),
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
         "skipped": skipped,
     }
-    save(results, json_path, plot_path)
+    step_routes.save(results, json_path, plot_path, write_plot)
     print_table(results, stdout)
     return results
 
@@ -652,7 +402,7 @@ def _time_rows(
 
 
 def _settings(
-    workload: Workload,
+    workload: Any,
     device: str,
     machine: Dict[str, Any],
     backend: str,
@@ -720,25 +470,6 @@ def _ratios(rows: List[Dict[str, Any]]) -> None:
 
 
 # ================================================================= output
-def save(
-    results: Dict[str, Any],
-    json_path: Optional[str],
-    plot_path: Optional[str],
-    plot: Optional[Callable] = None,
-) -> None:
-    """Write the JSON and, with ``plot(results, path)`` (default :func:`write_plot`), the PNG."""
-    import json
-
-    for path in (json_path, plot_path):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-    if plot_path:
-        (plot or write_plot)(results, Path(plot_path))
-
-
 def _fmt(value: Optional[float], spec: str, width: int) -> str:
     return ("-" if value is None else format(value, spec)).rjust(width)
 
@@ -796,17 +527,4 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     report.save_figure(fig, path)
 
 
-__all__ = [
-    "run",
-    "handwritten_topk_hook",
-    "HandwrittenTopKState",
-    "Workload",
-    "plan",
-    "build_route",
-    "Environment",
-    "init_horovod",
-    "process_group",
-    "MODELS",
-    "COMPRESSORS",
-    "ROUTES",
-]
+__all__ = ["run", "plan", "build_route", "workload", "ModelWorkload", "MODELS", "COMPRESSORS", "ROUTES"]

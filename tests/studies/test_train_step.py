@@ -1,11 +1,9 @@
-"""``hvd-compress bench train-step`` on the CPU: the tiny MLP, a few steps (no timing assertions)."""
+"""``python -m benchmarks train-step`` on the CPU: the tiny MLP, a few steps (no timing assertions)."""
 
 import json
-import math
 import os
 import sys
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -13,8 +11,9 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from hvd_compress.bench import train_step  # noqa: E402
-from hvd_compress.cli import main  # noqa: E402
+from benchmarks import train_step  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
+from hvd_compress.bench import routes  # noqa: E402
 
 COLUMNS = {
     "route",
@@ -42,7 +41,7 @@ def _horovod_imports() -> bool:
 
 def test_cli_writes_json_and_png_with_every_row(tmp_path, capsys):
     out, png = tmp_path / "ts.json", tmp_path / "sub" / "ts.png"
-    assert main(["bench", "train-step", *TINY, "--json", str(out), "--plot", str(png)]) == 0
+    assert main(["train-step", *TINY, "--json", str(out), "--plot", str(png)]) == 0
     results = json.loads(out.read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     s = results["settings"]
@@ -76,51 +75,14 @@ def test_cli_writes_json_and_png_with_every_row(tmp_path, capsys):
     assert not dist.is_initialized()  # the benchmark's one-rank group is gone
 
 
-class _Bucket:
-    """What the hook uses of ``dist.GradBucket``."""
-
-    def __init__(self, flat, index=0):
-        self.flat, self.i = flat, index
-
-    def buffer(self):
-        return self.flat
-
-    def index(self):
-        return self.i
-
-
-def test_handwritten_hook_is_topk_with_error_feedback():
-    ratio, numel = 0.05, 300
-    k = math.ceil(ratio * numel)
-    state = train_step.HandwrittenTopKState(ratio)
-    rng = np.random.default_rng(0)
-    residual = np.zeros(numel, dtype=np.float32)
-    with train_step.process_group(cuda=False):
-        for step in range(4):
-            grad = rng.standard_normal(numel).astype(np.float32)
-            a = grad + residual
-            chosen = np.argsort(-np.abs(a), kind="stable")[:k]
-            expected = np.zeros(numel, dtype=np.float32)
-            expected[chosen] = a[chosen]  # world size 1: the average is this rank's top-k
-            residual = a.copy()
-            residual[chosen] = 0
-
-            result = train_step.handwritten_topk_hook(state, _Bucket(torch.from_numpy(grad.copy()))).wait()
-            assert result.dtype == torch.float32 and result.shape == (numel,)
-            np.testing.assert_array_equal(result.numpy(), expected, err_msg=f"step {step}")
-            np.testing.assert_array_equal(state.residuals[0].numpy(), residual)
-            assert int((result != 0).sum()) == k
-    assert not dist.is_initialized()
-
-
 def test_a_failing_row_is_reported_and_the_others_run(tmp_path, capsys, monkeypatch):
     def broken(state, bucket):  # fails inside backward, in the middle of a step
         raise RuntimeError("hook exploded")
 
-    monkeypatch.setattr(train_step, "handwritten_topk_hook", broken)
+    monkeypatch.setattr(routes, "handwritten_topk_hook", broken)
     out = tmp_path / "ts.json"
     argv = ["--routes", "ddp+handwritten-topk,ours-ddp-hook", "--compressors", "topk,terngrad"]
-    assert main(["bench", "train-step", *TINY, *argv, "--json", str(out), "--plot", ""]) == 0
+    assert main(["train-step", *TINY, *argv, "--json", str(out), "--plot", ""]) == 0
     rows = {(r["route"], r["compressor"]): r for r in json.loads(out.read_text())["rows"]}
     assert list(rows) == [
         ("ddp", "none"),
@@ -138,15 +100,15 @@ def test_a_failing_row_is_reported_and_the_others_run(tmp_path, capsys, monkeypa
 
 def test_clear_errors(capsys):
     if not torch.cuda.is_available():
-        assert main(["bench", "train-step", "--device", "cuda", "--json", "", "--plot", ""]) == 2
+        assert main(["train-step", "--device", "cuda", "--json", "", "--plot", ""]) == 2
         assert "torch.cuda.is_available() is False" in capsys.readouterr().err
     try:
         import torchvision  # noqa: F401
     except ImportError:
-        assert main(["bench", "train-step", "--model", "resnet50", "--json", "", "--plot", ""]) == 2
+        assert main(["train-step", "--model", "resnet50", "--json", "", "--plot", ""]) == 2
         assert "hvd_compress[bench-gpu]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["bench", "train-step", "--routes", "ddp,nope"])
+        main(["train-step", "--routes", "ddp,nope"])
     assert "unknown 'nope'" in capsys.readouterr().err
 
 
