@@ -127,6 +127,7 @@ def _convergence(args: argparse.Namespace) -> int:
         epochs=options["epochs"],
         batch_per_rank=options["batch_size"],
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
         momentum=args.momentum,
         warmup_epochs=options["warmup_epochs"],
         warmup_start=args.warmup_start,
@@ -221,7 +222,9 @@ def _names(text: str) -> List[str]:
 
 
 def _add_convergence(commands: Any) -> None:
-    from benchmarks.convergence import COMPRESSORS, DEFAULT_MODELS, DEFAULT_VARIANTS, DEFAULTS, MODELS, QUICK, VARIANTS
+    from benchmarks.convergence import (
+        COMPRESSORS, DEFAULT_COMPRESSORS, DEFAULT_MODELS, DEFAULT_VARIANTS, DEFAULTS, MODELS, QUICK, VARIANTS,
+    )
     from benchmarks.datasets import DATASETS
 
     p = commands.add_parser(
@@ -234,8 +237,8 @@ def _add_convergence(commands: Any) -> None:
                    "else /usr/share/datasets/fashion-mnist)")
     p.add_argument("--models", type=_names, default=list(DEFAULT_MODELS),
                    help=f"of {','.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
-    p.add_argument("--compressors", type=_names, default=list(COMPRESSORS),
-                   help=f"{','.join(COMPRESSORS)} (default all; none is dense)")
+    p.add_argument("--compressors", type=_names, default=list(DEFAULT_COMPRESSORS),
+                   help=f"of {','.join(COMPRESSORS)} (default {','.join(DEFAULT_COMPRESSORS)}; none is dense)")
     p.add_argument("--ratios", type=_floats, default=[0.01, 0.001], help="sparsifier densities (0.01,0.001)")
     p.add_argument("--variants", type=_names, default=list(DEFAULT_VARIANTS),
                    help=f"sparsifier variants, of {','.join(VARIANTS)} (mc: momentum correction, the optimizer "
@@ -244,6 +247,8 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="cosine: the step size decays from --lr to 0 over the run (default constant)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD's momentum, or the compressor's with mc (0.9)")
     defaults = "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}" for name, d in DEFAULTS.items())

@@ -44,7 +44,8 @@ from hvd_compress.simulator import Simulator
 DEFAULT_RATIOS = (0.01, 0.001)
 SPARSE = ("topk", "gaussiank", "regtopk")
 #: Display names of the compressors.
-LABELS = {"none": "dense", "topk": "top-k", "gaussiank": "gaussian-k", "regtopk": "regtop-k"}
+LABELS = {"none": "dense", "topk": "top-k", "gaussiank": "gaussian-k", "regtopk": "regtop-k",
+          "terngrad-ef": "terngrad +ef"}
 #: Test-set evaluations per run (evenly spaced, the last step included).
 EVALS = 12
 #: Training epochs of the studies: 64 steps each with the defaults (8192 images, 4 ranks x 32).
@@ -225,6 +226,7 @@ def train(
     probe: Optional[Probe] = None,
     tick: Optional[Callable[[], None]] = None,
     net: Callable[[int], Any] = make_net,
+    lr_schedule: str = "constant",
 ) -> Dict[str, Any]:
     """Synchronous data-parallel SGD of ``net(seed)`` (:func:`make_net`) on ``ranks`` simulated ranks.
 
@@ -233,7 +235,8 @@ def train(
     training loss of every step (mean over ranks), ``evals`` test evaluations,
     the wire statistics of every payload, averaged over ranks and steps, and
     the momentum the optimizer and the compressor ran with (a compressor with
-    momentum correction, ``momentum=m``, wants ``momentum=0`` here).
+    momentum correction, ``momentum=m``, wants ``momentum=0`` here). ``lr_schedule``:
+    ``constant``, or ``cosine`` (``lr`` decayed to 0 over the run, every step).
     """
     import torch
 
@@ -254,6 +257,7 @@ def train(
             f"of {ranks} ranks x {batch_per_rank}"
         )
     total = epochs * per_epoch
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total) if lr_schedule == "cosine" else None
     eval_at = set(np.linspace(0, total, max(1, evals) + 1).round().astype(int).tolist())
     order = torch.Generator().manual_seed(seed)
     losses: List[float] = []
@@ -291,6 +295,8 @@ def train(
             for name, p in model.named_parameters():
                 p.grad = averaged[name].reshape(p.shape)
         optimizer.step()
+        if decay is not None:
+            decay.step()
         losses.append(loss)
         if step + 1 in eval_at:
             record_eval(step + 1)

@@ -66,7 +66,9 @@ from hvd_compress.compressors import Compression, DensityWarmup
 DEFAULT_MODELS = ("cnn", "mlp")
 MODELS = DEFAULT_MODELS + ("wide-mlp",)
 #: Compressor names of ``--compressors``; ``none`` is dense.
-COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
+COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad", "terngrad-ef")
+#: ``--compressors`` by default (``terngrad-ef``: TernGrad with error feedback, on request)
+DEFAULT_COMPRESSORS = COMPRESSORS[:-1]
 #: Sparsifier variants: name -> (momentum correction, density warm-up).
 VARIANTS = {"plain": (False, False), "warmup": (False, True), "mc": (True, False), "mc+warmup": (True, True)}
 DEFAULT_VARIANTS = ("plain", "mc+warmup")
@@ -152,6 +154,8 @@ class Run:
 
     def compressor(self, momentum: float) -> Any:
         """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
+        if self.name == "terngrad-ef":
+            return Compression.terngrad(error_feedback=True)
         if not self.ratio:
             return Compression.by_name(self.name)
         return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0)
@@ -175,7 +179,7 @@ def plan(
         runs += [Run(model, "none")] if "none" in compressors else []
         for ratio in dict.fromkeys(float(r) for r in ratios):
             runs += [Run(model, n, ratio, v) for n in cnn.SPARSE if n in compressors for v in dict.fromkeys(variants)]
-        runs += [Run(model, "terngrad")] if "terngrad" in compressors else []
+        runs += [Run(model, name) for name in ("terngrad", "terngrad-ef") if name in compressors]
     return runs
 
 
@@ -206,6 +210,8 @@ class Setup:
     momentum: float = 0.9
     warmup_epochs: float = 1.0
     warmup_start: float = 0.25
+    #: ``constant`` step size, or ``cosine``: decayed from ``lr`` to 0 over the run
+    lr_schedule: str = "constant"
 
     def steps_per_epoch(self, data: Images) -> int:
         return len(data.train_y) // (self.ranks * self.batch_per_rank)
@@ -219,7 +225,7 @@ def train_run(run: Run, data: Any, setup: Setup, seed: int, per_epoch: int) -> D
     result = cnn.train(
         run.compressor(setup.momentum), data, ranks=setup.ranks, epochs=setup.epochs,
         batch_per_rank=setup.batch_per_rank, lr=setup.lr, momentum=0.0 if run.momentum_correction else setup.momentum,
-        seed=seed, evals=setup.epochs, probe=probe,
+        seed=seed, evals=setup.epochs, probe=probe, lr_schedule=setup.lr_schedule,
         net=functools.partial(make_model, run.model, tuple(data.train_x.shape[1:])),
     )
     keep = ("final_test_accuracy", "final_test_loss", "final_train_loss", "bytes_per_step", "dense_bytes_per_step",
@@ -326,7 +332,7 @@ def study(
     data: Images,
     setup: Setup = Setup(),
     models: Sequence[str] = DEFAULT_MODELS,
-    compressors: Sequence[str] = COMPRESSORS,
+    compressors: Sequence[str] = DEFAULT_COMPRESSORS,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     variants: Sequence[str] = DEFAULT_VARIANTS,
     seeds: Sequence[int] = (0, 1, 2),
@@ -353,7 +359,7 @@ def study(
             **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
             "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
             "data": data.describe(), "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
-            "optimizer": f"SGD, lr {setup.lr}, with momentum {setup.momentum} on the averaged gradient; "
+            "optimizer": f"SGD, lr {setup.lr} ({setup.lr_schedule}), with momentum {setup.momentum} on the averaged gradient; "
                          f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "
                          "and SGD runs without",
             "warmup": "DensityWarmup stepped every iteration from warmup_start to the density over "

@@ -123,6 +123,9 @@ def test_plan_orders_runs_and_rejects_unknown_names():
     assert [(r.momentum_correction, r.warmup) for r in runs] == [(True, True), (False, False)]
     assert runs[0].compressor(0.9).momentum == 0.9 and runs[1].compressor(0.9).momentum == 0.0
     assert [r.label for r in convergence.plan(["cnn"], ["topk"], [0.01])] == ["top-k 1%", "top-k 1% +mc +warm-up"]
+    ternary = convergence.plan(["mlp"], ["terngrad-ef", "terngrad"], [0.01])
+    assert [r.label for r in ternary] == ["terngrad", "terngrad +ef"]
+    assert [r.compressor(0.9).error_feedback for r in ternary] == [False, True]
     for bad in ({"compressors": ["topk", "fp8"]}, {"models": ["resnet"]}, {"variants": ["sometimes"]},
                 {"variants": []}):
         options = {"models": ["cnn"], "compressors": ["topk"], "ratios": [0.01], "variants": ["plain"], **bad}
