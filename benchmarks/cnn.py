@@ -517,7 +517,7 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def curve_style(run_label: str) -> Dict[str, Any]:
-    """Colour by compressor, line style by density (solid 1%, dashed 0.1%)."""
+    """Colour by compressor, line style by density (solid 1%, dashed 0.1%); dotted with error feedback."""
     colors = {
         "dense": "black",
         "top-k": "tab:red",
@@ -525,9 +525,10 @@ def curve_style(run_label: str) -> Dict[str, Any]:
         "regtop-k": "tab:green",
         "terngrad": "tab:purple",
     }
-    base, _, ratio = run_label.partition(" ")
-    dashed = ratio and float(ratio.rstrip("%")) < 1
-    return {"color": colors.get(base), "linestyle": "--" if dashed else "-"}
+    base, _, rest = run_label.partition(" ")
+    ratio = rest.split(" ")[0]
+    dashed = ratio.endswith("%") and float(ratio.rstrip("%")) < 1
+    return {"color": colors.get(base), "linestyle": "--" if dashed else ":" if "+ef" in rest else "-"}
 
 
 def plot_curves(axes: Sequence[Any], runs: Sequence[Dict[str, Any]], style: Callable = curve_style) -> None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import textwrap
 import time
 import warnings
 from dataclasses import dataclass
@@ -383,7 +384,7 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     say(
         f"Convergence on {s['data']['name']} ({s['data']['train_images']} training, {s['data']['test_images']} test "
         f"images): {s['ranks']} simulated ranks, {s['epochs']} epochs of {s['steps_per_epoch']} steps, batch "
-        f"{s['batch_per_rank']} per rank, lr {s['lr']}, momentum {s['momentum']}, seeds {','.join(map(str, s['seeds']))}"
+        f"{s['batch_per_rank']} per rank, lr {s['lr']} ({s.get('lr_schedule', 'constant')}), momentum {s['momentum']}, seeds {','.join(map(str, s['seeds']))}"
     )
     say(f"\n  {'model':<5} {'run':<30} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
         f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9}")
@@ -426,7 +427,7 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
     rows = results["rows"]
     models = list(dict.fromkeys(r["model"] for r in rows))
     ratios = list(dict.fromkeys(r["ratio"] for r in rows if r["ratio"])) or [None]
-    fig, axes = pyplot().subplots(len(models), len(ratios), figsize=(6.5 * len(ratios), 4.4 * len(models)),
+    fig, axes = pyplot().subplots(len(models), len(ratios), figsize=(max(9.5, 6.5 * len(ratios)), 4.4 * len(models)),
                                   squeeze=False)
     for i, model in enumerate(models):
         for j, ratio in enumerate(ratios):
@@ -434,13 +435,13 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
             plot_panel(axes[i][j], shown)
             axes[i][j].set_title(f"{model}, " + ("dense and TernGrad" if ratio is None else f"density {ratio:.2%}"))
     s = results["settings"]
-    fig.suptitle(
+    title = (
         f"{s['data']['name']} ({s['data']['train_images']:,} training images, {s['epochs']} epochs): test accuracy, "
-        f"{s['ranks']} simulated ranks, mean of seeds "
-        f"{','.join(map(str, s['seeds']))} (band: min-max)\nline style: "
+        f"{s['ranks']} simulated ranks, mean of seeds {','.join(map(str, s['seeds']))} (band: min-max). Line style: "
         + ", ".join(f"{VARIANT_STYLES[v]} {v}" for v in s["variants"])
-        + " (mc: momentum correction; dense and TernGrad: solid)"
+        + " (mc: momentum correction; dense and TernGrad: solid, TernGrad +ef: dotted)"
     )
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(11 * fig.get_figwidth()))))
     save_figure(fig, path)
 
 
@@ -452,7 +453,8 @@ def plot_panel(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
     lows = []
     for r in rows:
         style = cnn.curve_style(cnn.label(r["compressor"]))
-        style["linestyle"] = VARIANT_STYLES[r["variant"] or "plain"]
+        if r["variant"]:  # sparsifiers; dense and TernGrad keep curve_style's (TernGrad +ef: dotted)
+            style["linestyle"] = VARIANT_STYLES[r["variant"]]
         epochs = np.arange(len(r["curve_mean"]))
         ax.plot(epochs, r["curve_mean"], marker=".", label=r["label"], linewidth=1.2, **style)
         ax.fill_between(epochs, r["curve_min"], r["curve_max"], color=style["color"], alpha=0.15, linewidth=0)
