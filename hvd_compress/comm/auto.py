@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.compressors.base import Compressor, WireStats
+from hvd_compress.compressors.base import Compressor
+from hvd_compress.compressors.state import WireStats
 from hvd_compress.compressors.sparse import updated_velocity
 from hvd_compress.wire import DensePayload
 from hvd_compress.compressors.validation import check_count
@@ -322,8 +323,8 @@ class Auto(InnerState):
         self.log = log
         self.clock = clock or WallClock()
         self.choices: Dict[str, BucketChoice] = {}
-        if not isinstance(compressor.stats, AutoStats):
-            compressor.stats = AutoStats(compressor.stats)
+        if not isinstance(compressor.state.stats, AutoStats):
+            compressor.state.stats = AutoStats(compressor.state.stats)
 
     # the inner compressor's capabilities (its state: InnerState)
     payload_kind = property(lambda self: self.inner.payload_kind)

@@ -11,16 +11,15 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
+from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.state import CompressorState
+from hvd_compress.compressors.state import CompressorState, WireStats  # noqa: F401  (WireStats: its former home)
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -62,42 +61,6 @@ def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
         )
 
 
-@dataclass
-class WireStats:
-    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
-
-    bytes_sent: int = 0
-    dense_bytes: int = 0
-    values_sent: int = 0
-    numel: int = 0
-
-    def record(self, payload: Any, numel: int, itemsize: int) -> None:
-        self.bytes_sent += payload.nbytes
-        self.dense_bytes += numel * itemsize
-        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
-        self.numel += numel
-
-    @property
-    def density(self) -> float:
-        """Fraction of gradient entries sent (1 for dense and ternary payloads)."""
-        return self.values_sent / self.numel if self.numel else 0.0
-
-    @property
-    def savings(self) -> float:
-        """Dense bytes over bytes sent."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
-
-    def add(self, bytes_sent: int, dense_bytes: int, values_sent: int, numel: int) -> None:
-        """Count a whole bucket at once (the fused path)."""
-        self.bytes_sent += bytes_sent
-        self.dense_bytes += dense_bytes
-        self.values_sent += values_sent
-        self.numel += numel
-
-    def reset(self) -> None:
-        self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
-
-
 class Compressor:
     """Base class: validation, per-tensor memory, rank binding and checkpoints.
 
@@ -130,13 +93,17 @@ class Compressor:
         self.seed = check_count(seed, f"{type(self).__name__} seed")
         self.rank, self.size = 0, 1
         self.state = CompressorState()  # what a run accumulates, apart from the configuration
-        self.stats = WireStats()
         self._route: Optional[str] = None  # the route that runs it, recorded in state_dict()
 
     @property
     def memory(self) -> TensorMemory:
         """Per-tensor arrays by name (``state.memory``): residuals, velocities, posteriors."""
         return self.state.memory
+
+    @property
+    def stats(self) -> WireStats:
+        """What the compressor's steps sent (``state.stats``; read-only here: ``stats.reset()`` clears it)."""
+        return self.state.stats
 
     @property
     def loaded_route(self) -> str:

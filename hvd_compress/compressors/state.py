@@ -4,7 +4,8 @@ A compressor's configuration (``ratio``, ``seed``, options: :meth:`Compressor.co
 what it sends; its :class:`CompressorState` (``compressor.state``) holds everything a run
 accumulates: per-tensor arrays (residuals, velocities, posteriors, in
 :class:`~hvd_compress.compressors.residual.TensorMemory`), the random streams, the fused
-buckets' plans and the state they hold, and what a route keeps per compressor
+buckets' plans and the state they hold, the statistics of what was sent (:class:`WireStats`,
+read as ``compressor.stats``), and what a route keeps per compressor
 (:meth:`route_data`: stock Horovod's plans and calls for torch, the
 layouts checked and eager call counts for TensorFlow). It follows PyTorch's ``PowerSGDState`` (torch.distributed's
 ``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A Compressed Communication
@@ -15,9 +16,47 @@ streams (the checkpoint format); bucket plans and route data are rebuilt.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from hvd_compress.compressors.residual import TensorMemory
+from hvd_compress.wire import SparsePayload
+
+
+@dataclass
+class WireStats:
+    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    values_sent: int = 0
+    numel: int = 0
+
+    def record(self, payload: Any, numel: int, itemsize: int) -> None:
+        self.bytes_sent += payload.nbytes
+        self.dense_bytes += numel * itemsize
+        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
+        self.numel += numel
+
+    @property
+    def density(self) -> float:
+        """Fraction of gradient entries sent (1 for dense and ternary payloads)."""
+        return self.values_sent / self.numel if self.numel else 0.0
+
+    @property
+    def savings(self) -> float:
+        """Dense bytes over bytes sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+    def add(self, bytes_sent: int, dense_bytes: int, values_sent: int, numel: int) -> None:
+        """Count a whole bucket at once (the fused path)."""
+        self.bytes_sent += bytes_sent
+        self.dense_bytes += dense_bytes
+        self.values_sent += values_sent
+        self.numel += numel
+
+    def reset(self) -> None:
+        self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
 
 
 class CompressorState:
@@ -38,6 +77,8 @@ class CompressorState:
         self.loaded_route = ""
         #: loaded arrays may be another framework's (moved on the first gradient)
         self.loaded_elsewhere = False
+        #: what the steps handed the collectives (bytes sent against the dense gradients')
+        self.stats = WireStats()
         self._route_data: Dict[str, Any] = {}
 
     def route_data(self, key: str, make: Callable[[], Any]) -> Any:
