@@ -19,7 +19,7 @@ from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.state import CompressorState, WireStats  # noqa: F401  (WireStats: its former home)
+from hvd_compress.compressors.state import CompressorState, WireStats, running_on, running_state, state_for_route
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -74,9 +74,10 @@ class Compressor:
     :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
 
     Configuration (``seed``, a subclass's ``ratio`` and options: :meth:`config`) lives on the
-    object; what a run accumulates (per-tensor memory, random streams, fused buckets, route
-    data) lives in ``self.state``, a :class:`~hvd_compress.compressors.state.CompressorState`,
-    which is all the exchanges touch; ``self.memory`` is ``self.state.memory``.
+    object; what a run accumulates (per-tensor memory, random streams, fused buckets, statistics,
+    route data) lives in a :class:`~hvd_compress.compressors.state.CompressorState`: the one a
+    route's exchange runs the steps on (:meth:`running`), else the compressor's own
+    (:attr:`own_state`). ``self.state`` is that state, ``self.memory`` its memory.
     """
 
     payload_kind = "dense"
@@ -92,8 +93,37 @@ class Compressor:
     def __init__(self, seed: int = 0) -> None:
         self.seed = check_count(seed, f"{type(self).__name__} seed")
         self.rank, self.size = 0, 1
-        self.state = CompressorState()  # what a run accumulates, apart from the configuration
-        self._route: Optional[str] = None  # the route that runs it, recorded in state_dict()
+        self.own_state = CompressorState()  # what a run accumulates, apart from the configuration
+
+    @property
+    def state(self) -> CompressorState:
+        """The state the steps work on: a route's while its exchange runs them (:meth:`running`), else
+        :attr:`own_state` (stock Horovod's, the Simulator's, a direct ``encode``'s)."""
+        return running_state(self) or self.own_state
+
+    @state.setter
+    def state(self, state: CompressorState) -> None:
+        self.own_state = state
+
+    def running(self, state: CompressorState) -> Any:
+        """Context manager: this thread runs the compressor's steps on ``state`` within the block."""
+        return running_on(self, state)
+
+    def state_for(self, holder: Any, route: str, state: Optional[CompressorState] = None) -> CompressorState:
+        """The state the new route ``holder`` runs this compressor on
+        (:func:`~hvd_compress.compressors.state.state_for_route`)."""
+        return state_for_route(self, holder, route, state)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_own_state_holder"}  # a weak reference
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        saved = dict(saved)
+        if "state" in saved:  # pickled when the state was an attribute, with its statistics and route beside it
+            state = saved["own_state"] = saved.pop("state")
+            state.stats = saved.pop("stats", state.stats)
+            state.route = saved.pop("_route", None)
+        self.__dict__.update(saved)
 
     @property
     def memory(self) -> TensorMemory:
@@ -158,14 +188,14 @@ class Compressor:
 
     @property
     def route(self) -> Optional[str]:
-        """The route that last ran this compressor (``hvd_compress.torch.DistributedOptimizer``,
+        """The route that runs on :attr:`state` (``hvd_compress.torch.DistributedOptimizer``,
         ``horovod.torch.DistributedOptimizer``, ``Simulator``...; ``None`` before any), which
         :meth:`state_dict` records so that a route refusing the state can name its writer."""
-        return self.__dict__.get("_route")
+        return self.state.route
 
     @route.setter
     def route(self, name: str) -> None:
-        self._route = str(name)
+        self.state.route = str(name)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")

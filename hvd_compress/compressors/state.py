@@ -16,8 +16,11 @@ streams (the checkpoint format); bucket plans and route data are rebuilt.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from hvd_compress.compressors.residual import TensorMemory
 from hvd_compress.wire import SparsePayload
@@ -73,8 +76,9 @@ class CompressorState:
         self.saved_generators: Dict[str, Any] = {}
         #: (rank, world) that saved the loaded state, ``None`` when it is this rank's own or none was loaded
         self.origin: Optional[Tuple[int, int]] = None
-        #: the route that wrote the state last loaded
+        #: the route that wrote the state last loaded; the route that runs on it (recorded in checkpoints)
         self.loaded_route = ""
+        self.route: Optional[str] = None
         #: loaded arrays may be another framework's (moved on the first gradient)
         self.loaded_elsewhere = False
         #: what the steps handed the collectives (bytes sent against the dense gradients')
@@ -101,3 +105,46 @@ class CompressorState:
         for key, bucket in list(self.buckets.items()):
             if name is None or name in bucket.names:
                 del self.buckets[key]
+
+
+#: per thread: ``id(compressor) -> the state a route runs it on`` while one of the route's exchanges runs
+_RUNNING = threading.local()
+
+
+def running_state(compressor: Any) -> Optional[CompressorState]:
+    """The state ``compressor``'s steps work on in this thread (:func:`running_on`), ``None`` outside."""
+    states = getattr(_RUNNING, "states", None)
+    return states.get(id(compressor)) if states else None
+
+
+@contextlib.contextmanager
+def running_on(compressor: Any, state: CompressorState) -> Iterator[Any]:
+    """Within the block (this thread only), ``compressor.state`` is ``state``: a route's exchange runs the
+    compressor's steps on the route's state, so one compressor serves several routes at once."""
+    states = _RUNNING.__dict__.setdefault("states", {})
+    key = id(compressor)
+    before = states.get(key)
+    states[key] = state
+    try:
+        yield compressor
+    finally:
+        if before is None:
+            del states[key]
+        else:
+            states[key] = before
+
+
+def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[CompressorState] = None
+                    ) -> CompressorState:
+    """The :class:`CompressorState` a new route (the object ``holder``) runs ``compressor`` on, recording
+    ``route`` in it: ``state`` when given, else the compressor's own while no other live route holds
+    it (so a compressor serving one route reads, saves and loads that route's state as before), else
+    a new one."""
+    own = compressor.own_state
+    taken = getattr(compressor, "_own_state_holder", None)
+    if state is None:
+        state = own if taken is None or taken() in (None, holder) else CompressorState()
+    if state is own:
+        compressor._own_state_holder = weakref.ref(holder)
+    state.route = route
+    return state
