@@ -1,8 +1,7 @@
 """What a compressor learns while it runs, kept apart from its configuration.
 
 A compressor's configuration (``ratio``, ``seed``, options: :meth:`Compressor.config`) says
-what it sends; its :class:`CompressorState` (``compressor.state``) holds everything a run
-accumulates: per-tensor arrays (residuals, velocities, posteriors, in
+what it sends; a :class:`CompressorState` holds everything a run accumulates: per-tensor arrays (residuals, velocities, posteriors, in
 :class:`~hvd_compress.compressors.residual.TensorMemory`), the random streams, the fused
 buckets' plans and the state they hold, the statistics of what was sent (:class:`WireStats`,
 read as ``compressor.stats``), and what a route keeps per compressor
@@ -12,6 +11,13 @@ layouts checked and eager call counts for TensorFlow). It follows PyTorch's ``Po
 Framework for Distributed Machine Learning", ICDCS 2021): the exchanges read and write
 state only through this object. ``Compressor.state_dict()`` saves the memory and the random
 streams (the checkpoint format); bucket plans and route data are rebuilt.
+
+The route owns the state: the drop-in and MPI optimizers and the DDP hook each hold one
+(:func:`state_for_route`: the compressor's own, ``compressor.own_state``, while no other live
+route holds it, else a new one) and hand it to the exchanges, which run the compressor's steps
+inside :func:`running_on` (``compressor.running(state)``): there, for the calling thread,
+``compressor.state`` is the route's. Elsewhere it is the compressor's own (stock Horovod's
+``compression=`` route, the Simulator, direct ``encode`` calls).
 """
 
 from __future__ import annotations
