@@ -19,7 +19,8 @@ from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.state import CompressorState, WireStats, running_on, running_state, state_for_route
+from hvd_compress.compressors.state import (ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, running_on,
+                                            running_state, state_for_route)
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -115,7 +116,7 @@ class Compressor:
         return state_for_route(self, holder, route, state)
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_own_state_holder"}  # a weak reference
+        return {k: v for k, v in self.__dict__.items() if k not in ROUTE_REFERENCES}  # weak references
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
         saved = dict(saved)
@@ -337,6 +338,7 @@ class Compressor:
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
+        check_one_state(self, "state_dict")
         self.state.flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
                  "world": self.size, "route": self.route}
@@ -358,6 +360,7 @@ class Compressor:
         on another number of ranks, each rank keeps the residuals it saved (ranks that
         saved none start from zero; residuals of ranks no longer present are not applied).
         """
+        check_one_state(self, "load_state_dict")
         check_state(state, self)
         run = self.state
         run.buckets = {}

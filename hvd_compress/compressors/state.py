@@ -152,5 +152,23 @@ def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[Co
         state = own if taken is None or taken() in (None, holder) else CompressorState()
     if state is own:
         compressor._own_state_holder = weakref.ref(holder)
+    else:
+        compressor.__dict__.setdefault("_other_route_states", weakref.WeakSet()).add(state)
     state.route = route
     return state
+
+
+#: what a compressor keeps of the routes that run it: weak references, not pickled
+ROUTE_REFERENCES = ("_own_state_holder", "_other_route_states")
+
+
+def check_one_state(compressor: Any, call: str) -> None:
+    """Refuse ``compressor.<call>()`` outside a route's step while live routes run the compressor on
+    states of their own besides its own: which state is meant is the route's to say."""
+    others = len(getattr(compressor, "_other_route_states", ()))
+    if others and running_state(compressor) is None:
+        raise RuntimeError(
+            f"hvd_compress: {compressor!r} runs on {others + 1} routes, each with a run state of its own; "
+            f"call {call}() on the route whose state you mean: optimizer.{call}() (its 'hvd_compress' "
+            f"entry), the DDP hook's CompressionState.{call}(), or compressor.running(route.compression_state)"
+        )

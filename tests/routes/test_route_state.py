@@ -77,17 +77,22 @@ def test_the_first_route_runs_on_the_compressors_own_state_and_a_second_on_a_new
     step(second, models[1], 10 * torch.randn(3, 40))
     step(second, models[1], 10 * torch.randn(3, 40))
     saved_first, saved_second = first.state_dict()["hvd_compress"], second.state_dict()["hvd_compress"]
-    assert saved_first["checksum"] == compression.state_dict()["checksum"]
     assert saved_first["checksum"] != saved_second["checksum"]
     with compression.running(second.compression_state):
         assert torch.equal(compression.residual("weight"), second.compression_state.memory.peek("weight", "residual"))
+        assert compression.state_dict()["checksum"] == saved_second["checksum"]
     assert not torch.equal(compression.residual("weight"), second.compression_state.memory.peek("weight", "residual"))
     counts = [(s.numel, s.values_sent) for s in (first.compression_state.stats, second.compression_state.stats)]
     assert counts[1] == (2 * counts[0][0], 2 * counts[0][1]) and counts[0][1] > 0  # two steps against one
     assert compression.stats is first.compression_state.stats
+    for call in (compression.state_dict, lambda: compression.load_state_dict(saved_first)):
+        with pytest.raises(RuntimeError, match=r"runs on 2 routes.*optimizer\.(load_)?state_dict\(\)"):
+            call()  # which route's state is meant is the route's to say
 
     first.load_state_dict(second.state_dict())  # a state moves between routes of one compressor
     assert first.state_dict()["hvd_compress"]["checksum"] == saved_second["checksum"]
+    del second
+    assert compression.state_dict()["checksum"] == saved_second["checksum"]  # one route left: the old call works
     del first
     assert optimizer_on(compression, models[0]).compression_state is compression.state  # free again
 
