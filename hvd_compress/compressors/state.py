@@ -22,11 +22,10 @@ inside :func:`running_on` (``compressor.running(state)``): there, for the callin
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from hvd_compress.compressors.residual import TensorMemory
 from hvd_compress.wire import SparsePayload
@@ -123,21 +122,29 @@ def running_state(compressor: Any) -> Optional[CompressorState]:
     return states.get(id(compressor)) if states else None
 
 
-@contextlib.contextmanager
-def running_on(compressor: Any, state: CompressorState) -> Iterator[Any]:
+class running_on:  # noqa: N801  (used as a function: ``with running_on(compressor, state):``)
     """Within the block (this thread only), ``compressor.state`` is ``state``: a route's exchange runs the
-    compressor's steps on the route's state, so one compressor serves several routes at once."""
-    states = _RUNNING.__dict__.setdefault("states", {})
-    key = id(compressor)
-    before = states.get(key)
-    states[key] = state
-    try:
-        yield compressor
-    finally:
-        if before is None:
-            del states[key]
+    compressor's steps on the route's state, so one compressor serves several routes at once. (A class,
+    not a generator: it is entered several times per bucket and step.)"""
+
+    __slots__ = ("compressor", "state", "before")
+
+    def __init__(self, compressor: Any, state: CompressorState) -> None:
+        self.compressor, self.state, self.before = compressor, state, None
+
+    def __enter__(self) -> Any:
+        states = _RUNNING.__dict__.setdefault("states", {})
+        key = id(self.compressor)
+        self.before = states.get(key)
+        states[key] = self.state
+        return self.compressor
+
+    def __exit__(self, *exc: Any) -> None:
+        states = _RUNNING.states
+        if self.before is None:
+            del states[id(self.compressor)]
         else:
-            states[key] = before
+            states[id(self.compressor)] = self.before
 
 
 def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[CompressorState] = None
