@@ -177,7 +177,7 @@ def check_one_state(compressor: Any, call: str) -> None:
         holder = getattr(compressor, "_own_state_holder", None)
         routes = others + (holder is not None and holder() is not None)
         raise RuntimeError(
-            f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)} with a run state of its own; "
+            f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)}, each with a run state of its own; "
             f"call {call}() on the route whose state you mean: optimizer.{call}() (its 'hvd_compress' "
             f"entry), the DDP hook's CompressionState.{call}(), or compressor.running(route.compression_state)"
         )
