@@ -1,16 +1,18 @@
 """What a compressor learns while it runs, kept apart from its configuration.
 
 A compressor's configuration (``ratio``, ``seed``, options: :meth:`Compressor.config`) says
-what it sends; a :class:`CompressorState` holds everything a run accumulates: per-tensor arrays (residuals, velocities, posteriors, in
+what it sends; a :class:`CompressorState` holds everything a run accumulates: per-tensor
+arrays (residuals, velocities, posteriors, in
 :class:`~hvd_compress.compressors.residual.TensorMemory`), the random streams, the fused
 buckets' plans and the state they hold, the statistics of what was sent (:class:`WireStats`,
 read as ``compressor.stats``), and what a route keeps per compressor
-(:meth:`route_data`: stock Horovod's plans and calls for torch, the
-layouts checked and eager call counts for TensorFlow). It follows PyTorch's ``PowerSGDState`` (torch.distributed's
-``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A Compressed Communication
-Framework for Distributed Machine Learning", ICDCS 2021): the exchanges read and write
-state only through this object. ``Compressor.state_dict()`` saves the memory and the random
-streams (the checkpoint format); bucket plans and route data are rebuilt.
+(:meth:`route_data`: stock Horovod's plans and calls for torch, the layouts checked and
+eager call counts for TensorFlow, ``Auto``'s choices). It follows PyTorch's ``PowerSGDState``
+(torch.distributed's ``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A
+Compressed Communication Framework for Distributed Machine Learning", ICDCS 2021): the
+exchanges read and write state only through this object. ``Compressor.state_dict()`` saves
+the memory and the random streams (the checkpoint format); bucket plans and route data are
+rebuilt.
 
 The route owns the state: the drop-in and MPI optimizers and the DDP hook each hold one
 (:func:`state_for_route`: the compressor's own, ``compressor.own_state``, while no other live
@@ -177,7 +179,8 @@ def check_one_state(compressor: Any, call: str) -> None:
         holder = getattr(compressor, "_own_state_holder", None)
         routes = others + (holder is not None and holder() is not None)
         raise RuntimeError(
-            f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)}, each with a run state of its own; "
+            f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)}, each with a run state of "
+            f"its own; "
             f"call {call}() on the route whose state you mean: optimizer.{call}() (its 'hvd_compress' "
             f"entry), the DDP hook's CompressionState.{call}(), or compressor.running(route.compression_state)"
         )

@@ -86,7 +86,8 @@ def test_the_first_route_runs_on_the_compressors_own_state_and_a_second_on_a_new
     assert counts[1] == (2 * counts[0][0], 2 * counts[0][1]) and counts[0][1] > 0  # two steps against one
     assert compression.stats is first.compression_state.stats
     for call in (compression.state_dict, lambda: compression.load_state_dict(saved_first)):
-        with pytest.raises(RuntimeError, match=r"runs on 2 routes, each with a run state of its own.*optimizer\.(load_)?state_dict\(\)"):
+        refusal = r"runs on 2 routes, each with a run state of its own.*optimizer\.(load_)?state_dict\(\)"
+        with pytest.raises(RuntimeError, match=refusal):
             call()  # which route's state is meant is the route's to say
 
     first.load_state_dict(second.state_dict())  # a state moves between routes of one compressor
