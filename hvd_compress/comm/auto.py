@@ -56,8 +56,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.compressors.base import Compressor, WireStats
+from hvd_compress.comm.exchange import BucketExchange, in_run_state
+from hvd_compress.compressors.base import Compressor
+from hvd_compress.compressors.state import WireStats
 from hvd_compress.compressors.sparse import updated_velocity
 from hvd_compress.wire import DensePayload
 from hvd_compress.compressors.validation import check_count
@@ -141,6 +142,7 @@ class InnerState(Compressor):
 
     inner: Compressor
     state = property(lambda self: self.inner.state)
+    own_state = property(lambda self: self.inner.own_state)
     stats = property(lambda self: self.inner.stats)
     rank = property(lambda self: self.inner.rank)
     size = property(lambda self: self.inner.size)
@@ -151,6 +153,12 @@ class InnerState(Compressor):
     def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)
         return self
+
+    def running(self, state: Any) -> Any:
+        return self.inner.running(state)
+
+    def state_for(self, holder: Any, route: str, state: Any = None) -> Any:
+        return self.inner.state_for(holder, route, state)
 
     def adopt_loaded_state(self, ops: Any, like: Any) -> None:
         self.inner.adopt_loaded_state(ops, like)
@@ -225,9 +233,11 @@ class AutoExchange:
     :class:`~hvd_compress.comm.exchange.BucketExchange`). The bucket's way is settled at ``launch``,
     after its tensors are added."""
 
-    def __init__(self, auto: "Auto", comm: Any, key: str) -> None:
-        self.auto, self.key = auto, key
-        self.state = auto.choices.setdefault(key, BucketChoice())
+    def __init__(self, auto: "Auto", comm: Any, key: str, run: Any) -> None:
+        self.auto, self.compressor, self.key = auto, auto, key
+        self.run = run  # the route's CompressorState: the inner compressor's, its choices and statistics
+        with auto.running(run):
+            self.state = auto.choices.setdefault(key, BucketChoice())
         self.mode = auto.mode(self.state)
         self.comm = WaitOnce(comm) if self.mode == "measure" else comm
         self.added: List[Tuple[str, Any]] = []
@@ -243,11 +253,12 @@ class AutoExchange:
                 self.mode = self.auto.settle(self.key, self.added, self.comm)
             dense = self.mode == DENSE
             self.exchange = BucketExchange(self.auto.dense if dense else self.auto.inner, self.comm,
-                                           self.key + ".dense" if dense else self.key)
+                                           self.key + ".dense" if dense else self.key, self.run)
             for name, tensor in self.added:
                 self.exchange.add(name, tensor)
         return self.exchange
 
+    @in_run_state
     def launch(self, complete: bool = True) -> None:
         """As :meth:`BucketExchange.launch`; a measuring exchange always waits for its collectives
         (so, like deciding, it needs every rank to reach the bucket in the same order)."""
@@ -271,12 +282,15 @@ class AutoExchange:
         self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark()] if timed else []
 
+    @in_run_state
     def complete(self) -> None:
         self._resolved().complete()
 
+    @in_run_state
     def in_flight(self) -> List[Any]:
         return self._resolved().in_flight()
 
+    @in_run_state
     def finish(self, average: bool = True) -> Dict[str, Any]:
         exchange = self._resolved()
         if not self.marks:
@@ -321,9 +335,21 @@ class Auto(InnerState):
         self.pin = pin
         self.log = log
         self.clock = clock or WallClock()
-        self.choices: Dict[str, BucketChoice] = {}
-        if not isinstance(compressor.stats, AutoStats):
-            compressor.stats = AutoStats(compressor.stats)
+        if not isinstance(compressor.state.stats, AutoStats):
+            compressor.state.stats = AutoStats(compressor.state.stats)
+
+    @property
+    def choices(self) -> Dict[str, BucketChoice]:
+        """Every bucket's measurements and choice, in the run state (a route's, or the inner compressor's own)."""
+        return self.state.route_data("auto.choices", dict)
+
+    @property
+    def stats(self) -> AutoStats:
+        """The run state's statistics, with the decisions (an :class:`AutoStats`)."""
+        run = self.state
+        if not isinstance(run.stats, AutoStats):
+            run.stats = AutoStats(run.stats)
+        return run.stats
 
     # the inner compressor's capabilities (its state: InnerState)
     payload_kind = property(lambda self: self.inner.payload_kind)
@@ -370,10 +396,11 @@ class Auto(InnerState):
     def reset(self, name: Optional[str] = None) -> None:
         self.inner.reset(name)
 
-    def make_exchange(self, comm: Any, key: str) -> AutoExchange:
-        """The exchange of bucket ``key`` (called by :func:`~hvd_compress.comm.exchange.open_exchange`)."""
+    def make_exchange(self, comm: Any, key: str, state: Any = None) -> AutoExchange:
+        """The exchange of bucket ``key`` on the run state ``state`` (default: :attr:`state`; called by
+        :func:`~hvd_compress.comm.exchange.open_exchange`)."""
         self.inner.bind(comm.rank, comm.size)
-        return AutoExchange(self, comm, key)
+        return AutoExchange(self, comm, key, self.state if state is None else state)
 
     # ------------------------------------------------------------------ deciding
     def mode(self, state: BucketChoice) -> str:
@@ -431,7 +458,7 @@ class Auto(InnerState):
         if saved != "Auto":
             raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
         self.inner.load_state_dict(state["inner"])
-        self.choices = {}
+        self.choices.clear()
         for key, entry in state.get("decisions", {}).items():
             self.choices[key] = BucketChoice(**entry)
             if entry.get("choice") is not None:

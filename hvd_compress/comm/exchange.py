@@ -35,8 +35,9 @@ there too, unless ``launch(complete=False)`` leaves it to ``complete()``), so
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import ops_for
@@ -66,18 +67,32 @@ def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
     return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
 
 
-def open_exchange(compressor: Any, comm: Any, key: str) -> Any:
-    """The exchange of bucket ``key``: the compressor's own where it chooses per bucket
+def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> Any:
+    """The exchange of bucket ``key`` on the run state ``state`` (a route's
+    :class:`~hvd_compress.compressors.state.CompressorState`; default: ``compressor.state``, the
+    compressor's own): the compressor's own exchange where it chooses per bucket
     (``make_exchange``: :class:`~hvd_compress.comm.auto.Auto`), else a :class:`BucketExchange`."""
     make = getattr(compressor, "make_exchange", None)
-    return make(comm, key) if make is not None else BucketExchange(compressor, comm, key)
+    return make(comm, key, state) if make is not None else BucketExchange(compressor, comm, key, state)
+
+
+def in_run_state(method: Callable) -> Callable:
+    """An exchange's method run with ``self.compressor``'s steps on the exchange's run state ``self.run``."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self.compressor.running(self.run):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class BucketExchange:
-    """One bucket's payloads and the collectives that move them."""
+    """One bucket's payloads and the collectives that move them, on the run state ``run`` (what the
+    route hands :func:`open_exchange`); every step of the compressor it makes runs on that state."""
 
-    def __init__(self, compressor: Any, comm: Any, key: str) -> None:
+    def __init__(self, compressor: Any, comm: Any, key: str, run: Any = None) -> None:
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
+        self.run = compressor.state if run is None else run
         self.world = comm.size
         self.average = True
         self.shapes: Dict[str, tuple] = {}
@@ -124,6 +139,7 @@ class BucketExchange:
                 self.dense.append((name, payload))
 
     # ------------------------------------------------------------------ launch
+    @in_run_state
     def launch(self, complete: bool = True) -> None:
         """Encode the bucket and start its collectives (asynchronous).
 
@@ -139,7 +155,7 @@ class BucketExchange:
 
             if fused.supported(self.compressor, tensors):
                 names = [n for n, _ in self.added]
-                bucket = fused.bucket_for(self.compressor, self.key, names, tensors, self.comm.size)
+                bucket = fused.bucket_for(self.compressor, self.run, self.key, names, tensors, self.comm.size)
                 self.fused = bucket.launch(tensors, self.comm, complete)
                 return
         self._encode()
@@ -150,7 +166,7 @@ class BucketExchange:
         columns = [config, header_hash(layout), *self.codec.header(), *flags]
         header = ops.as_int64([columns], like=self.added[0][1])
         self.handles["header"] = comm.allgather_async(header, f"{key}.header")
-        self.compressor.stats.add(8 * len(columns), 0, 0, 0)  # the header travels every step here
+        self.run.stats.add(8 * len(columns), 0, 0, 0)  # the header travels every step here
         if comm.matches_by_order:
             self._check_header()
         if self.dense:
@@ -161,6 +177,7 @@ class BucketExchange:
         if complete:
             self.complete()
 
+    @in_run_state
     def complete(self) -> None:
         """Send what waited for another rank's data (see :meth:`launch`); the layout is agreed on first."""
         if self.fused is not None:
@@ -176,6 +193,7 @@ class BucketExchange:
         return list(handles.values())
 
     # ------------------------------------------------------------------ finish
+    @in_run_state
     def finish(self, average: bool = True) -> Dict[str, Any]:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape."""
         self.average = average

@@ -390,13 +390,14 @@ class Launched:
             b.velocity = self.velocity
 
 
-def bucket_for(compressor: Any, key: str, names: List[str], tensors: List[torch.Tensor], world: int) -> "FusedBucket":
-    """The :class:`FusedBucket` of ``key`` for this layout, kept in ``compressor.state.buckets``.
+def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: List[torch.Tensor],
+               world: int) -> "FusedBucket":
+    """The :class:`FusedBucket` of ``key`` for this layout, kept in the run state ``run.buckets`` (the
+    route's :class:`~hvd_compress.compressors.state.CompressorState`).
 
     Built when the layout or configuration is new; state of the tensors it
-    holds moves over from other buckets through the compressor's per-name memory.
+    holds moves over from other buckets through the run state's per-name memory.
     """
-    run = compressor.state
     shapes = [tuple(t.shape) for t in tensors]
     bucket = run.buckets.get(key)
     if bucket is not None and bucket.matches(names, shapes, tensors[0], world):

@@ -11,16 +11,16 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload, header_hash
+from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
 from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.state import CompressorState
+from hvd_compress.compressors.state import (ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, running_on,
+                                            running_state, state_for_route)
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -62,42 +62,6 @@ def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
         )
 
 
-@dataclass
-class WireStats:
-    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
-
-    bytes_sent: int = 0
-    dense_bytes: int = 0
-    values_sent: int = 0
-    numel: int = 0
-
-    def record(self, payload: Any, numel: int, itemsize: int) -> None:
-        self.bytes_sent += payload.nbytes
-        self.dense_bytes += numel * itemsize
-        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
-        self.numel += numel
-
-    @property
-    def density(self) -> float:
-        """Fraction of gradient entries sent (1 for dense and ternary payloads)."""
-        return self.values_sent / self.numel if self.numel else 0.0
-
-    @property
-    def savings(self) -> float:
-        """Dense bytes over bytes sent."""
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
-
-    def add(self, bytes_sent: int, dense_bytes: int, values_sent: int, numel: int) -> None:
-        """Count a whole bucket at once (the fused path)."""
-        self.bytes_sent += bytes_sent
-        self.dense_bytes += dense_bytes
-        self.values_sent += values_sent
-        self.numel += numel
-
-    def reset(self) -> None:
-        self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
-
-
 class Compressor:
     """Base class: validation, per-tensor memory, rank binding and checkpoints.
 
@@ -111,9 +75,10 @@ class Compressor:
     :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
 
     Configuration (``seed``, a subclass's ``ratio`` and options: :meth:`config`) lives on the
-    object; what a run accumulates (per-tensor memory, random streams, fused buckets, route
-    data) lives in ``self.state``, a :class:`~hvd_compress.compressors.state.CompressorState`,
-    which is all the exchanges touch; ``self.memory`` is ``self.state.memory``.
+    object; what a run accumulates (per-tensor memory, random streams, fused buckets, statistics,
+    route data) lives in a :class:`~hvd_compress.compressors.state.CompressorState`: the one a
+    route's exchange runs the steps on (:meth:`running`), else the compressor's own
+    (:attr:`own_state`). ``self.state`` is that state, ``self.memory`` its memory.
     """
 
     payload_kind = "dense"
@@ -129,14 +94,47 @@ class Compressor:
     def __init__(self, seed: int = 0) -> None:
         self.seed = check_count(seed, f"{type(self).__name__} seed")
         self.rank, self.size = 0, 1
-        self.state = CompressorState()  # what a run accumulates, apart from the configuration
-        self.stats = WireStats()
-        self._route: Optional[str] = None  # the route that runs it, recorded in state_dict()
+        self.own_state = CompressorState()  # what a run accumulates, apart from the configuration
+
+    @property
+    def state(self) -> CompressorState:
+        """The state the steps work on: a route's while its exchange runs them (:meth:`running`), else
+        :attr:`own_state` (stock Horovod's, the Simulator's, a direct ``encode``'s)."""
+        return running_state(self) or self.own_state
+
+    @state.setter
+    def state(self, state: CompressorState) -> None:
+        self.own_state = state
+
+    def running(self, state: CompressorState) -> Any:
+        """Context manager: this thread runs the compressor's steps on ``state`` within the block."""
+        return running_on(self, state)
+
+    def state_for(self, holder: Any, route: str, state: Optional[CompressorState] = None) -> CompressorState:
+        """The state the new route ``holder`` runs this compressor on
+        (:func:`~hvd_compress.compressors.state.state_for_route`)."""
+        return state_for_route(self, holder, route, state)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ROUTE_REFERENCES}  # weak references
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        saved = dict(saved)
+        if "state" in saved:  # pickled when the state was an attribute, with its statistics and route beside it
+            state = saved["own_state"] = saved.pop("state")
+            state.stats = saved.pop("stats", state.stats)
+            state.route = saved.pop("_route", None)
+        self.__dict__.update(saved)
 
     @property
     def memory(self) -> TensorMemory:
         """Per-tensor arrays by name (``state.memory``): residuals, velocities, posteriors."""
         return self.state.memory
+
+    @property
+    def stats(self) -> WireStats:
+        """What the compressor's steps sent (``state.stats``; read-only here: ``stats.reset()`` clears it)."""
+        return self.state.stats
 
     @property
     def loaded_route(self) -> str:
@@ -191,14 +189,14 @@ class Compressor:
 
     @property
     def route(self) -> Optional[str]:
-        """The route that last ran this compressor (``hvd_compress.torch.DistributedOptimizer``,
+        """The route that runs on :attr:`state` (``hvd_compress.torch.DistributedOptimizer``,
         ``horovod.torch.DistributedOptimizer``, ``Simulator``...; ``None`` before any), which
         :meth:`state_dict` records so that a route refusing the state can name its writer."""
-        return self.__dict__.get("_route")
+        return self.state.route
 
     @route.setter
     def route(self, name: str) -> None:
-        self._route = str(name)
+        self.state.route = str(name)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -340,6 +338,7 @@ class Compressor:
 
     def state_dict(self) -> Dict[str, Any]:
         """Residuals, per-tensor state and the random stream, for checkpoints."""
+        check_one_state(self, "state_dict")
         self.state.flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
                  "world": self.size, "route": self.route}
@@ -361,6 +360,7 @@ class Compressor:
         on another number of ranks, each rank keeps the residuals it saved (ranks that
         saved none start from zero; residuals of ranks no longer present are not applied).
         """
+        check_one_state(self, "load_state_dict")
         check_state(state, self)
         run = self.state
         run.buckets = {}

@@ -207,33 +207,17 @@ def _check_tensor(name: str, entry: Dict[str, Any]) -> None:
 
 
 def _check_generator(module: str, generator_state: Any) -> None:
-    """Set ``generator_state`` on a fresh stream of ``module``'s framework (on the CPU)."""
+    """Set ``generator_state`` on a fresh stream of ``module``'s framework on the host (``ops.host_empty()``);
+    a state of the size only an accelerator's stream takes (``ops.DEVICE_STREAM_STATE_BYTES``) is
+    checked when it is set on the device."""
     try:
         ops = kernels.module(module)
     except ValueError as error:
         raise _broken(str(error))
-    like = _host_like(module)
     try:
-        ops.set_generator_state(ops.generator(0, 0, like), generator_state)
+        ops.set_generator_state(ops.generator(0, 0, ops.host_empty()), generator_state)
     except Exception as error:  # noqa: BLE001  (each framework raises its own type)
-        if _device_state(module, generator_state):
-            return  # an accelerator's stream (seed and offset): checked when it is set on the device
+        if host_array(generator_state).nbytes == ops.DEVICE_STREAM_STATE_BYTES:
+            return  # an accelerator's stream (a CUDA generator's seed and offset)
         raise _broken(f"the random stream state for {module.rsplit('.', 1)[-1]} is damaged "
                       f"({type(error).__name__}: {error})")
-
-
-def _host_like(module: str) -> Any:
-    if module.endswith("torch_ops"):
-        import torch
-
-        return torch.empty(0)
-    if module.endswith("tf_ops"):
-        import tensorflow as tf
-
-        return tf.zeros([0])
-    return np.empty(0)
-
-
-def _device_state(module: str, generator_state: Any) -> bool:
-    """A torch CUDA generator's state (16 bytes: seed and offset), which a CPU stream cannot take."""
-    return module.endswith("torch_ops") and host_array(generator_state).nbytes == 16

@@ -1,23 +1,72 @@
 """What a compressor learns while it runs, kept apart from its configuration.
 
 A compressor's configuration (``ratio``, ``seed``, options: :meth:`Compressor.config`) says
-what it sends; its :class:`CompressorState` (``compressor.state``) holds everything a run
-accumulates: per-tensor arrays (residuals, velocities, posteriors, in
+what it sends; a :class:`CompressorState` holds everything a run accumulates: per-tensor
+arrays (residuals, velocities, posteriors, in
 :class:`~hvd_compress.compressors.residual.TensorMemory`), the random streams, the fused
-buckets' plans and the state they hold, and what a route keeps per compressor
-(:meth:`route_data`: stock Horovod's plans and calls for torch, the
-layouts checked and eager call counts for TensorFlow). It follows PyTorch's ``PowerSGDState`` (torch.distributed's
-``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A Compressed Communication
-Framework for Distributed Machine Learning", ICDCS 2021): the exchanges read and write
-state only through this object. ``Compressor.state_dict()`` saves the memory and the random
-streams (the checkpoint format); bucket plans and route data are rebuilt.
+buckets' plans and the state they hold, the statistics of what was sent (:class:`WireStats`,
+read as ``compressor.stats``), and what a route keeps per compressor
+(:meth:`route_data`: stock Horovod's plans and calls for torch, the layouts checked and
+eager call counts for TensorFlow, ``Auto``'s choices). It follows PyTorch's ``PowerSGDState``
+(torch.distributed's ``powerSGD_hook``) and GRACE's ``Memory`` (Xu et al., "GRACE: A
+Compressed Communication Framework for Distributed Machine Learning", ICDCS 2021): the
+exchanges read and write state only through this object. ``Compressor.state_dict()`` saves
+the memory and the random streams (the checkpoint format); bucket plans and route data are
+rebuilt.
+
+The route owns the state: the drop-in and MPI optimizers and the DDP hook each hold one
+(:func:`state_for_route`: the compressor's own, ``compressor.own_state``, while no other live
+route holds it, else a new one) and hand it to the exchanges, which run the compressor's steps
+inside :func:`running_on` (``compressor.running(state)``): there, for the calling thread,
+``compressor.state`` is the route's. Elsewhere it is the compressor's own (stock Horovod's
+``compression=`` route, the Simulator, direct ``encode`` calls).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from hvd_compress.compressors.residual import TensorMemory
+from hvd_compress.wire import SparsePayload
+
+
+@dataclass
+class WireStats:
+    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
+
+    bytes_sent: int = 0
+    dense_bytes: int = 0
+    values_sent: int = 0
+    numel: int = 0
+
+    def record(self, payload: Any, numel: int, itemsize: int) -> None:
+        self.bytes_sent += payload.nbytes
+        self.dense_bytes += numel * itemsize
+        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
+        self.numel += numel
+
+    @property
+    def density(self) -> float:
+        """Fraction of gradient entries sent (1 for dense and ternary payloads)."""
+        return self.values_sent / self.numel if self.numel else 0.0
+
+    @property
+    def savings(self) -> float:
+        """Dense bytes over bytes sent."""
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+    def add(self, bytes_sent: int, dense_bytes: int, values_sent: int, numel: int) -> None:
+        """Count a whole bucket at once (the fused path)."""
+        self.bytes_sent += bytes_sent
+        self.dense_bytes += dense_bytes
+        self.values_sent += values_sent
+        self.numel += numel
+
+    def reset(self) -> None:
+        self.bytes_sent = self.dense_bytes = self.values_sent = self.numel = 0
 
 
 class CompressorState:
@@ -34,10 +83,13 @@ class CompressorState:
         self.saved_generators: Dict[str, Any] = {}
         #: (rank, world) that saved the loaded state, ``None`` when it is this rank's own or none was loaded
         self.origin: Optional[Tuple[int, int]] = None
-        #: the route that wrote the state last loaded
+        #: the route that wrote the state last loaded; the route that runs on it (recorded in checkpoints)
         self.loaded_route = ""
+        self.route: Optional[str] = None
         #: loaded arrays may be another framework's (moved on the first gradient)
         self.loaded_elsewhere = False
+        #: what the steps handed the collectives (bytes sent against the dense gradients')
+        self.stats = WireStats()
         self._route_data: Dict[str, Any] = {}
 
     def route_data(self, key: str, make: Callable[[], Any]) -> Any:
@@ -60,3 +112,75 @@ class CompressorState:
         for key, bucket in list(self.buckets.items()):
             if name is None or name in bucket.names:
                 del self.buckets[key]
+
+
+#: per thread: ``id(compressor) -> the state a route runs it on`` while one of the route's exchanges runs
+_RUNNING = threading.local()
+
+
+def running_state(compressor: Any) -> Optional[CompressorState]:
+    """The state ``compressor``'s steps work on in this thread (:func:`running_on`), ``None`` outside."""
+    states = getattr(_RUNNING, "states", None)
+    return states.get(id(compressor)) if states else None
+
+
+class running_on:  # noqa: N801  (used as a function: ``with running_on(compressor, state):``)
+    """Within the block (this thread only), ``compressor.state`` is ``state``: a route's exchange runs the
+    compressor's steps on the route's state, so one compressor serves several routes at once. (A class,
+    not a generator: it is entered several times per bucket and step.)"""
+
+    __slots__ = ("compressor", "state", "before")
+
+    def __init__(self, compressor: Any, state: CompressorState) -> None:
+        self.compressor, self.state, self.before = compressor, state, None
+
+    def __enter__(self) -> Any:
+        states = _RUNNING.__dict__.setdefault("states", {})
+        key = id(self.compressor)
+        self.before = states.get(key)
+        states[key] = self.state
+        return self.compressor
+
+    def __exit__(self, *exc: Any) -> None:
+        states = _RUNNING.states
+        if self.before is None:
+            del states[id(self.compressor)]
+        else:
+            states[id(self.compressor)] = self.before
+
+
+def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[CompressorState] = None
+                    ) -> CompressorState:
+    """The :class:`CompressorState` a new route (the object ``holder``) runs ``compressor`` on, recording
+    ``route`` in it: ``state`` when given, else the compressor's own while no other live route holds
+    it (so a compressor serving one route reads, saves and loads that route's state as before), else
+    a new one."""
+    own = compressor.own_state
+    taken = getattr(compressor, "_own_state_holder", None)
+    if state is None:
+        state = own if taken is None or taken() in (None, holder) else CompressorState()
+    if state is own:
+        compressor._own_state_holder = weakref.ref(holder)
+    else:
+        compressor.__dict__.setdefault("_other_route_states", weakref.WeakSet()).add(state)
+    state.route = route
+    return state
+
+
+#: what a compressor keeps of the routes that run it: weak references, not pickled
+ROUTE_REFERENCES = ("_own_state_holder", "_other_route_states")
+
+
+def check_one_state(compressor: Any, call: str) -> None:
+    """Refuse ``compressor.<call>()`` outside a route's step while live routes run the compressor on
+    states of their own besides its own: which state is meant is the route's to say."""
+    others = len(getattr(compressor, "_other_route_states", ()))
+    if others and running_state(compressor) is None:
+        holder = getattr(compressor, "_own_state_holder", None)
+        routes = others + (holder is not None and holder() is not None)
+        raise RuntimeError(
+            f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)}, each with a run state of "
+            f"its own; "
+            f"call {call}() on the route whose state you mean: optimizer.{call}() (its 'hvd_compress' "
+            f"entry), the DDP hook's CompressionState.{call}(), or compressor.running(route.compression_state)"
+        )

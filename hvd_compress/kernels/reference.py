@@ -27,6 +27,10 @@ float16 = np.float16
 #: (``hvd_compress.comm.fused``); only the torch kernels have one.
 FUSES_BUCKETS = False
 
+#: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
+#: state of this module's streams can be set on a host stream, which is how checkpoints check it).
+DEVICE_STREAM_STATE_BYTES = None
+
 #: RegTop-k's "no information" distortion (plain Top-k score), as in the reference code.
 NO_DISTORTION = 1e8
 
@@ -120,6 +124,11 @@ def generator(seed: int, rank: int, like: np.ndarray) -> np.random.Generator:
 def uniform(rng: np.random.Generator, like: np.ndarray) -> np.ndarray:
     """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype."""
     return rng.random(like.shape[0], dtype=np.float32).astype(like.dtype, copy=False)
+
+
+def host_empty() -> np.ndarray:
+    """An empty array on the host: where checkpoints try a saved stream state (``generator(0, 0, like)``)."""
+    return np.empty(0)
 
 
 def generator_state(rng: np.random.Generator):

@@ -49,6 +49,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 #: no fused bucket path for TensorFlow tensors: they take the per-tensor exchange
 FUSES_BUCKETS = False
 
+#: every stream state (Philox key and counter) can be set on a host stream
+DEVICE_STREAM_STATE_BYTES = None
+
 _WORD = 1 << 32
 
 
@@ -176,6 +179,12 @@ def uniform(rng: tf.random.Generator, like) -> tf.Tensor:
     """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
     with _on(like):
         return tf.cast(rng.uniform([like.shape[0]], dtype=tf.float32), like.dtype)
+
+
+def host_empty() -> tf.Tensor:
+    """An empty host tensor: where checkpoints try a saved stream state (``generator(0, 0, like)``)."""
+    with tf.device("/cpu:0"):
+        return tf.zeros([0])
 
 
 def generator_state(rng: tf.random.Generator):

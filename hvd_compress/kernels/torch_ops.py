@@ -35,6 +35,10 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 #: torch tensors may take the fused bucket path (``hvd_compress.comm.fused``, ``kernels.torch_rows``)
 FUSES_BUCKETS = True
 
+#: a CUDA generator's state (seed and offset) is 16 bytes, which a CPU stream cannot take: checkpoints
+#: check such a state when it is set on the device
+DEVICE_STREAM_STATE_BYTES = 16
+
 _WORD = 1 << 32
 
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
@@ -196,6 +200,11 @@ def uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
     """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
     draws = torch.rand(like.shape[0], generator=rng, dtype=torch.float32, device=like.device)
     return draws.to(like.dtype)
+
+
+def host_empty() -> torch.Tensor:
+    """An empty CPU tensor: where checkpoints try a saved stream state (``generator(0, 0, like)``)."""
+    return torch.empty(0)
 
 
 def generator_state(rng: torch.Generator):

@@ -85,7 +85,7 @@ def DistributedOptimizer(
         communicator=communicator(comm),
         nonfinite=nonfinite,
     )
-    wrapped._compression.route = "hvd_compress.mpi.DistributedOptimizer"
+    wrapped.compression_state.route = "hvd_compress.mpi.DistributedOptimizer"
     return wrapped
 
 

@@ -53,14 +53,18 @@ ROUTE = "hvd_compress.torch.ddp_hook"
 
 
 class CompressionState:
-    """State of :func:`ddp_hook`: the compressor (residuals inside, keyed by parameter) and the group.
+    """State of :func:`ddp_hook`: the compressor, the run state it runs on (``compression_state``, a
+    :class:`~hvd_compress.compressors.state.CompressorState`: residuals keyed by parameter, random
+    streams, fused plans, statistics; the compressor's own when no other route holds it, so one
+    compressor can serve several models) and the group.
 
     Pickles itself without the process group (like ``PowerSGDState``; after
     unpickling the group is the default one, set ``process_group`` for another);
-    :meth:`state_dict` / :meth:`load_state_dict` are the compressor's.
+    :meth:`state_dict` / :meth:`load_state_dict` are the compressor's, on ``compression_state``.
     """
 
-    __slots__ = ("compressor", "process_group", "_names", "_order", "_comm", "_warned_sparse", "_named")
+    __slots__ = ("compressor", "compression_state", "process_group", "_names", "_order", "_comm",
+                 "_warned_sparse", "_named", "__weakref__")
 
     def __init__(
         self,
@@ -69,6 +73,7 @@ class CompressionState:
         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
         *,
         compressor: Any = None,
+        compression_state: Any = None,
     ) -> None:
         compression = old_keyword(compression, compressor, "CompressionState")
         self.compressor = as_compressor(compression, "CompressionState's compression")
@@ -79,16 +84,18 @@ class CompressionState:
         self._comm: Optional[TorchDistCommunicator] = None
         self._warned_sparse: set = set()
         self._named = set(self._names.values())  # empty: parameters named by bucket and position
-        self.compressor.route = ROUTE
+        self.compression_state = self.compressor.state_for(self, ROUTE, compression_state)
 
     def __getstate__(self) -> Dict[str, Any]:
-        return {"compressor": self.compressor}  # no process group; per-process bookkeeping is rebuilt
+        # no process group; per-process bookkeeping is rebuilt
+        return {"compressor": self.compressor, "compression_state": self.compression_state}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__(state["compressor"], process_group=None)
+        self.__init__(state["compressor"], process_group=None, compression_state=state.get("compression_state"))
 
     def state_dict(self) -> Dict[str, Any]:
-        return self.compressor.state_dict()
+        with self.compressor.running(self.compression_state):
+            return self.compressor.state_dict()
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The compressor's, refusing state whose tensors this hook names none of (written by a route
@@ -100,7 +107,8 @@ class CompressionState:
                 known = lambda name: re.fullmatch(r"ddp\.bucket\d+\.\d+", name) is not None  # noqa: E731
                 advice = " (without named_parameters= it names parameters ddp.bucket<index>.<position>)"
             check_names(state["tensors"], writer(state), known, "this ddp_hook's CompressionState", advice)
-        self.compressor.load_state_dict(state)
+        with self.compressor.running(self.compression_state):
+            self.compressor.load_state_dict(state)
 
     def communicator(self) -> TorchDistCommunicator:
         if self._comm is None or self._comm.group is not self.process_group:
@@ -154,7 +162,7 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
     sparse = bucket.buffer().is_sparse  # a bucket of its own, gradients() empty (module docstring)
     if sparse:
         gradients = [state.densified(named[0][1], bucket.buffer())]
-    exchange = open_exchange(state.compressor, comm, f"ddp.bucket{bucket.index()}")
+    exchange = open_exchange(state.compressor, comm, f"ddp.bucket{bucket.index()}", state.compression_state)
     for position, name in named:
         exchange.add(name, gradients[position])
     exchange.launch()

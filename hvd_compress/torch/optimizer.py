@@ -14,7 +14,11 @@ waiting for other ranks (TernGrad's codes, which need the shared scale, are
 sent at ``synchronize()``); over transports that match collectives by order
 they launch in bucket order (a bucket waits for the buckets before it).
 
-Error-feedback residuals are keyed by parameter name and saved in
+The optimizer runs its compressor on a run state of its own,
+``optimizer.compression_state`` (a
+:class:`~hvd_compress.compressors.state.CompressorState`: residuals keyed by
+parameter name, random streams, fused plans, statistics), so one compressor can
+serve several optimizers without mixing their residuals. The state is saved in
 ``optimizer.state_dict()`` under ``"hvd_compress"``, so a checkpoint resumes
 exactly.
 """
@@ -107,7 +111,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError("hvd_compress: parameter names must be unique")
         self._names = {id(p): n for n, p in named}
         self._named_by_position = named_parameters is None
-        compression.route = ROUTE
+        #: the run state this optimizer runs its compressor on (the compressor's own when no other route holds it)
+        self.compression_state = compression.state_for(self, ROUTE)
         self._params = dict(named)
         self._buckets = make_buckets(named, int(bucket_cap_mb * 2**20))
         self._bucket_of = {n: b for b, names in enumerate(self._buckets) for n in names}
@@ -150,7 +155,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._launch(len(self._in_flight))
 
     def _launch(self, bucket: int) -> None:
-        exchange = open_exchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}")
+        exchange = open_exchange(self._compression, self._comm, f"hvd_compress.bucket{bucket}", self.compression_state)
         for name in self._buckets[bucket]:
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -234,7 +239,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        state["hvd_compress"] = self._compression.state_dict()
+        with self._compression.running(self.compression_state):
+            state["hvd_compress"] = self._compression.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
@@ -244,8 +250,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if compressor_state is not None:
             advice = " (without named_parameters= it names its parameters param.<i>)" if self._named_by_position else ""
             check_names(compressor_state.get("tensors") or {}, writer(compressor_state), self._params.__contains__,
-                        f"this {self._compression.route}", advice)
-            self._compression.load_state_dict(compressor_state)
+                        f"this {self.compression_state.route}", advice)
+            with self._compression.running(self.compression_state):
+                self._compression.load_state_dict(compressor_state)
 
 
 def _weak_hook(optimizer: _DistributedOptimizer) -> Any:

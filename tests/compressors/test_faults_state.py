@@ -133,6 +133,26 @@ def test_truncated_generator_state_is_refused_at_load():
         TernGrad(dense_below=0).load_state_dict(state)
 
 
+def test_a_stream_state_only_an_accelerator_takes_is_left_to_the_device():
+    """A kernel module declares the size of stream states only its accelerator's streams take
+    (``DEVICE_STREAM_STATE_BYTES``: a CUDA generator's seed and offset, 16 bytes, for torch): such a
+    state passes the host check at load; in a module that declares none, it is refused as damaged."""
+    torch = pytest.importorskip("torch")
+    from hvd_compress.kernels import reference, torch_ops
+
+    assert torch_ops.DEVICE_STREAM_STATE_BYTES == 16 and reference.DEVICE_STREAM_STATE_BYTES is None
+    terngrad = TernGrad(dense_below=0)
+    terngrad.encode(torch.randn(64), "w")
+    state = terngrad.state_dict()
+    module = "hvd_compress.kernels.torch_ops"
+    state["generators"][module] = torch.zeros(16, dtype=torch.uint8)  # a CUDA stream's state
+    state.pop("checksum")
+    TernGrad(dense_below=0).load_state_dict(state)
+    state["generators"] = {"hvd_compress.kernels.reference": np.zeros(16, dtype=np.uint8)}
+    with pytest.raises(ValueError, match="random stream state for reference is damaged"):
+        TernGrad(dense_below=0).load_state_dict(state)
+
+
 def test_numpy_state_trains_on_torch_gradients_as_it_would_on_numpy():
     """A checkpoint of the numpy route (the Simulator, MPI) resumes on a torch route."""
     torch = pytest.importorskip("torch")

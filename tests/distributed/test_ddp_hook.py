@@ -8,7 +8,8 @@ float16), named ``ddp.bucket0.<position>`` from DDP's construction-time layout
 in reverse; each run records and checks both). Also: NaN
 gradients on one rank become non-finite gradients on every rank with nothing
 lost, another ratio on one rank makes every rank raise, and a checkpoint
-(pickle or state_dict) resumes bit for bit; the dense-switch probe loses nothing and
+(pickle or state_dict) resumes bit for bit; two models whose hooks share one compressor
+each equal the Simulator (each hook runs it on its own state); the dense-switch probe loses nothing and
 ``compressor.stats`` equals the bytes handed to the collectives; compressor state moves
 to and from the drop-in optimizer and the Simulator; GradScaler with an overflow on one rank
 skips exactly the steps DDP without a hook skips; ``nn.Embedding(sparse=True)``
@@ -50,6 +51,7 @@ RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
 BUCKET = "ddp.bucket0"
 BUCKET_MB = 25  # the model (~38 KB) fits in one bucket
 VARIANTS = ["topk", "gaussiank", "regtopk", "terngrad", "terngrad_allreduce", "fp16", "none"]
+SHARED = ["regtopk", "terngrad"]  # two models on one compressor: residuals, posteriors, random streams
 RESUMED = [(v, how) for v in ("regtopk", "terngrad") for how in ("pickle", "state_dict")]
 
 
@@ -132,6 +134,26 @@ def train(rank, variant, steps, start=0, params=None, state=None, wire=None, lay
         optimizer.step()
         per_step.append((wire.bytes if wire else 0) - before)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, state, per_step
+
+
+def shared_training(rank: int, variant: str) -> list:
+    """Two DDP models whose parameters share names (``ddp.bucket0.<position>``), their hooks on one
+    compressor (a ``CompressionState`` each), stepped in turn on the same data: their parameters."""
+    compression = compressor(variant)
+    models = [torch.nn.parallel.DistributedDataParallel(make_model(), bucket_cap_mb=BUCKET_MB) for _ in range(2)]
+    hooks = [CompressionState(compression) for _ in models]
+    assert hooks[0].compression_state is not hooks[1].compression_state
+    optimizers = []
+    for model, hook in zip(models, hooks):
+        model.register_comm_hook(hook, ddp_hook)
+        optimizers.append(torch.optim.SGD(model.parameters(), lr=LR))
+    for step in range(STEPS):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            x, y = batch(rank, step)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    return [{k: v.detach().clone() for k, v in model.module.state_dict().items()} for model in models]
 
 
 def replicas_agree(model: torch.nn.Module) -> bool:
@@ -283,6 +305,7 @@ def job(rank: int, out: Path) -> None:
             "alltoall": wire.alltoall - alltoall,
         }
     wire.restore()
+    result["shared"] = {variant: shared_training(rank, variant) for variant in SHARED}
     result["switch"] = switch_probe(rank)
     result["checkpoints"] = checkpoints_between_routes(rank)
     for variant, how in RESUMED:
@@ -423,6 +446,17 @@ def test_two_ranks_equal_simulator(trained, variant):
                 atol=tolerance,
                 err_msg=f"{variant} {key}: rank {rank} of the DDP run differs from the Simulator",
             )
+
+
+@pytest.mark.parametrize("variant", SHARED)
+def test_two_models_on_one_compressor_each_equal_the_simulator(trained, variant):
+    """Each hook runs the compressor on its own state: nothing of one model's run reaches the other's."""
+    expected = simulate(variant)
+    for rank, result in enumerate(trained):
+        for model, params in enumerate(result["shared"][variant]):
+            for key, value in expected.items():
+                np.testing.assert_allclose(params[key].numpy(), value.numpy(), rtol=0, atol=1e-6,
+                                           err_msg=f"{variant} {key}: model {model} on rank {rank}")
 
 
 def test_sparse_payloads_travel_sparse(trained):
