@@ -20,6 +20,8 @@ python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ra
                           [--out results]
 python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
                              [--out results]
+python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--baseline JSON]
+                             [--out results]
 """
 
 from __future__ import annotations
@@ -529,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--seed", type=int, default=0)
     _add_out(scaling, "scaling", _bench_scaling)
 
+    from benchmarks import tf_step  # imports neither TensorFlow nor Horovod until it runs
+
+    tf_step.add_command(commands, _add_out, _wrote)
     return parser
 
 
