@@ -30,9 +30,11 @@ import argparse
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -189,17 +191,19 @@ def run_ranks(launcher: str, ranks: int, config: Dict[str, Any], timeout: float,
     with tempfile.TemporaryDirectory(prefix="hvd_compress_tf_step_") as tmp:
         config = dict(config, out=str(Path(tmp) / "result.json"))
         proc = subprocess.Popen(launch_command(launcher, ranks, config), cwd=root, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         output: List[str] = []
-        deadline = time.monotonic() + timeout
-        for line in proc.stdout:
-            if PROGRESS in line:
-                say(line.split(PROGRESS, 1)[1].strip())
-            else:
-                output.append(line)
-            if time.monotonic() > deadline:
-                proc.kill()
-        code = proc.wait()
+        stop = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))  # a hang ends here
+        stop.start()
+        try:
+            for line in proc.stdout:
+                if PROGRESS in line:
+                    say(line.split(PROGRESS, 1)[1].strip())
+                else:
+                    output.append(line)
+            code = proc.wait()
+        finally:
+            stop.cancel()
         missing = [r for r in range(ranks) if not Path(f"{config['out']}.{r}").exists()]
         if code != 0 or missing:
             raise RuntimeError(f"hvd_compress: {launcher} exited with {code}, no result from ranks {missing}:\n"

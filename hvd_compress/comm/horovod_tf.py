@@ -59,21 +59,69 @@ from hvd_compress.wire import header_config, header_hash
 
 
 class HorovodTensorFlowCommunicator(HorovodCommunicator):
-    """``horovod.tensorflow`` collectives, called eagerly (each call returns its result)."""
+    """``horovod.tensorflow`` collectives, called eagerly; the allgathers started together run as one.
+
+    Every eager Horovod call blocks until each rank has made the matching call (eager calls match
+    by their order, the same on every rank), so a bucket's header, index and value allgathers,
+    issued one after the other, cost a round of Horovod's negotiation each. Here ``*_async`` queues
+    the collective and the first ``wait`` runs the queue in order: the allgathers as one
+    ``grouped_allgather`` (every tensor viewed as bytes, ``tf.bitcast`` to int8 and back, so each
+    comes back bit for bit as its own allgather returns it), at the place of the first of them; each
+    allreduce on its own. Every rank queues the same collectives in the same order, so the grouped
+    calls match as the single ones did.
+    """
 
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
         super().__init__(hvd)
+        self._queued: List[_Queued] = []
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        return self.hvd.allreduce(tensor, op=self._ops[op], name=name)
+        return self._queue(_Queued(self._ops[op], name, tensor))
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self.hvd.allgather(tensor, name=name)
+        return self._queue(_Queued(None, name, tensor))
 
     def wait(self, handle: Any) -> Any:
-        return handle
+        if handle.tensor is not None:
+            self._run_queued()
+        return handle.result
+
+    def _queue(self, queued: "_Queued") -> "_Queued":
+        self._queued.append(queued)
+        return queued
+
+    def _run_queued(self) -> None:
+        batch, self._queued = self._queued, []
+        gathers = [queued for queued in batch if queued.op is None]
+        for queued in batch:
+            if queued.op is not None:
+                queued.result = self.hvd.allreduce(queued.tensor, op=queued.op, name=queued.name)
+            elif queued is gathers[0]:
+                self._allgather(gathers)
+        for queued in batch:
+            queued.tensor = None
+
+    def _allgather(self, gathers: List["_Queued"]) -> None:
+        if len(gathers) == 1:
+            gathers[0].result = self.hvd.allgather(gathers[0].tensor, name=gathers[0].name)
+            return
+        as_bytes = [tf.bitcast(q.tensor, tf.int8) if q.tensor.dtype.size > 1 else q.tensor for q in gathers]
+        gathered = self.hvd.grouped_allgather(as_bytes, name=gathers[0].name)
+        for queued, result in zip(gathers, gathered):
+            queued.result = tf.bitcast(result, queued.tensor.dtype) if queued.tensor.dtype.size > 1 else result
+
+
+@dataclass
+class _Queued:
+    """A collective queued by :class:`HorovodTensorFlowCommunicator` (``op`` None: allgather), and its
+    ``result`` once run (``tensor`` None then)."""
+
+    op: Any
+    name: str
+    tensor: Any
+    result: Any = None
 
 
 def eagerly(
