@@ -240,13 +240,9 @@ def topk_indices(scores, k: int) -> tf.Tensor:
 
 def _topk_positions(scores, k: int) -> tf.Tensor:
     """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
-    while tracing): those above the k-th largest, then the lowest-indexed ties."""
-    kth = tf.reduce_min(tf.math.top_k(scores, k, sorted=False).values)
-    above = scores > kth
-    ties = tf.equal(scores, kth)
-    room = k - tf.math.count_nonzero(above, dtype=tf.int64)
-    take = above | (ties & (tf.cumsum(tf.cast(ties, tf.int64)) <= room))
-    return tf.where(take)[:, 0]
+    while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first, so its
+    first ``k`` are those above the k-th largest and then the lowest-indexed ties."""
+    return tf.sort(tf.cast(tf.math.top_k(scores, k, sorted=True).indices, tf.int64))
 
 
 def topk_select(a, k: int) -> tf.Tensor:
