@@ -2,8 +2,8 @@
 :class:`~hvd_compress.comm.horovod_tf.HorovodTensorFlowCommunicator`, queued together and run at the
 first ``wait`` (allgathers as one grouped allgather; with two ranks the allreduces gathered and
 reduced on each rank), against Horovod's own eager allgather and allreduce of the same tensors,
-called one by one. Each rank writes ``--out.<rank>``: one line per collective, ``same`` when the
-results have the same dtype, shape and bytes, else what differs.
+called one by one. Each rank writes ``--out.<rank>``: the Horovod calls the queue made, then one line per
+collective, ``same`` when the results have the same dtype, shape and bytes, else what differs.
 """
 
 from __future__ import annotations
@@ -47,8 +47,17 @@ def main() -> None:
     cases = collectives(hvd.rank())
     handles = [comm.allgather_async(t, f"case.{i}") if op is None else comm.allreduce_async(t, op, f"case.{i}")
                for i, (op, t) in enumerate(cases)]
+    calls, own = [], {name: getattr(hvd, name) for name in ("allgather", "allreduce", "grouped_allgather")}
+    for name, function in own.items():
+        def counted(*args, _run=function, _name=name, **kwargs):
+            calls.append(_name)
+            return _run(*args, **kwargs)
+
+        setattr(hvd, name, counted)
     queued = [comm.wait(handle).numpy() for handle in handles]
-    lines = []
+    for name, function in own.items():
+        setattr(hvd, name, function)
+    lines = [f"calls {' '.join(calls)}"]
     for i, ((op, tensor), got) in enumerate(zip(cases, queued)):
         want = (hvd.allgather(tensor, name=f"own.{i}") if op is None
                 else hvd.allreduce(tensor, op=hvd.Sum if op == "sum" else hvd.Max, name=f"own.{i}")).numpy()
