@@ -56,6 +56,8 @@ ROWS = {
     "dropin-regtopk": ("dropin", "regtopk"),
     "dropin-terngrad": ("dropin", "terngrad"),
 }
+#: suffix of a row run with the communicator's queued collectives issued one at a time (``--one-by-one``)
+ONE_BY_ONE = ":one-by-one"
 LAUNCHERS = ("horovodrun", "mpirun")
 HOROVODRUN = "from horovod.runner.launch import run_commandline; run_commandline()"
 
@@ -100,7 +102,7 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
 
     import hvd_compress.tensorflow as dropin
 
-    route, name = ROWS[row]
+    route, name = ROWS[row.removesuffix(ONE_BY_ONE)]
     wrap = dropin.DistributedGradientTape if route == "dropin" else hvd.DistributedGradientTape
     compression = make_compression(name)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -115,6 +117,22 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
         return loss
 
     return step
+
+
+def issue_one_by_one(comm: Any) -> None:
+    """The collectives ``comm`` queued, each its own eager Horovod call in queue order (no grouping)."""
+    batch, comm._queued = comm._queued, []
+    for queued in batch:
+        queued.result = (comm.hvd.allgather(queued.tensor, name=queued.name) if queued.op is None else
+                         comm.hvd.allreduce(queued.tensor, op=comm._ops[queued.op], name=queued.name))
+        queued.tensor = None
+
+
+def use_collectives(row: str, grouped: Callable) -> None:
+    """Before running ``row``: the TF communicator runs its queue grouped, or one by one for ``:one-by-one`` rows."""
+    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
+
+    HorovodTensorFlowCommunicator._run_queued = issue_one_by_one if row.endswith(ONE_BY_ONE) else grouped
 
 
 def ranks_agree(model: Any) -> bool:
@@ -139,7 +157,11 @@ def time_model(kind: str, config: Dict[str, Any], rank: int) -> Dict[str, Any]:
     models = {row: make_model(kind) for row in rows}
     steps = {row: make_step(row, models[row], config["lr"]) for row in rows}
     times: Dict[str, List[float]] = {row: [] for row in rows}
+    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
+
+    grouped = HorovodTensorFlowCommunicator._run_queued
     for row in rows:
+        use_collectives(row, grouped)
         started = time.perf_counter()
         for _ in range(config["warmup"]):
             steps[row](x, y).numpy()
@@ -147,6 +169,7 @@ def time_model(kind: str, config: Dict[str, Any], rank: int) -> Dict[str, Any]:
             print(f"{PROGRESS}{kind} {row}: traced and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
     for round_ in range(config["rounds"]):
         for row in rows:
+            use_collectives(row, grouped)
             for _ in range(config["steps"]):
                 started = time.perf_counter()
                 steps[row](x, y).numpy()
@@ -218,7 +241,7 @@ def rows_of(per_rank: List[Dict[str, Any]], model: str) -> List[Dict[str, Any]]:
     rows = []
     for row in per_rank[0]["models"][model]:
         medians = [float(np.median(r["models"][model][row]["step_s"])) for r in per_rank]
-        route, name = ROWS[row]
+        route, name = ROWS[row.removesuffix(ONE_BY_ONE)]
         rows.append({"model": model, "row": row, "route": route, "compression": name or "none",
                      "steps": len(per_rank[0]["models"][model][row]["step_s"]), "median_step_s_per_rank": medians,
                      "step_s": max(medians), "ranks_agree": all(r["models"][model][row]["ranks_agree"]
@@ -269,7 +292,7 @@ def run(models: Sequence[str] = MODELS, rows: Sequence[str] = tuple(ROWS), ranks
 
 def check(models: Sequence[str], rows: Sequence[str], ranks: int, launcher: str) -> None:
     """Bad options fail before any process starts."""
-    unknown = [m for m in models if m not in MODELS] + [r for r in rows if r not in ROWS]
+    unknown = [m for m in models if m not in MODELS] + [r for r in rows if r.removesuffix(ONE_BY_ONE) not in ROWS]
     if unknown:
         raise ValueError(f"hvd_compress: unknown {unknown}; models: {', '.join(MODELS)}; rows: {', '.join(ROWS)}")
     if "dense" not in rows:
@@ -295,12 +318,13 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
         f"ratio {s['ratio']:g}; median of {s['rounds']} x {s['steps']} steps, slower rank; "
         f"{results['machine']['cpu_count']} CPU cores")
     extra = f" {'before ms':>9} {'before x':>8}" if base else ""
-    say(f"\n  {'model':<5} {'row':<16} {'step ms':>8} {'x dense':>8}{extra} {'ranks agree':>11}")
+    width = max([16] + [len(r["row"]) for r in results["rows"]])
+    say(f"\n  {'model':<5} {'row':<{width}} {'step ms':>8} {'x dense':>8}{extra} {'ranks agree':>11}")
     for r in results["rows"]:
         earlier = _earlier(results, r["model"], r["row"])
         before = "" if not base else (f" {'-':>9} {'-':>8}" if earlier is None else
                                       f" {1e3 * earlier['step_s']:>9.1f} {earlier['ratio_to_dense']:>7.2f}x")
-        say(f"  {r['model']:<5} {r['row']:<16} {1e3 * r['step_s']:>8.1f} {r['ratio_to_dense']:>7.2f}x{before} "
+        say(f"  {r['model']:<5} {r['row']:<{width}} {1e3 * r['step_s']:>8.1f} {r['ratio_to_dense']:>7.2f}x{before} "
             f"{str(r['ranks_agree']):>11}")
 
 
@@ -340,6 +364,9 @@ def add_command(commands: Any, add_out: Callable, wrote: Callable) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="per rank (64)")
     p.add_argument("--threads", type=int, default=1, help="TensorFlow threads per process (1)")
     p.add_argument("--launcher", choices=LAUNCHERS, default="horovodrun", help="horovodrun --gloo or mpirun")
+    p.add_argument("--one-by-one", action="store_true",
+                   help=f"add each compressed row again as ROW{ONE_BY_ONE}: the TF communicator's collectives "
+                        "issued one Horovod call at a time, as before they were grouped (the rows take turns)")
     p.add_argument("--baseline", help="an earlier tf_step.json, shown next to this run")
     p.add_argument("--label", help="this run's name in the table and figure")
     p.add_argument("--no-progress", action="store_true", help="no progress lines")
@@ -347,6 +374,8 @@ def add_command(commands: Any, add_out: Callable, wrote: Callable) -> None:
     def handle(args: argparse.Namespace) -> int:
         print(f"TensorFlow step time: {', '.join(args.models)}; rows {', '.join(args.rows)}; {args.ranks} "
               f"processes, {args.rounds} rounds of {args.steps} steps")
+        if args.one_by_one:
+            args.rows += [row + ONE_BY_ONE for row in args.rows if ROWS.get(row, (None, None))[1] not in (None, "fp16")]
         try:
             run(models=args.models, rows=args.rows, ranks=args.ranks, steps=args.steps, rounds=args.rounds,
                 warmup=args.warmup, batch=args.batch_size, threads=args.threads, launcher=args.launcher,

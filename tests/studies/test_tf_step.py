@@ -1,4 +1,4 @@
-"""``python -m benchmarks tf-step``: 2 processes, one timed step per row on the MLP."""
+"""``python -m benchmarks tf-step``: 2 processes, two timed steps per row on the MLP."""
 
 import json
 
@@ -16,21 +16,23 @@ def test_every_row_runs_and_the_output_has_its_structure(tmp_path, capsys):
     launch.require("horovod.tensorflow")
     pytest.importorskip("matplotlib")
     argv = ["tf-step", "--models", "mlp", "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "8",
-            "--out", str(tmp_path), "--label", "tiny"]
+            "--one-by-one", "--out", str(tmp_path), "--label", "tiny"]
     assert main(argv) == 0
     assert (tmp_path / "tf_step.png").stat().st_size > 0
     results = json.loads((tmp_path / "tf_step.json").read_text())
     assert results["benchmark"] == "tf_step" and results["label"] == "tiny" and results["baseline"] is None
     assert results["settings"]["ranks"] == 2 and results["settings"]["models"] == ["mlp"]
     rows = results["rows"]
-    assert [r["row"] for r in rows] == list(tf_step.ROWS)
+    ours = [row for row, (_, name) in tf_step.ROWS.items() if name not in (None, "fp16")]
+    assert [r["row"] for r in rows] == list(tf_step.ROWS) + [f"{row}:one-by-one" for row in ours]
     for r in rows:
         assert set(r) == ROW_FIELDS
         assert r["model"] == "mlp" and r["steps"] == 2 and len(r["median_step_s_per_rank"]) == 2
         assert r["step_s"] == max(r["median_step_s_per_rank"]) > 0
         assert r["ratio_to_dense"] == pytest.approx(r["step_s"] / rows[0]["step_s"])
         assert r["ranks_agree"], r  # every rank applied the same average
-        assert (r["route"], None if r["compression"] == "none" else r["compression"]) == tf_step.ROWS[r["row"]]
+        route_and_name = tf_step.ROWS[r["row"].removesuffix(tf_step.ONE_BY_ONE)]
+        assert (r["route"], None if r["compression"] == "none" else r["compression"]) == route_and_name
     captured = capsys.readouterr()
     assert "tf-step mlp round 1/1: median ms dense" in captured.err
     assert "dropin-terngrad" in captured.out and "Wrote" in captured.out
