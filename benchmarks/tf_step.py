@@ -128,8 +128,19 @@ def issue_one_by_one(comm: Any) -> None:
         queued.tensor = None
 
 
-def use_collectives(row: str, grouped: Callable) -> None:
+def grouped_collectives(rows: Sequence[str]) -> Optional[Callable]:
+    """The TF communicator's own way to run its queue, where some row runs it one by one (else None)."""
+    if not any(row.endswith(ONE_BY_ONE) for row in rows):
+        return None
+    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
+
+    return HorovodTensorFlowCommunicator._run_queued
+
+
+def use_collectives(row: str, grouped: Optional[Callable]) -> None:
     """Before running ``row``: the TF communicator runs its queue grouped, or one by one for ``:one-by-one`` rows."""
+    if grouped is None:
+        return
     from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
 
     HorovodTensorFlowCommunicator._run_queued = issue_one_by_one if row.endswith(ONE_BY_ONE) else grouped
@@ -157,9 +168,7 @@ def time_model(kind: str, config: Dict[str, Any], rank: int) -> Dict[str, Any]:
     models = {row: make_model(kind) for row in rows}
     steps = {row: make_step(row, models[row], config["lr"]) for row in rows}
     times: Dict[str, List[float]] = {row: [] for row in rows}
-    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
-
-    grouped = HorovodTensorFlowCommunicator._run_queued
+    grouped = grouped_collectives(rows)
     for row in rows:
         use_collectives(row, grouped)
         started = time.perf_counter()
@@ -256,7 +265,10 @@ def baseline_of(path: Optional[str]) -> Optional[Dict[str, Any]]:
     """An earlier run's rows (``--baseline``: its JSON), shown next to this run's."""
     if not path:
         return None
-    earlier = json.loads(Path(path).read_text())
+    try:
+        earlier = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"hvd_compress: cannot read the baseline {path}: {error}") from error
     return {"file": Path(path).name, "label": earlier.get("label"), "rows": earlier["rows"]}
 
 
@@ -268,6 +280,7 @@ def run(models: Sequence[str] = MODELS, rows: Sequence[str] = tuple(ROWS), ranks
     """Every row on every model; writes ``tf_step.json`` and ``tf_step.png`` to ``out``, prints the table."""
     report.require_packages(torch=False, plots=plot and out is not None)
     check(models, rows, ranks, launcher)
+    earlier = baseline_of(baseline)
     config = {"models": list(models), "rows": list(rows), "steps": steps, "rounds": rounds, "warmup": warmup,
               "batch": batch, "lr": lr, "threads": threads, "seed": seed}
     started = time.perf_counter()
@@ -285,7 +298,7 @@ def run(models: Sequence[str] = MODELS, rows: Sequence[str] = tuple(ROWS), ranks
                      "clock": "one step-function call until the loss is on the host; median per rank, slower rank"},
         "wall_seconds": time.perf_counter() - started,
         "rows": [r for model in models for r in rows_of(per_rank, model)],
-        "baseline": baseline_of(baseline),
+        "baseline": earlier,
     }
     return publish(results, out, "tf_step", write_plot if plot else None, print_table, stdout)
 
@@ -342,7 +355,9 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
                               [float("nan") if e is None else e["ratio_to_dense"] for e in earlier]))
         report.ratio_bars(ax, [r["row"] for r in shown], groups)
         ax.set_title(f"{model}: median step / dense step")
-        ax.tick_params(axis="x", labelrotation=30)
+        for label in ax.get_xticklabels():
+            label.set(rotation=30, horizontalalignment="right")
+        ax.legend(fontsize="small")
     s = results["settings"]
     fig.suptitle(f"TensorFlow step time vs dense, {s['ranks']} processes on {results['machine']['cpu_count']} "
                  f"CPU cores (loopback), batch {s['batch']} per rank, ratio {s['ratio']:g}", fontsize="medium")

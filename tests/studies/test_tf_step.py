@@ -63,6 +63,7 @@ def test_a_baseline_is_shown_next_to_the_run(tmp_path):
     (["--models", "resnet"], "unknown ['resnet']"),
     (["--rows", "stock-topk"], "must include dense"),
     (["--ranks", "1"], "ranks must be at least 2"),
+    (["--baseline", "/nonexistent/tf_step.json"], "cannot read the baseline"),
 ])
 def test_bad_options_fail_before_any_process_starts(bad, message, capsys):
     assert main(["tf-step", *bad, "--out", ""]) == 2
