@@ -5,7 +5,8 @@ allreduce in a ``tf.function`` even in eager mode, and Keras compiles the
 train step. The compressors are Python classes that branch on what they see
 (Gaussian-k's count, the header check, TernGrad's shared scale), so each
 exchange runs eagerly as one ``tf.py_function`` op (:func:`eagerly`) whose
-collectives are eager Horovod calls. Inside a ``tf.function`` these stateful
+collectives are eager Horovod calls, those started together issued as one
+(:class:`HorovodTensorFlowCommunicator`). Inside a ``tf.function`` these stateful
 ops run in program order, so every rank issues its exchanges in the same
 order; no collective waits on a tensor another rank has not reached.
 
@@ -181,12 +182,19 @@ def eagerly(
 
 
 def exchange(compressor: Any, comm: Any, key: str, named: Sequence[tuple], average: bool = True) -> List[Any]:
-    """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange."""
+    """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange.
+
+    Collectives an error left queued on :class:`HorovodTensorFlowCommunicator` still go out, as
+    the eager calls they stand for would have, so that no later exchange issues them."""
     bucket = open_exchange(compressor, comm, key)
-    for name, tensor in named:
-        bucket.add(name, tensor)
-    bucket.launch()
-    results = bucket.finish(average=average)
+    try:
+        for name, tensor in named:
+            bucket.add(name, tensor)
+        bucket.launch()
+        results = bucket.finish(average=average)
+    finally:
+        if getattr(comm, "_queued", None):
+            comm._run_queued()
     return [results[name] for name, _ in named]
 
 
