@@ -20,8 +20,8 @@ python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ra
                           [--out results]
 python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
                              [--out results]
-python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--baseline JSON]
-                             [--out results]
+python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--one-by-one]
+                             [--baseline JSON] [--out results]
 """
 
 from __future__ import annotations
