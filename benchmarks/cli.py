@@ -23,6 +23,8 @@ python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none
 python -m benchmarks train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
                                 [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE]
                                 [--plot FILE]
+python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--one-by-one]
+                             [--baseline JSON] [--out results]
 """
 
 from __future__ import annotations
@@ -622,6 +624,10 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--seed", type=int, default=0)
     _add_out(scaling, "scaling", _bench_scaling)
     _add_train_step(commands)
+
+    from benchmarks import tf_step  # imports neither TensorFlow nor Horovod until it runs
+
+    tf_step.add_command(commands, _add_out, _wrote)
     return parser
 
 

@@ -5,7 +5,8 @@ allreduce in a ``tf.function`` even in eager mode, and Keras compiles the
 train step. The compressors are Python classes that branch on what they see
 (Gaussian-k's count, the header check, TernGrad's shared scale), so each
 exchange runs eagerly as one ``tf.py_function`` op (:func:`eagerly`) whose
-collectives are eager Horovod calls. Inside a ``tf.function`` these stateful
+collectives are eager Horovod calls, those started together issued as one
+(:class:`HorovodTensorFlowCommunicator`). Inside a ``tf.function`` these stateful
 ops run in program order, so every rank issues its exchanges in the same
 order; no collective waits on a tensor another rank has not reached.
 
@@ -59,21 +60,108 @@ from hvd_compress.wire import header_config, header_hash
 
 
 class HorovodTensorFlowCommunicator(HorovodCommunicator):
-    """``horovod.tensorflow`` collectives, called eagerly (each call returns its result)."""
+    """``horovod.tensorflow`` collectives, called eagerly; those started together run as one.
+
+    Every eager Horovod call blocks until each rank has made the matching call (eager calls match
+    by their order, the same on every rank), so a bucket's header, dense sum and sparse allgathers,
+    issued one after the other, cost a round of Horovod's negotiation each. Here ``*_async`` queues
+    the collective and the first ``wait`` runs the queue in order, the allgathers as one
+    ``grouped_allgather`` at the place of the first of them: every tensor viewed as bytes
+    (``tf.bitcast`` to int8 and back), so each comes back bit for bit as its own allgather returns
+    it. With two ranks the allreduces join that group too (:meth:`_joins`): each rank gathers both
+    tensors and adds (or takes the maximum) itself, ``a + b`` and ``max(a, b)`` being the same bits
+    in either order, and the bytes each rank sends are those of a ring allreduce (``d``). Every rank
+    queues the same collectives in the same order, so the grouped calls match as the single ones did.
+    """
 
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
         super().__init__(hvd)
+        self._queued: List[_Queued] = []
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        return self.hvd.allreduce(tensor, op=self._ops[op], name=name)
+        return self._queue(_Queued(op, name, tensor))
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self.hvd.allgather(tensor, name=name)
+        return self._queue(_Queued(None, name, tensor))
 
     def wait(self, handle: Any) -> Any:
-        return handle
+        if handle.tensor is not None:
+            self._run_queued()
+        return handle.result
+
+    def _queue(self, queued: "_Queued") -> "_Queued":
+        self._queued.append(queued)
+        return queued
+
+    def _joins(self, queued: "_Queued") -> bool:
+        """Whether the collective runs in the batch's ``grouped_allgather``: allgathers, and with two
+        ranks the allreduces (Max; Sum, but not of float16 or bfloat16, which Horovod may add in float32)."""
+        if queued.op is None:
+            return True
+        half = queued.tensor.dtype in (tf.float16, tf.bfloat16)
+        return self.size == 2 and (queued.op == self.MAX or not half)
+
+    def _run_queued(self) -> None:
+        batch, self._queued = self._queued, []
+        grouped = [queued for queued in batch if self._joins(queued)]
+        for queued in batch:
+            if grouped and queued is grouped[0]:
+                self._grouped(grouped)
+            elif not self._joins(queued):
+                queued.result = self.hvd.allreduce(queued.tensor, op=self._ops[queued.op], name=queued.name)
+        for queued in batch:
+            queued.tensor = None
+
+    def _grouped(self, grouped: List["_Queued"]) -> None:
+        """Run ``grouped`` as one ``grouped_allgather`` (a lone one as itself)."""
+        if len(grouped) == 1:
+            (queued,) = grouped
+            queued.result = (
+                self.hvd.allgather(queued.tensor, name=queued.name) if queued.op is None
+                else self.hvd.allreduce(queued.tensor, op=self._ops[queued.op], name=queued.name)
+            )
+            return
+        sent = [q.tensor if q.op is None else q.tensor[None] for q in grouped]  # allreduces: a row per rank
+        gathered = self.hvd.grouped_allgather([_as_bytes(t) for t in sent], name=grouped[0].name)
+        for queued, result in zip(grouped, gathered):
+            result = _from_bytes(result, queued.tensor.dtype)
+            queued.result = result if queued.op is None else _reduce_rows(result, queued.op == self.MAX)
+
+
+def _as_bytes(tensor: Any) -> Any:
+    return tensor if tensor.dtype == tf.int8 else tf.bitcast(tensor, tf.int8)
+
+
+def _from_bytes(tensor: Any, dtype: Any) -> Any:
+    return tensor if dtype == tf.int8 else tf.bitcast(tensor, dtype)
+
+
+#: integer sums wrap, as Horovod's do: added as the unsigned type of the same width
+_UNSIGNED = {tf.int8: tf.uint8, tf.int16: tf.uint16, tf.int32: tf.uint32, tf.int64: tf.uint64}
+
+
+def _reduce_rows(rows: Any, maximum: bool) -> Any:
+    """The two ranks' rows ``[2, ...]`` reduced: ``max`` or the sum (integers wrapping)."""
+    if maximum:
+        return tf.maximum(rows[0], rows[1])
+    unsigned = _UNSIGNED.get(rows.dtype)
+    if unsigned is None:
+        return rows[0] + rows[1]
+    both = tf.bitcast(rows, unsigned)
+    return tf.bitcast(both[0] + both[1], rows.dtype)
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A collective queued by :class:`HorovodTensorFlowCommunicator` (``op``: ``"sum"``, ``"max"``, None
+    for an allgather), and its ``result`` once run (``tensor`` None then)."""
+
+    op: Optional[str]
+    name: str
+    tensor: Any
+    result: Any = None
 
 
 def eagerly(
@@ -94,12 +182,19 @@ def eagerly(
 
 
 def exchange(compressor: Any, comm: Any, key: str, named: Sequence[tuple], average: bool = True) -> List[Any]:
-    """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange."""
+    """Average (or sum) over ranks of each ``(name, tensor)``, in one fused exchange.
+
+    Collectives an error left queued on :class:`HorovodTensorFlowCommunicator` still go out, as
+    the eager calls they stand for would have, so that no later exchange issues them."""
     bucket = open_exchange(compressor, comm, key)
-    for name, tensor in named:
-        bucket.add(name, tensor)
-    bucket.launch()
-    results = bucket.finish(average=average)
+    try:
+        for name, tensor in named:
+            bucket.add(name, tensor)
+        bucket.launch()
+        results = bucket.finish(average=average)
+    finally:
+        if getattr(comm, "_queued", None):
+            comm._run_queued()
     return [results[name] for name, _ in named]
 
 

@@ -69,13 +69,14 @@ class TernaryTensorCodec(TensorCodec):
                 else tern.encode(t, name, scale=s)
                 for name, t, s in zip(self.names, self.tensors, shared)
             ]
+            wires = [tern.wire_tensor(p, ops) for p in payloads]
             sends = []
             for fmt, op, label in CODE_WIRES:
-                wires = [tern.wire_tensor(p, ops) for p in payloads if p.wire_format == fmt]
-                if wires:
-                    sends.append(Send(label, op, ops.concat(wires)))
+                chosen = [wire for p, wire in zip(payloads, wires) if p.wire_format == fmt]
+                if chosen:
+                    sends.append(Send(label, op, ops.concat(chosen)))
             received = yield sends
-            return self._decode_shared(received, payloads, shared)
+            return self._decode_shared(received, payloads, shared, [wire.shape[0] for wire in wires])
         # residuals before the step, for tensors another rank finds non-finite (known after the gather)
         kept = {name: tern.memory.peek(name, "residual") for name in self.names}
         payloads = [
@@ -88,15 +89,14 @@ class TernaryTensorCodec(TensorCodec):
         return self._decode_own_scales(received, payloads, packed, kept)
 
     def _decode_shared(self, received: Dict[str, Any], payloads: List[TernaryPayload],
-                       shared: List[float]) -> Dict[str, Any]:
-        """Every tensor's ``S * sum over ranks of t``: its part of the summed lanes, or its codes in every
-        rank's chunk of the 2-bit gather."""
+                       shared: List[float], sizes: List[int]) -> Dict[str, Any]:
+        """Every tensor's ``S * sum over ranks of t``: its part (``sizes``: its wire's length) of the
+        summed lanes, or its codes in every rank's chunk of the 2-bit gather."""
         ops, tern, bucket = self.ops, self.compressor, self.bucket
         world = bucket.world
         results, offsets = {}, {"allreduce": 0, "allgather": 0}
-        for name, tensor, payload, scale in zip(self.names, self.tensors, payloads, shared):
+        for name, tensor, payload, scale, size in zip(self.names, self.tensors, payloads, shared, sizes):
             fmt, label = payload.wire_format, "lanes" if payload.wire_format == "allreduce" else "codes2bit"
-            size = tern.wire_tensor(payload, ops).shape[0]
             start = offsets[fmt]
             if fmt == "allreduce":
                 wire = received[label][start : start + size]

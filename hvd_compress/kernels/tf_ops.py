@@ -249,13 +249,9 @@ def topk_indices(scores, k: int) -> tf.Tensor:
 
 def _topk_positions(scores, k: int) -> tf.Tensor:
     """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
-    while tracing): those above the k-th largest, then the lowest-indexed ties."""
-    kth = tf.reduce_min(tf.math.top_k(scores, k, sorted=False).values)
-    above = scores > kth
-    ties = tf.equal(scores, kth)
-    room = k - tf.math.count_nonzero(above, dtype=tf.int64)
-    take = above | (ties & (tf.cumsum(tf.cast(ties, tf.int64)) <= room))
-    return tf.where(take)[:, 0]
+    while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first, so its
+    first ``k`` are those above the k-th largest and then the lowest-indexed ties."""
+    return tf.sort(tf.cast(tf.math.top_k(scores, k, sorted=True).indices, tf.int64))
 
 
 def topk_select(a, k: int) -> tf.Tensor:
@@ -385,9 +381,9 @@ def _pack_fields(fields, bits: int, per_word: int) -> tf.Tensor:
 
 def _unpack_fields(words, bits: int, per_word: int, numel: int) -> tf.Tensor:
     shifts = tf.constant([bits * i for i in range(per_word)], tf.int64)
-    fields = tf.bitwise.right_shift(words[:, None], shifts)
+    fields = tf.bitwise.right_shift(tf.expand_dims(words, 1), shifts)
     fields = tf.bitwise.bitwise_and(fields, tf.constant((1 << bits) - 1, tf.int64))
-    return tf.reshape(fields, [-1])[:numel]
+    return tf.slice(tf.reshape(fields, [-1]), [0], [numel])  # one op each, where indexing takes four
 
 
 def pack_ternary(codes, world_size: int) -> tf.Tensor:

@@ -107,14 +107,23 @@ class ByteCounter:
         self.ours = False  # inside our communicator's call (which runs Horovod's allreduce itself)
         for attr in ("allreduce_async", "allgather_async"):
             setattr(comm, attr, self._counting(getattr(comm, attr)))
+        comm.wait = self._ours(comm.wait)  # runs the collectives queued by the two above
         hvd._allreduce = self._counting_horovod(hvd._allreduce)
 
     def _counting(self, method):
+        ours = self._ours(method)
+
         def wrapper(this, tensor, *args, **kwargs):
             self.bytes += tensor.shape.num_elements() * tensor.dtype.size  # static: AutoGraph may trace this
+            return ours(this, tensor, *args, **kwargs)
+
+        return wrapper
+
+    def _ours(self, method):
+        def wrapper(this, *args, **kwargs):
             self.ours = True
             try:
-                return method(this, tensor, *args, **kwargs)
+                return method(this, *args, **kwargs)
             finally:
                 self.ours = False
 
