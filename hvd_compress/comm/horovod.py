@@ -202,11 +202,6 @@ def caller(tensor: Any, depth: int = 8) -> Tuple[Any, Optional[str]]:
     return None, None
 
 
-def parameter_name(tensor: Any, depth: int = 8) -> Optional[str]:
-    """Horovod's name of the parameter whose gradient ``tensor`` is (see :func:`caller`), or ``None``."""
-    return caller(tensor, depth)[1]
-
-
 def _calls(compressor: Any) -> _Calls:
     """What this route keeps for ``compressor`` (its run state's route data)."""
     return compressor.state.route_data("horovod.torch", _Calls)

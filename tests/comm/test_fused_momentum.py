@@ -297,7 +297,7 @@ def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
         return out
 
     fused, per_tensor = run(False), run(True)
-    (before, before_u), (nan_step, nan_u) = fused[0], fused[1]
+    (_, before_u), (nan_step, nan_u) = fused[0], fused[1]
     assert torch.isnan(nan_step["b1"]).any() and torch.isfinite(nan_step["b2"]).all()
     assert torch.equal(nan_u["b1"], before_u["b1"]), "the NaN tensor keeps its velocity"
     assert not torch.equal(nan_u["b2"], before_u["b2"]), "its group's other tensor steps"
