@@ -384,14 +384,14 @@ def _time_rows(
     """``(rows, backend)``: :func:`run_row` of every ``(route, compressor)`` in ``todo``, inside a one-rank
     :func:`process_group` on ``env``'s device, with a progress bar (``progress``)."""
     rows: List[Dict[str, Any]] = []
-    bar = report.progress_bar(len(todo), "bench train-step", "row", progress)
+    bar = report.progress_bar(len(todo), "train-step", "row", progress)
     try:
         with process_group(env.cuda) as backend:
             for route, compressor in todo:
                 row = run_row(env, route, compressor, steps, warmup)
                 rows.append(row)
                 if row["error"]:
-                    report.say(bar, f"bench train-step: {route} {compressor} failed: {row['error']}")
+                    report.say(bar, f"train-step: {route} {compressor} failed: {row['error']}")
                     bar.set_postfix_str(f"{route} {compressor}: error")
                 else:
                     bar.set_postfix_str(f"{route} {compressor}: {row['median_ms']:.2f} ms")
