@@ -202,8 +202,7 @@ def _add_time_to_accuracy(commands: Any) -> None:
     p.add_argument("--epochs", type=int, default=d.epochs, help=f"({d.epochs})")
     p.add_argument("--batch-size", type=int, default=d.batch_per_rank, help=f"per rank ({d.batch_per_rank})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD step size ({d.lr})")
-    p.add_argument("--lr-schedule", choices=("cosine", "constant"), default=d.lr_schedule,
-                   help=f"cosine: the step size decays from --lr to 0 over the run ({d.lr_schedule})")
+    _add_lr_schedule(p, d.lr_schedule)
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD's momentum, or the compressor's with mc")
     p.add_argument("--compressor", default=d.compressor, help=f"topk, gaussiank or regtopk ({d.compressor})")
     _add_ratio(p)
@@ -249,8 +248,7 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                   help="cosine: the step size decays from --lr to 0 over the run (default constant)")
+    _add_lr_schedule(p, "constant")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD's momentum, or the compressor's with mc (0.9)")
     defaults = "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}" for name, d in DEFAULTS.items())
@@ -490,6 +488,13 @@ def _add_train_step(commands: Any) -> None:
         "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
     )
     train.set_defaults(run=_train_step)
+
+
+def _add_lr_schedule(parser: argparse.ArgumentParser, default: str) -> None:
+    from benchmarks.cnn import LR_SCHEDULES
+
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=default,
+                        help=f"cosine: the step size decays from --lr to 0 over the run (default {default})")
 
 
 def _add_delay(parser: argparse.ArgumentParser) -> None:

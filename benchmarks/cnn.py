@@ -213,6 +213,20 @@ def evaluate(model: Any, x: Any, y: Any) -> Tuple[float, float]:
         return float(F.cross_entropy(logits, y)), float((logits.argmax(1) == y).float().mean())
 
 
+#: Step-size schedules of the studies: ``constant``, or ``cosine`` (``lr`` decayed to 0 over the run).
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def step_decay(optimizer: Any, schedule: str, steps: int) -> Any:
+    """The scheduler of ``schedule`` (:data:`LR_SCHEDULES`) over ``steps`` steps of ``optimizer``, stepped
+    after every optimizer step; ``None`` for ``constant``."""
+    import torch
+
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"hvd_compress: unknown step-size schedule {schedule!r}; choose one of {LR_SCHEDULES}")
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps) if schedule == "cosine" else None
+
+
 def train(
     compression: Compressor,
     data: ImageData,
@@ -257,7 +271,7 @@ def train(
             f"of {ranks} ranks x {batch_per_rank}"
         )
     total = epochs * per_epoch
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total) if lr_schedule == "cosine" else None
+    decay = step_decay(optimizer, lr_schedule, total)
     eval_at = set(np.linspace(0, total, max(1, evals) + 1).round().astype(int).tolist())
     order = torch.Generator().manual_seed(seed)
     losses: List[float] = []

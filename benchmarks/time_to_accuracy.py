@@ -164,8 +164,7 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
     per_epoch = len(data.train_y) // global_batch
     total = training.epochs * per_epoch
     eval_every = max(1, per_epoch // max(1, training.evals_per_epoch))
-    decay = (torch.optim.lr_scheduler.CosineAnnealingLR(sgd, total) if training.lr_schedule == "cosine"
-             else None)
+    decay = convergence.cnn.step_decay(sgd, training.lr_schedule, total)
     schedule, ramp = None, 0
     if warm:
         ramp = max(1, round(training.warmup_epochs * per_epoch))
@@ -294,6 +293,9 @@ def run(
     if int(ranks) < 2:
         raise ValueError(f"hvd_compress: ranks must be at least 2, got {ranks}")
     convergence.plan([training.model], [training.compressor], [training.ratio], [training.variant])  # checks names
+    if training.lr_schedule not in convergence.cnn.LR_SCHEDULES:
+        raise ValueError(f"hvd_compress: lr_schedule must be one of {convergence.cnn.LR_SCHEDULES}, "
+                         f"got {training.lr_schedule!r}")
     if training.compressor not in convergence.cnn.SPARSE:
         raise ValueError(f"hvd_compress: --compressor must be a sparsifier ({', '.join(convergence.cnn.SPARSE)})")
     rows: List[Dict[str, Any]] = []

@@ -156,3 +156,17 @@ def test_summary_of_seeds():
     assert convergence.first_epoch_at([0.95, 0.5, 0.93], 0.925) == 2  # the initial model does not count
     table = convergence.markdown_table({"rows": [row]}).splitlines()
     assert table[2] == "| cnn | top-k 1% | 0.9200 +- 0.0283 (0.9000-0.9400) | -1.00 pt | never | 0.1000 |"
+
+
+def test_step_decay_reaches_zero_and_refuses_unknown_schedules():
+    from benchmarks import cnn
+
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+    assert cnn.step_decay(sgd, "constant", 10) is None
+    decay = cnn.step_decay(sgd, "cosine", 10)
+    for _ in range(10):
+        sgd.step()
+        decay.step()
+    assert sgd.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="unknown step-size schedule"):
+        cnn.step_decay(sgd, "Cosine", 10)
