@@ -91,6 +91,11 @@ class Group:
         return per_row[self.first : self.last, None]
 
 
+def _offsets(groups: List[Group]) -> Dict[int, int]:
+    """Each grouped tensor's first entry in its part's flat layout."""
+    return {i: g.start + row * g.n for g in groups for row, i in enumerate(g.members)}
+
+
 class FusedBucket:
     """Plan and state of one bucket on the fused path (see the module docstring)."""
 
@@ -106,10 +111,7 @@ class FusedBucket:
         self.groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind != "dense"])
         self.compressed = [i for g in self.groups for i in g.members]  # work order
         self.n_compressed = self.groups[-1].stop if self.groups else 0
-        self.offsets: Dict[int, int] = {}
-        for g in self.groups:
-            for row, i in enumerate(g.members):
-                self.offsets[i] = g.start + row * g.n
+        self.offsets = _offsets(self.groups)  # tensor -> its first entry in the compressed part
         #: the compressor's codec of the compressed part (what travels, how it decodes)
         self.codec = compressor.bucket_codec(self) if self.compressed else None
         #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
@@ -119,7 +121,7 @@ class FusedBucket:
         self.dense_groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind == "dense"])
         self.dense = [i for g in self.dense_groups for i in g.members]
         self.n_dense = self.dense_groups[-1].stop if self.dense_groups else 0
-        self.dense_offsets = {i: g.start + row * g.n for g in self.dense_groups for row, i in enumerate(g.members)}
+        self.dense_offsets = _offsets(self.dense_groups)
         #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
         self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
         #: momentum correction's decay (0: off)
