@@ -44,7 +44,7 @@ class TorchDistCommunicator(Communicator):
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         result = tensor.clone()
         work = dist.all_reduce(result, op=self._ops[op], group=self.group, async_op=True)
-        return work, lambda: result
+        return work, lambda: result, result.is_cuda
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         if rows is None:
@@ -56,7 +56,7 @@ class TorchDistCommunicator(Communicator):
         if len(set(rows)) == 1:
             outputs = [torch.empty_like(tensor) for _ in rows]
             work = dist.all_gather(outputs, tensor.contiguous(), group=self.group, async_op=True)
-            return work, lambda: torch.cat(outputs)
+            return work, lambda: torch.cat(outputs), tensor.is_cuda
         flat = tensor.contiguous().reshape(-1)
         gathered = flat.new_empty(sum(rows) * per_row)
         work = dist.all_to_all_single(
@@ -67,10 +67,17 @@ class TorchDistCommunicator(Communicator):
             group=self.group,
             async_op=True,
         )
-        return work, lambda: gathered.reshape((sum(rows),) + tuple(tensor.shape[1:]))
+        return work, lambda: gathered.reshape((sum(rows),) + tuple(tensor.shape[1:])), tensor.is_cuda
 
     def wait(self, handle: Any) -> Any:
-        work, result = handle
-        if not work.get_future().done():  # a DDP hook decodes once the futures are done: no second wait
+        """The collective's result. A handle is ``(work, result, on GPU)``.
+
+        On a GPU (NCCL) a work's future is done as soon as the collective is queued, and
+        ``work.wait()`` makes the current stream wait for it (no host wait): the result is not
+        read before. On the CPU (gloo) a done work needs no wait, and a DDP hook decodes inside
+        its futures' callback, on gloo's thread, where waiting again would never return.
+        """
+        work, result, on_gpu = handle
+        if on_gpu or not work.get_future().done():
             work.wait()
         return result()

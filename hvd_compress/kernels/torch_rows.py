@@ -197,7 +197,7 @@ class Rows:
         parts, top = [], []
         for start, view, k, _, _, _ in self._views(scores):
             top.append(view.amax(dim=1))
-            for i, (row, nan) in enumerate(zip(view, torch.isnan(top[-1]).numpy())):  # read as numpy's selection
+            for i, (row, nan) in enumerate(zip(view, torch.isnan(top[-1]).cpu().numpy())):  # as numpy's selection
                 if not nan:
                     chosen = ops.topk_indices(row, k)
                 else:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
@@ -271,7 +271,7 @@ class Rows:
 
     def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)
-        thresholds = first.numpy()
+        thresholds = first.cpu().numpy()
         for start, view, k, width, (r0, _), (lo, _) in self._views(magnitude):
             for i, row in enumerate(view):
                 chosen = ops.gaussiank_from(row, float(thresholds[r0 + i]), k)

@@ -166,7 +166,7 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
     for position, name in named:
         exchange.add(name, gradients[position])
     exchange.launch()
-    futures = [work.get_future() for work, _ in exchange.in_flight()]
+    futures = [handle[0].get_future() for handle in exchange.in_flight()]
     in_bucket_order = [name for _, name in sorted(named)]
 
     def decode(_: Any) -> torch.Tensor:

@@ -14,6 +14,7 @@
 - the same optimizer over ``torch.distributed`` with the NCCL backend, world size 1
   (NCCL wants one GPU per rank), exchanging from the gradient hooks: equal to the
   Simulator of one rank on CUDA;
+- the DDP hook over NCCL, world size 1: equal to the Simulator of one rank on CUDA;
 - ``hvd_compress.mpi.DistributedOptimizer`` under ``mpirun -np 2``, both ranks on
   the one GPU, CUDA tensors through MPI (staged through host memory unless the MPI
   library is CUDA-aware): equal to the Simulator of two ranks on CUDA (every
@@ -166,6 +167,26 @@ def test_drop_in_optimizer_over_nccl_world_size_1(nccl_world_of_one):
         result = train(name, comm, workload.make_model().to("cuda"))
         assert result.pop("residual devices") == residual_devices_of(name), name
         assert_close(result, simulate(name, 1, "cuda"), tolerance(name), f"{name} over NCCL vs Simulator")
+
+
+def test_ddp_hook_over_nccl_world_size_1(nccl_world_of_one):
+    """The DDP hook decodes in the callback of NCCL's futures, which are done as soon as the
+    collectives are queued: its results must still be those the collectives wrote."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name in [name for name in NAMES if name != "terngrad"]:  # DDP orders a bucket's tensors its own
+        module = workload.make_model().to("cuda")  # way, so TernGrad's draws go to other tensors
+        model = DistributedDataParallel(module, device_ids=[0], bucket_cap_mb=1)
+        compression = workload.compressor(name)
+        state = hvd_torch.CompressionState(compression, named_parameters=module.named_parameters())
+        model.register_comm_hook(state, hvd_torch.ddp_hook)
+        sgd = torch.optim.SGD(model.parameters(), lr=workload.LR)
+        for x, y in workload.batches(0, STEPS):
+            sgd.zero_grad()
+            workload.loss_fn(model, x.to("cuda"), y.to("cuda")).backward()
+            sgd.step()
+        got = {n: p.detach().cpu().numpy() for n, p in module.named_parameters()}
+        assert_close(got, simulate(name, 1, "cuda"), tolerance(name), f"{name} DDP hook over NCCL vs Simulator")
 
 
 def test_mpi_optimizer_with_cuda_tensors_on_2_ranks(tmp_path):
