@@ -17,10 +17,11 @@ allgathered as 2-bit codes when that moves fewer bytes
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from hvd_compress import kernels
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.wire import two_bit_bytes
@@ -100,16 +101,25 @@ class TernGrad(Compressor):
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)
 
+    def measure(self, tensor: Any, name: str) -> Optional[Tuple[Any, Any, Any, Any]]:
+        """``(flat g, a = g + r, clip(a), max|clip(a)|)`` of a gradient, which :meth:`encode_measured`
+        encodes; ``None`` for tensors sent dense. The per-tensor exchange measures every tensor
+        once, shares the scales, then encodes from the measurement."""
+        flat, shape, ops = self._validated(tensor, name)
+        if flat.shape[0] < self.dense_below:
+            return None
+        a = self._compensated(flat, name, shape, ops)
+        clipped = self._clipped(a, ops)
+        return flat, a, clipped, ops.terngrad_scale(clipped)
+
     def local_scale(self, tensor: Any, name: str) -> Optional[float]:
         """This rank's scale ``max|g|`` (after clipping); ``None`` for tensors sent dense.
 
         The ranks' scales are combined with an allreduce-Max and the result is
         passed to :meth:`encode` as ``scale``.
         """
-        flat, shape, ops = self._validated(tensor, name)
-        if flat.shape[0] < self.dense_below:
-            return None
-        return ops.terngrad_scale(self._clipped(self._compensated(flat, name, shape, ops), ops))
+        measured = self.measure(tensor, name)
+        return None if measured is None else measured[3]
 
     def encode(self, tensor: Any, name: str, scale: Optional[float] = None) -> Any:
         """Ternary payload of ``tensor``; ``scale`` is the shared ``S`` (``None``: local scale)."""
@@ -120,7 +130,18 @@ class TernGrad(Compressor):
             return DensePayload(values=flat, dtype=flat.dtype)
         a = self._compensated(flat, name, shape, ops)
         clipped = self._clipped(a, ops)
-        local = ops.terngrad_scale(clipped)
+        return self._payload(flat, a, clipped, ops.terngrad_scale(clipped), name, ops, scale)
+
+    def encode_measured(self, measured: Tuple[Any, Any, Any, Any], name: str, scale: Optional[float] = None) -> Any:
+        """:meth:`encode` of the gradient :meth:`measure` measured (nothing computed twice)."""
+        flat, a, clipped, local = measured
+        ops = kernels.ops_for(flat, name)
+        payload = self._payload(flat, a, clipped, local, name, ops, scale)
+        self.stats.record(payload, flat.shape[0], ops.itemsize(flat))
+        return payload
+
+    def _payload(self, flat: Any, a: Any, clipped: Any, local: Any, name: str, ops: Any,
+                 scale: Optional[float]) -> TernaryPayload:
         shared = scale is not None
         if not shared:
             scale = local

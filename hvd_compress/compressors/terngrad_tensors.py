@@ -31,6 +31,7 @@ class TernaryTensorCodec(TensorCodec):
         super().__init__(compressor, bucket)
         self.tensors: List[Any] = []
         self.scales: List[float] = []  # this rank's, 0 for a non-finite tensor
+        self.measured: Dict[str, Any] = {}  # what encoding a tensor needs besides the scale
 
     @property
     def rounds(self) -> int:
@@ -38,10 +39,11 @@ class TernaryTensorCodec(TensorCodec):
 
     def add(self, name: str, tensor: Any) -> Optional[DensePayload]:
         """Measure the tensor's scale; codes come after the scales are shared. Small tensors go dense."""
-        scale = self.compressor.local_scale(tensor, name)
-        if scale is None:
+        measured = self.compressor.measure(tensor, name)
+        if measured is None:
             return self.compressor.encode(tensor, name)
-        self._carry(name, tensor, scale)
+        self.measured[name] = measured
+        self._carry(name, tensor, measured[3])
         return None
 
     def add_nonfinite(self, name: str, tensor: Any) -> Optional[DensePayload]:
@@ -66,7 +68,7 @@ class TernaryTensorCodec(TensorCodec):
             shared = ops.to_list(received["scales"])
             payloads = [  # the header is checked: flagged tensors are known
                 tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, True) if name in self.bucket.flagged
-                else tern.encode(t, name, scale=s)
+                else tern.encode_measured(self.measured[name], name, scale=s)
                 for name, t, s in zip(self.names, self.tensors, shared)
             ]
             wires = [tern.wire_tensor(p, ops) for p in payloads]
@@ -81,7 +83,7 @@ class TernaryTensorCodec(TensorCodec):
         kept = {name: tern.memory.peek(name, "residual") for name in self.names}
         payloads = [
             tern.nonfinite_payload(ops.reshape(t, (-1,)), ops, False) if name in self.bucket.nonfinite
-            else tern.encode(t, name)
+            else tern.encode_measured(self.measured[name], name)
             for name, t in zip(self.names, self.tensors)
         ]
         packed = [ops.pack_two_bit(p.codes) for p in payloads]

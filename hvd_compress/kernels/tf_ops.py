@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_compress.wire import ternary_field_bits
+from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_GROW,
     GAUSSIANK_HIGH,
@@ -157,6 +158,13 @@ def from_host(array: np.ndarray, like) -> tf.Tensor:
 
 
 def reshape(a, shape) -> tf.Tensor:
+    """``a`` in ``shape``; a tensor (not a variable) already in it is returned as it is (an eager
+    reshape costs as much as a small kernel)."""
+    shape = tuple(shape)
+    if isinstance(a, tf.Tensor) and a.shape.is_fully_defined() and (
+        tuple(a.shape) == shape or (shape == (-1,) and a.shape.rank == 1)
+    ):
+        return a
     return tf.reshape(a, shape)
 
 
@@ -247,10 +255,19 @@ def topk_indices(scores, k: int) -> tf.Tensor:
     return tf.reshape(tf.cast(_topk_positions(scores, k), index_dtype(numel)), [k])
 
 
+def _on_host(a) -> bool:
+    """Whether ``a`` is an eager tensor on the CPU, where numpy's selection is several times faster
+    than ``tf.math.top_k`` (a 200k-entry float32 Top-k at 1%: 0.33 against 1.35 ms)."""
+    return tf.executing_eagerly() and "GPU" not in a.device and a.dtype in (tf.float32, tf.float64)
+
+
 def _topk_positions(scores, k: int) -> tf.Tensor:
     """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
     while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first, so its
-    first ``k`` are those above the k-th largest and then the lowest-indexed ties."""
+    first ``k`` are those above the k-th largest and then the lowest-indexed ties. On the host
+    (:func:`_on_host`) the reference's selection, the same positions."""
+    if _on_host(scores):
+        return tf.constant(reference.topk_indices(scores.numpy(), k).astype(np.int64))
     return tf.sort(tf.cast(tf.math.top_k(scores, k, sorted=True).indices, tf.int64))
 
 
