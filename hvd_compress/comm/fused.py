@@ -24,7 +24,9 @@ compressor configuration, world size) and holds
 Building it checks once that every rank agrees (an allgather of ``[config hash,
 layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
 
-    dense part: one cat, one allreduce-Sum       (momentum correction: u = m u + g sent;
+    dense part: one cat, one allreduce-Sum of it (``allreduce_donated_async``: the cat is
+                                                  the step's own, no copy for the transport;
+                                                  momentum correction: u = m u + g sent;
                                                   a tensor whose sum holds NaN/Inf keeps
                                                   its u from before the step: per size group
                                                   one flag pass and one where)
@@ -278,7 +280,8 @@ class FusedBucket:
                 out.header = self.start_check(comm)
         dense = self._dense_input(tensors) if not self.momentum else self._dense_velocity_input(tensors, out)
         if dense is not None:
-            out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
+            send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
+            out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
@@ -288,6 +291,7 @@ class FusedBucket:
         return out
 
     def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The dense part in its flat layout, a fresh buffer of this step's (the allreduce may reduce it in place)."""
         if not self.dense:
             return None
         parts = []
