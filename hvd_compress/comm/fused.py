@@ -351,31 +351,41 @@ class Launched:
         self.rounds.advance()
 
     # ------------------------------------------------------------------ finish
-    def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
-        """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape."""
+    def finish(self, comm: Any, average: bool, order: Optional[List[str]] = None) -> Any:
+        """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape, or
+        with ``order`` (names) those results flat, concatenated in that order: one cat and one division
+        for the whole bucket (what a DDP hook returns)."""
         b = self.bucket
         self.complete(comm)
+        parts = self._totals(comm)
+        self.rounds.release()
+        if order is not None:
+            sums = {b.names[i]: total[start : start + b.numels[i]] for total, starts in parts for i, start in starts.items()}
+            return self._scaled(torch.cat([sums[name] for name in order]), average)
         results: Dict[str, torch.Tensor] = {}
+        for total, starts in parts:
+            flat = self._scaled(total, average)
+            for i, start in starts.items():
+                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
+        return results
+
+    def _totals(self, comm: Any) -> List[Tuple[torch.Tensor, Dict[int, int]]]:
+        """The sums over ranks (accumulation dtype), each with its tensors' first entries: the dense part's,
+        the compressed part's; the bucket takes the step's state."""
+        b = self.bucket
+        parts = []
         if b.dense:
             total = comm.wait(self.handles["dense"]).to(b.acc)
             if total is self.dense_velocity:  # a world of one hands back its input: keep the velocity apart
                 total = total.clone()
             if self.dense_velocity is not None:
                 b.keep_dense_velocity(total, self.dense_velocity)
-            flat = self._scaled(total, average)
-            start = 0
-            for i in b.dense:
-                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
-                start += b.numels[i]
+            parts.append((total, b.dense_offsets))
         if b.compressed:
             total, bad = self.rounds.decode()
             self._keep(bad)
-            flat = self._scaled(total, average)
-            for i in b.compressed:
-                start = b.offsets[i]
-                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
-        self.rounds.release()
-        return results
+            parts.append((total, b.offsets))
+        return parts
 
     def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
         b = self.bucket

@@ -161,6 +161,35 @@ def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, s
                 assert residual is None or torch.equal(residual, step_want[name][1]), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["none", "topk", "terngrad"])
+def test_flat_finish_is_the_results_concatenated(kind, dtype):
+    """``finish(order=names)`` (a DDP hook's flat bucket: one cat, one division) is ``finish()``'s
+    results flattened and concatenated in that order, bit for bit; on the per-tensor path too."""
+    order = ["e", "b", "a", "f", "d", "c"]
+
+    def steps(comm, make, grads, flat):
+        compressor, out = make(), []
+        for step in range(3):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in grads(comm.rank, step).items():
+                exchange.add(name, g)
+            exchange.launch()
+            result = exchange.finish(average=True, order=order if flat else None)
+            out.append(result if flat else np.concatenate([np.asarray(result[n]).reshape(-1) for n in order]))
+        return out
+
+    fused = lambda rank, step: gradients(rank, step, dtype)  # noqa: E731
+    numpy = lambda rank, step: {n: g.float().numpy() for n, g in gradients(rank, step, dtype).items()}  # noqa: E731
+    for grads, wire in ((fused, torch.Tensor), (numpy, np.ndarray)):
+        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True))
+        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False))
+        for flat, want in zip(flats, wants):
+            for got, expected in zip(flat, want):
+                assert isinstance(got, wire) and got.shape == expected.shape
+                np.testing.assert_array_equal(np.asarray(got.float() if wire is torch.Tensor else got), expected)
+
+
 def test_sent_plus_residual_equals_produced():
     """One rank, Top-k with error feedback: sum of results + residual == sum of gradients."""
     results = exchange_steps(SingleProcessCommunicator(), lambda: TopK(0.01), torch.float64, 6)
