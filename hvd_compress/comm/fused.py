@@ -360,7 +360,8 @@ class Launched:
         parts = self._totals(comm)
         self.rounds.release()
         if order is not None:
-            sums = {b.names[i]: total[start : start + b.numels[i]] for total, starts in parts for i, start in starts.items()}
+            sums = {b.names[i]: total[start : start + b.numels[i]]
+                    for total, starts in parts for i, start in starts.items()}
             return self._scaled(torch.cat([sums[name] for name in order]), average)
         results: Dict[str, torch.Tensor] = {}
         for total, starts in parts:
