@@ -206,12 +206,19 @@ class CountingCommunicator:
     def _nbytes(tensor: Any) -> int:
         return int(tensor.numel() * tensor.element_size())
 
-    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+    def _count_allreduce(self, tensor: Any) -> None:
         nbytes = self._nbytes(tensor)
         self.payload += nbytes
         self.traffic += allreduce_traffic(nbytes, self.size)
         self.calls["allreduce"] += 1
+
+    def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
+        self._count_allreduce(tensor)
         return self.inner.allreduce_async(tensor, op, name)
+
+    def allreduce_donated_async(self, tensor: Any, op: str, name: str) -> Any:
+        self._count_allreduce(tensor)
+        return self.inner.allreduce_donated_async(tensor, op, name)
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         nbytes = self._nbytes(tensor)

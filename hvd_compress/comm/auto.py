@@ -291,14 +291,14 @@ class AutoExchange:
         return self._resolved().in_flight()
 
     @in_run_state
-    def finish(self, average: bool = True) -> Dict[str, Any]:
+    def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
         exchange = self._resolved()
         if not self.marks:
-            results = exchange.finish(average)
+            results = exchange.finish(average, order)
         else:
             clock, like = self.auto.clock, self.added[0][1]
             before = clock.mark(like)
-            results = exchange.finish(average)
+            results = exchange.finish(average, order)
             start, launched, dense_start, dense_stop = self.marks
             self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop))
         if isinstance(self.comm, WaitOnce):

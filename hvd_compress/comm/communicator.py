@@ -35,6 +35,12 @@ class Communicator:
         the input itself), so a caller can send a buffer it keeps (momentum correction's velocity)."""
         raise NotImplementedError
 
+    def allreduce_donated_async(self, tensor: Any, op: str, name: str) -> Any:
+        """:meth:`allreduce_async` of a buffer the caller gives away (a fresh one it never reads again):
+        a transport that copies its input to leave it as it is may reduce ``tensor`` itself instead
+        (its result may be ``tensor``). The default sends it like any other input."""
+        return self.allreduce_async(tensor, op, name)
+
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         """Concatenation along dim 0 of every rank's tensor, rank order; sizes may differ.
 

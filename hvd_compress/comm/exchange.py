@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import ops_for
@@ -194,11 +194,19 @@ class BucketExchange:
 
     # ------------------------------------------------------------------ finish
     @in_run_state
-    def finish(self, average: bool = True) -> Dict[str, Any]:
-        """Wait for the collectives; every tensor's average (or sum over ranks), in its shape."""
+    def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
+        """Wait for the collectives; every tensor's average (or sum over ranks), in its shape, as
+        ``{name: result}``; with ``order`` (names), the results flat and concatenated in that order."""
         self.average = average
         if self.fused is not None:
-            return self.fused.finish(self.comm, average)
+            return self.fused.finish(self.comm, average, order)
+        results = self._finish()
+        if order is None:
+            return results
+        return self.ops.concat([self.ops.reshape(results[name], (-1,)) for name in order])
+
+    def _finish(self) -> Dict[str, Any]:
+        """:meth:`finish` on the per-tensor path."""
         results: Dict[str, Any] = {}
         self.complete()
         if self.rows is None:

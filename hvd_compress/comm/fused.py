@@ -24,7 +24,9 @@ compressor configuration, world size) and holds
 Building it checks once that every rank agrees (an allgather of ``[config hash,
 layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
 
-    dense part: one cat, one allreduce-Sum       (momentum correction: u = m u + g sent;
+    dense part: one cat, one allreduce-Sum of it (``allreduce_donated_async``: the cat is
+                                                  the step's own, no copy for the transport;
+                                                  momentum correction: u = m u + g sent;
                                                   a tensor whose sum holds NaN/Inf keeps
                                                   its u from before the step: per size group
                                                   one flag pass and one where)
@@ -278,7 +280,8 @@ class FusedBucket:
                 out.header = self.start_check(comm)
         dense = self._dense_input(tensors) if not self.momentum else self._dense_velocity_input(tensors, out)
         if dense is not None:
-            out.handles["dense"] = comm.allreduce_async(dense, comm.SUM, f"{self.key}.dense")
+            send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
+            out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
@@ -288,6 +291,7 @@ class FusedBucket:
         return out
 
     def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The dense part in its flat layout, a fresh buffer of this step's (the allreduce may reduce it in place)."""
         if not self.dense:
             return None
         parts = []
@@ -347,31 +351,42 @@ class Launched:
         self.rounds.advance()
 
     # ------------------------------------------------------------------ finish
-    def finish(self, comm: Any, average: bool) -> Dict[str, torch.Tensor]:
-        """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape."""
+    def finish(self, comm: Any, average: bool, order: Optional[List[str]] = None) -> Any:
+        """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape, or
+        with ``order`` (names) those results flat, concatenated in that order: one cat and one division
+        for the whole bucket (what a DDP hook returns)."""
         b = self.bucket
         self.complete(comm)
+        parts = self._totals(comm)
+        self.rounds.release()
+        if order is not None:
+            sums = {b.names[i]: total[start : start + b.numels[i]]
+                    for total, starts in parts for i, start in starts.items()}
+            return self._scaled(torch.cat([sums[name] for name in order]), average)
         results: Dict[str, torch.Tensor] = {}
+        for total, starts in parts:
+            flat = self._scaled(total, average)
+            for i, start in starts.items():
+                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
+        return results
+
+    def _totals(self, comm: Any) -> List[Tuple[torch.Tensor, Dict[int, int]]]:
+        """The sums over ranks (accumulation dtype), each with its tensors' first entries: the dense part's,
+        the compressed part's; the bucket takes the step's state."""
+        b = self.bucket
+        parts = []
         if b.dense:
             total = comm.wait(self.handles["dense"]).to(b.acc)
             if total is self.dense_velocity:  # a world of one hands back its input: keep the velocity apart
                 total = total.clone()
             if self.dense_velocity is not None:
                 b.keep_dense_velocity(total, self.dense_velocity)
-            flat = self._scaled(total, average)
-            start = 0
-            for i in b.dense:
-                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
-                start += b.numels[i]
+            parts.append((total, b.dense_offsets))
         if b.compressed:
             total, bad = self.rounds.decode()
             self._keep(bad)
-            flat = self._scaled(total, average)
-            for i in b.compressed:
-                start = b.offsets[i]
-                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
-        self.rounds.release()
-        return results
+            parts.append((total, b.offsets))
+        return parts
 
     def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
         b = self.bucket

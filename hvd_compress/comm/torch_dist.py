@@ -1,6 +1,7 @@
 """``torch.distributed`` transport: :class:`TorchDistCommunicator` (gloo, NCCL, MPI backends).
 
-- ``allreduce_async``: ``all_reduce(..., async_op=True)`` on a copy (SUM, MAX).
+- ``allreduce_async``: ``all_reduce(..., async_op=True)`` on a copy (SUM, MAX);
+  ``allreduce_donated_async``: on the given buffer itself (the caller's no longer).
 - ``allgather_async``: with every rank's row count known (given by the caller
   from its header, or exchanged first with a one-element ``all_gather``):
   ``all_gather`` when all counts are equal, otherwise ``all_to_all_single``
@@ -42,9 +43,12 @@ class TorchDistCommunicator(Communicator):
         return dist.get_world_size(self.group)
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        result = tensor.clone()
-        work = dist.all_reduce(result, op=self._ops[op], group=self.group, async_op=True)
-        return work, lambda: result, result.is_cuda
+        return self.allreduce_donated_async(tensor.clone(), op, name)
+
+    def allreduce_donated_async(self, tensor: Any, op: str, name: str) -> Any:
+        """``all_reduce`` in place on ``tensor``, the caller's no longer (no copy)."""
+        work = dist.all_reduce(tensor, op=self._ops[op], group=self.group, async_op=True)
+        return work, lambda: tensor, tensor.is_cuda
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         if rows is None:

@@ -170,9 +170,8 @@ def ddp_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.
     in_bucket_order = [name for _, name in sorted(named)]
 
     def decode(_: Any) -> torch.Tensor:
-        results = exchange.finish(average=True)
         if sparse:
-            return _every_row(results[named[0][1]])
-        return torch.cat([results[name].reshape(-1) for name in in_bucket_order])
+            return _every_row(exchange.finish(average=True)[named[0][1]])
+        return exchange.finish(average=True, order=in_bucket_order)  # DDP's flat bucket
 
     return torch.futures.collect_all(futures).then(decode)

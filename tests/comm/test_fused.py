@@ -24,7 +24,7 @@ from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, Top
 from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.comm.threads import ThreadCommunicator, run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
@@ -113,6 +113,81 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
                     np.testing.assert_array_equal(
                         result[step]["residuals"][name].double().numpy(), residual.double().numpy()
                     )
+
+
+class InPlaceRanks(ThreadCommunicator):
+    """Thread ranks whose transport reduces a donated buffer in place, as ``torch.distributed``'s does;
+    records the buffers donated to it."""
+
+    def __init__(self, ranks: ThreadCommunicator) -> None:
+        super().__init__(ranks.group, ranks.rank)
+        self.donated = []
+
+    def allreduce_donated_async(self, tensor, op, name):
+        self.donated.append(tensor)
+        return tensor.copy_(self.allreduce_async(tensor, op, name))  # every rank has combined: safe to write
+
+
+@pytest.mark.parametrize("shapes", [SHAPES, {"b": SHAPES["b"]}], ids=["bucket", "one-tensor"])
+@pytest.mark.parametrize("kind", ["none", "fp16", "topk", "topk-momentum"])
+def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, shapes):
+    """The dense part goes to ``allreduce_donated_async`` (momentum correction sends the velocity it
+    keeps: not donated); reduced in place there, every result and residual is bit for bit the copying
+    transport's, and no gradient the caller added changes."""
+    make = (lambda: TopK(0.05, momentum=0.9)) if kind == "topk-momentum" else COMPRESSORS[kind]
+
+    def work(comm, donated):
+        compressor, out, dense_steps = make(), [], 0
+        for step in range(3):
+            grads = {n: g for n, g in gradients(comm.rank, step, torch.float32).items() if n in shapes}
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in grads.items():
+                exchange.add(name, g)
+            exchange.launch()
+            dense_steps += bool(exchange.fused.bucket.dense)
+            results = exchange.finish(average=True)
+            out.append({n: (results[n].clone(), compressor.residual(n)) for n in grads})
+            for name, g in gradients(comm.rank, step, torch.float32).items():
+                assert name not in grads or torch.equal(grads[name], g), f"gradient {name} changed"
+        return out, (len(comm.donated), dense_steps) if donated else None
+
+    in_place = run_ranks(3, lambda comm: work(InPlaceRanks(comm), True))
+    copied = run_ranks(3, lambda comm: work(comm, False))
+    for (got, (donated, dense_steps)), (want, _) in zip(in_place, copied):
+        assert dense_steps and donated == (0 if kind == "topk-momentum" else dense_steps)
+        for step_got, step_want in zip(got, want):
+            for name, (result, residual) in step_got.items():
+                assert torch.equal(result, step_want[name][0]), name
+                assert residual is None or torch.equal(residual, step_want[name][1]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["none", "topk", "terngrad"])
+def test_flat_finish_is_the_results_concatenated(kind, dtype):
+    """``finish(order=names)`` (a DDP hook's flat bucket: one cat, one division) is ``finish()``'s
+    results flattened and concatenated in that order, bit for bit; on the per-tensor path too."""
+    order = ["e", "b", "a", "f", "d", "c"]
+
+    def steps(comm, make, grads, flat):
+        compressor, out = make(), []
+        for step in range(3):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in grads(comm.rank, step).items():
+                exchange.add(name, g)
+            exchange.launch()
+            result = exchange.finish(average=True, order=order if flat else None)
+            out.append(result if flat else np.concatenate([np.asarray(result[n]).reshape(-1) for n in order]))
+        return out
+
+    fused = lambda rank, step: gradients(rank, step, dtype)  # noqa: E731
+    numpy = lambda rank, step: {n: g.float().numpy() for n, g in gradients(rank, step, dtype).items()}  # noqa: E731
+    for grads, wire in ((fused, torch.Tensor), (numpy, np.ndarray)):
+        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True))
+        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False))
+        for flat, want in zip(flats, wants):
+            for got, expected in zip(flat, want):
+                assert isinstance(got, wire) and got.shape == expected.shape
+                np.testing.assert_array_equal(np.asarray(got.float() if wire is torch.Tensor else got), expected)
 
 
 def test_sent_plus_residual_equals_produced():

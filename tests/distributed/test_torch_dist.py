@@ -1,6 +1,7 @@
 """The fused exchange over ``torch.distributed`` (gloo): :class:`TorchDistCommunicator`.
 
-One 2-process spawn checks the collectives against the expected values and
+One 2-process spawn checks the collectives against the expected values (an allreduce
+leaves its input as it is; a donated buffer is reduced in place) and
 trains the drop-in optimizer with it; the parameters must equal the Simulator
 on the same gradients (tolerance 1e-6, as the Horovod and MPI runs).
 """
@@ -29,9 +30,14 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 def check_collectives(comm, rank):
     """Returns a list of failed checks (empty when all hold)."""
     failures = []
-    summed = comm.wait(comm.allreduce_async(torch.arange(5.0) * (rank + 1), comm.SUM, "s"))
-    if not torch.equal(summed, torch.arange(5.0) * 3):
-        failures.append(f"sum {summed}")
+    mine = torch.arange(5.0) * (rank + 1)
+    summed = comm.wait(comm.allreduce_async(mine, comm.SUM, "s"))
+    if not torch.equal(summed, torch.arange(5.0) * 3) or not torch.equal(mine, torch.arange(5.0) * (rank + 1)):
+        failures.append(f"sum {summed}, input after it {mine}")
+    donated = torch.arange(5.0) * (rank + 1)
+    summed = comm.wait(comm.allreduce_donated_async(donated, comm.SUM, "d"))
+    if not torch.equal(summed, torch.arange(5.0) * 3) or summed.data_ptr() != donated.data_ptr():
+        failures.append(f"donated sum {summed}: not reduced in place")
     top = comm.wait(comm.allreduce_async(torch.tensor([rank, -rank], dtype=torch.int32), comm.MAX, "m"))
     if top.tolist() != [1, 0]:
         failures.append(f"max {top}")

@@ -48,6 +48,9 @@ class _FourRanks:
     def allreduce_async(self, tensor, op, name):
         return tensor
 
+    def allreduce_donated_async(self, tensor, op, name):
+        return tensor
+
     def allgather_async(self, tensor, name, rows=None):
         return tensor
 
@@ -61,9 +64,10 @@ def test_counting_communicator_bytes_by_hand():
     comm = step.CountingCommunicator(_FourRanks())
     comm.wait(comm.allreduce_async(torch.zeros(100), comm.SUM, "a"))  # 400 B: ring sends 2 * 3/4 * 400
     comm.wait(comm.allgather_async(torch.zeros(10, dtype=torch.int32), "g"))  # 40 B: ring sends 3 * 40
-    assert comm.payload == 440
-    assert comm.traffic == pytest.approx(600 + 120)
-    assert comm.calls == {"allreduce": 1, "allgather": 1}
+    comm.wait(comm.allreduce_donated_async(torch.zeros(50), comm.SUM, "d"))  # 200 B: 2 * 3/4 * 200
+    assert comm.payload == 640
+    assert comm.traffic == pytest.approx(600 + 120 + 300)
+    assert comm.calls == {"allreduce": 2, "allgather": 1}
 
 
 def _check(path, rates, names):
