@@ -2,7 +2,8 @@
 
 * The Simulator fed torch tensors against the Simulator fed numpy arrays on small
   hypothesis-drawn runs (ties, zeros, subnormals): TensorFlow flushes subnormal floats to
-  zero on CPU, so its kernels match numpy on normal numbers only (the shared tests draw those).
+  zero on CPU, so its kernels match numpy on normal numbers only (the shared tests draw those);
+  CUDA's scatter-adds flush subnormal sums, so there runs with a subnormal result are left out.
 * Larger and costlier runs through the Simulator: every compressor keeps torch tensors on
   their device and dtype, float16 gradients, gradients of thousands of entries over 4 steps, TernGrad's decode for up to 16 ranks and both wire formats, TernGrad bit-exact
   with numpy's draws, a Simulator checkpoint of every rank's stream (TensorFlow runs the
@@ -16,7 +17,7 @@ import pickle
 
 import numpy as np
 import pytest
-from hypothesis import Phase
+from hypothesis import Phase, assume
 from hypothesis import strategies as st
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
@@ -35,8 +36,13 @@ pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=
 @pytest.mark.parametrize("kind", sorted(E2E))
 @given("all", grads=training_runs(max_steps=6), p=permille)
 def test_simulator_on_torch_equals_simulator_on_numpy(K, kind, dtype, grads, p):
-    """Small vectors with many ties and zeros, several steps of error feedback."""
-    assert_simulators_agree(K, *run_both(K, E2E[kind](p / 1000), grads.astype(dtype)))
+    """Small vectors with many ties and zeros, several steps of error feedback. On CUDA, whose
+    scatter-adds flush a subnormal sum to 0 (``torch_ops``; RegTop-k then learns ``D = -1`` from
+    it), runs whose reference results hold a subnormal value are not compared."""
+    sim_k, sim_np, outputs = run_both(K, E2E[kind](p / 1000), grads.astype(dtype))
+    if K.flushes_subnormals:
+        assume(not any(np.any((out != 0) & (np.abs(out) < np.finfo(out.dtype).tiny)) for _, out in outputs))
+    assert_simulators_agree(K, sim_k, sim_np, outputs)
 
 
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
