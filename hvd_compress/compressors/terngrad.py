@@ -106,8 +106,9 @@ class TernGrad(Compressor):
         encodes; ``None`` for tensors sent dense. The per-tensor exchange measures every tensor
         once, shares the scales, then encodes from the measurement."""
         flat, shape, ops = self._validated(tensor, name)
-        if flat.shape[0] < self.dense_below:
-            return None
+        return None if flat.shape[0] < self.dense_below else self._measured(flat, name, shape, ops)
+
+    def _measured(self, flat: Any, name: str, shape: tuple, ops: Any) -> Tuple[Any, Any, Any, Any]:
         a = self._compensated(flat, name, shape, ops)
         clipped = self._clipped(a, ops)
         return flat, a, clipped, ops.terngrad_scale(clipped)
@@ -128,9 +129,7 @@ class TernGrad(Compressor):
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any, scale: Optional[float] = None):
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
-        a = self._compensated(flat, name, shape, ops)
-        clipped = self._clipped(a, ops)
-        return self._payload(flat, a, clipped, ops.terngrad_scale(clipped), name, ops, scale)
+        return self._payload(*self._measured(flat, name, shape, ops), name, ops, scale)
 
     def encode_measured(self, measured: Tuple[Any, Any, Any, Any], name: str, scale: Optional[float] = None) -> Any:
         """:meth:`encode` of the gradient :meth:`measure` measured (nothing computed twice)."""
