@@ -254,7 +254,10 @@ def saturate(a, dtype) -> tf.Tensor:
 
 # ----------------------------------------------------------------------- Top-k
 def topk_indices(scores, k: int) -> tf.Tensor:
-    """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
+    """``k`` largest scores, ascending indices, ties to the lower index (as the reference). On the
+    host (:func:`_on_host`) the reference's selection itself, the same indices."""
+    if _on_host(scores):
+        return from_host(reference.topk_indices(scores.numpy(), k), scores)
     numel = scores.shape[0]
     k = min(k, numel)
     return tf.reshape(tf.cast(_topk_positions(scores, k), index_dtype(numel)), [k])
@@ -271,10 +274,7 @@ def _on_host(a, floats: bool = True) -> bool:
 def _topk_positions(scores, k: int) -> tf.Tensor:
     """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
     while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first, so its
-    first ``k`` are those above the k-th largest and then the lowest-indexed ties. On the host
-    (:func:`_on_host`) the reference's selection, the same positions."""
-    if _on_host(scores):
-        return from_host(reference.topk_indices(scores.numpy(), k).astype(np.int64), scores)
+    first ``k`` are those above the k-th largest and then the lowest-indexed ties."""
     return tf.sort(tf.cast(tf.math.top_k(scores, k, sorted=True).indices, tf.int64))
 
 
