@@ -35,6 +35,7 @@ from typing import Any, Callable, List, Optional
 
 from hvd_compress import Compression
 from hvd_compress.cli import _add_ratio, run_command
+from hvd_compress.cli import _wrote as _wrote_json_and_plot
 from hvd_compress.cli import _names as _some_of
 
 
@@ -446,10 +447,7 @@ def _train_step(args: argparse.Namespace) -> int:
         json_path=args.json or None,
         plot_path=args.plot or None,
     )
-    for path in (args.json, args.plot):
-        if path:
-            print(f"Wrote {path}")
-    return 0
+    return _wrote_json_and_plot(args)
 
 
 def _add_train_step(commands: Any) -> None:
