@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from hvd_compress.compressors import Compressor, as_compressor
+from hvd_compress.kernels import in_form_of
 from hvd_compress.compressors.base import as_tensor
 from hvd_compress.compressors.checkpoint import writer
 from hvd_compress.wire import array_nbytes
@@ -69,8 +70,10 @@ class Simulator:
     def step(self, grads: Mapping[str, Sequence[Any]]) -> Dict[str, np.ndarray]:
         """Aggregate one step: ``{name: [grad of rank 0, ..., rank N-1]}`` -> ``{name: average}``.
 
-        Gradients may be numpy arrays, torch or TensorFlow tensors (then that framework's kernels run).
+        Gradients may be numpy arrays, torch or TensorFlow tensors (then that framework's kernels run;
+        eager TensorFlow CPU tensors run numpy's, as in the exchanges: :func:`~hvd_compress.kernels.computed_form`).
         """
+        originals = {name: per_rank[0] for name, per_rank in grads.items()}
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
         shared = self.compressors[0].encode_options(self.compressors, grads)
         sent = [0] * self.n_ranks
@@ -81,7 +84,7 @@ class Simulator:
             for rank, payload in enumerate(payloads):
                 sent[rank] += payload.nbytes
             decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
-            out[name] = decoded[0]
+            out[name] = in_form_of(decoded[0], originals[name])
         self.bytes_sent_per_rank = sent
         self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1

@@ -277,7 +277,7 @@ class AutoExchange:
             comm.wait(handle)
         launched = mark()
         ops = exchange.ops
-        flat = ops.concat([ops.reshape(t, (-1,)) for _, t in self.added])
+        flat = ops.concat([ops.reshape(t, (-1,)) for _, t in exchange.added])  # in the exchange's form
         comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
         self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark()] if timed else []

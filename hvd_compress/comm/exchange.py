@@ -40,7 +40,7 @@ import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hvd_compress.wire import DensePayload, header_config, header_hash
-from hvd_compress.kernels import ops_for
+from hvd_compress.kernels import computed_form, ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
 from hvd_compress.comm.rounds import Rounds, check_header
 
@@ -101,6 +101,7 @@ class BucketExchange:
         self.handles: Dict[str, Any] = {}
         self.rows: Any = None  # every rank's header, once checked
         self.ops: Any = None
+        self.caller: Any = None  # (kernel module, a tensor) of the caller's tensors, when computed in another form
         self.fused: Any = None  # the step of a fused bucket, once launched
         self.codec: Any = None  # the compressor's per-tensor codec, once launched
         self.rounds = Rounds(comm, key, self.handles)  # the codec's rounds of collectives
@@ -109,7 +110,12 @@ class BucketExchange:
         self.kept_state: Dict[str, Any] = {}  # momentum correction: residual and velocity before encode
 
     def add(self, name: str, tensor: Any) -> None:
-        """Add one gradient of the bucket (encoded by ``launch``)."""
+        """Add one gradient of the bucket (encoded by ``launch``), in the form it is computed on
+        (:func:`~hvd_compress.kernels.computed_form`: eager TensorFlow CPU tensors as numpy)."""
+        computed = computed_form(tensor)
+        if computed is not tensor and self.caller is None:  # results go back as the caller's tensors
+            self.caller = (ops_for(tensor), tensor)
+        tensor = computed
         self.ops = self.ops or ops_for(tensor, name)
         self.shapes[name] = tuple(tensor.shape)
         self.added.append((name, tensor))
@@ -201,9 +207,14 @@ class BucketExchange:
         if self.fused is not None:
             return self.fused.finish(self.comm, average, order)
         results = self._finish()
-        if order is None:
+        if order is not None:
+            results = self.ops.concat([self.ops.reshape(results[name], (-1,)) for name in order])
+        if self.caller is None:
             return results
-        return self.ops.concat([self.ops.reshape(results[name], (-1,)) for name in order])
+        back, like = self.caller
+        if order is not None:
+            return back.from_host(results, like)
+        return {name: back.from_host(result, like) for name, result in results.items()}
 
     def _finish(self) -> Dict[str, Any]:
         """:meth:`finish` on the per-tensor path."""

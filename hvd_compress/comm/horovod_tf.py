@@ -50,6 +50,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence, Set
 
+import numpy as np
 import tensorflow as tf
 
 from hvd_compress.comm.communicator import HorovodCommunicator
@@ -89,9 +90,13 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
     def wait(self, handle: Any) -> Any:
         if handle.tensor is not None:
             self._run_queued()
-        return handle.result
+        return handle.result.numpy() if handle.host else handle.result
 
     def _queue(self, queued: "_Queued") -> "_Queued":
+        """Queue a collective; a numpy array (an exchange computing on the host) travels as a
+        tensor, and :meth:`wait` hands its result back as numpy."""
+        if isinstance(queued.tensor, np.ndarray):
+            queued.tensor, queued.host = tf.convert_to_tensor(queued.tensor), True
         self._queued.append(queued)
         return queued
 
@@ -162,6 +167,7 @@ class _Queued:
     name: str
     tensor: Any
     result: Any = None
+    host: bool = False  # queued as a numpy array: the result goes back as one
 
 
 def eagerly(

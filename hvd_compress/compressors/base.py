@@ -35,10 +35,11 @@ def check_ratio(ratio: Any) -> float:
 
 
 def as_tensor(tensor: Any) -> Any:
-    """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays."""
+    """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays, and eager
+    TensorFlow tensors on the CPU too (:func:`hvd_compress.kernels.computed_form`)."""
     if isinstance(tensor, (list, tuple, numbers.Number)):
         return np.asarray(tensor)
-    return tensor
+    return kernels.computed_form(tensor)
 
 
 class NonFiniteGradientError(ValueError, FloatingPointError):

@@ -9,12 +9,9 @@ numpy on every device), and float64 -> float16 casts (rounded once, as numpy
 does; ``tf.cast`` goes through float32 and can round twice). Reductions (mean,
 std: Gaussian-k's threshold, TernGrad's clipping bound) run in at least float32
 and agree with the float64 reference within float rounding; Gaussian-k applies
-the reference's count rule to its own threshold. Eager float32/float64 tensors on
-the CPU take the reference's own Top-k and Gaussian-k selections, sparse sums,
-TernGrad's clipping and codes, and the 2-bit unpacking (numpy's, several times faster
-there than TensorFlow's eager kernels): the same results for Top-k, the sums, the codes
-and the unpacking;
-Gaussian-k and the clipping then equal the reference exactly.
+the reference's count rule to its own threshold. These kernels run inside graphs and
+on GPUs: eager float32/float64 tensors on the CPU are compressed as numpy arrays by the
+reference itself (:func:`host_array`, :func:`hvd_compress.kernels.computed_form`).
 
 Every function also traces inside ``tf.function`` for inputs of static shape,
 with the same results as eagerly: there is no Python branching on tensor values
@@ -38,7 +35,6 @@ import numpy as np
 import tensorflow as tf
 
 from hvd_compress.wire import ternary_field_bits
-from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_GROW,
     GAUSSIANK_HIGH,
@@ -254,21 +250,18 @@ def saturate(a, dtype) -> tf.Tensor:
 
 # ----------------------------------------------------------------------- Top-k
 def topk_indices(scores, k: int) -> tf.Tensor:
-    """``k`` largest scores, ascending indices, ties to the lower index (as the reference). On the
-    host (:func:`_on_host`) the reference's selection itself, the same indices."""
-    if _on_host(scores):
-        return from_host(reference.topk_indices(scores.numpy(), k), scores)
+    """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
     numel = scores.shape[0]
     k = min(k, numel)
     return tf.reshape(tf.cast(_topk_positions(scores, k), index_dtype(numel)), [k])
 
 
-def _on_host(a, floats: bool = True) -> bool:
-    """Whether ``a`` is an eager tensor on the CPU (float32 or float64 unless ``floats`` is False),
-    where the reference's numpy is several times faster than TensorFlow's eager kernels (200k
-    float32 entries: Top-k at 1% 0.33 against 1.35 ms, TernGrad's codes 0.15 against 0.95 ms)."""
-    return (tf.executing_eagerly() and "CPU" in a.device
-            and (not floats or a.dtype in (tf.float32, tf.float64)))
+def host_array(a):
+    """``a``'s numpy array when it is an eager float32/float64 tensor on the CPU, where the reference's
+    numpy is several times faster than TensorFlow's eager kernels (200k float32 entries: Top-k at 1%
+    0.33 against 1.35 ms, TernGrad's codes 0.15 against 0.95 ms), else ``a`` itself."""
+    on_host = tf.executing_eagerly() and "CPU" in a.device and a.dtype in (tf.float32, tf.float64)
+    return a.numpy() if on_host else a
 
 
 def _topk_positions(scores, k: int) -> tf.Tensor:
@@ -298,10 +291,7 @@ def gaussiank_select(a, ratio: float) -> tf.Tensor:
     """:func:`reference.gaussiank_correct` unrolled: every round counts ``|a_j| > thr``
     (``thr`` = the first threshold times the steps' product, in float64, rounded once to
     ``a``'s dtype as numpy compares), scalar ``tf.where``s keep the round that settles;
-    one ``tf.where`` gathers the indices, and an overshooting superset keeps its first ``k``.
-    On the host (:func:`_on_host`) the reference's selection itself (9x faster eagerly at 200k)."""
-    if _on_host(a):
-        return from_host(reference.gaussiank_select(a.numpy(), ratio), a)
+    one ``tf.where`` gathers the indices, and an overshooting superset keeps its first ``k``."""
     numel = a.shape[0]
     k = num_selected(numel, ratio)
     magnitude = tf.abs(a)
@@ -369,10 +359,7 @@ def regtopk_select_sparse(a, idx, values, mu: float, k: int) -> tf.Tensor:
 
 # -------------------------------------------------------------------- TernGrad
 def terngrad_clip(g, c: float) -> tf.Tensor:
-    """``clip(g, -c sigma, c sigma)``; a constant tensor (or ``sigma = 0``) is left as it is. On the
-    host (:func:`_on_host`) the reference's (its float64 ``sigma``)."""
-    if _on_host(g):
-        return from_host(reference.terngrad_clip(g.numpy(), c), g)
+    """``clip(g, -c sigma, c sigma)``; a constant tensor (or ``sigma = 0``) is left as it is."""
     bound = c * tf.cast(tf.math.reduce_std(tf.cast(g, accumulation_dtype(g.dtype))), tf.float64)
     constant = tf.equal(bound, 0.0) | tf.equal(tf.reduce_max(g), tf.reduce_min(g))
     limit = cast(bound, g.dtype)
@@ -385,10 +372,7 @@ def terngrad_scale(g):
 
 def terngrad_codes(g, scale, uniform) -> tf.Tensor:
     """``scale`` is rounded once to ``g``'s dtype, as numpy does; ``scale == 0`` gives zeros
-    (with ``scale >= max|g|``: then ``|g| / scale`` is never divided by zero). On the host
-    (:func:`_on_host`, a number ``scale``) the reference's, the same codes."""
-    if _on_host(g) and not tf.is_tensor(scale):
-        return from_host(reference.terngrad_codes(g.numpy(), float(scale), uniform.numpy()), g)
+    (with ``scale >= max|g|``: then ``|g| / scale`` is never divided by zero)."""
     scale = _float64(scale)
     ratio = _divide(tf.abs(g), cast(scale, g.dtype))
     uniform = tf.cast(uniform, _result_type(uniform.dtype, g.dtype))  # float16 draws, float32 g: as numpy
@@ -436,8 +420,6 @@ def pack_two_bit(codes) -> tf.Tensor:
 
 
 def unpack_two_bit(packed, numel: int) -> tf.Tensor:
-    if _on_host(packed, floats=False):  # the reference's: 2x faster eagerly
-        return from_host(reference.unpack_two_bit(packed.numpy(), numel), packed)
     words = tf.cast(tf.bitcast(packed, tf.uint8), tf.int64)
     return tf.cast(_unpack_fields(words, 2, 4, numel) - 1, tf.int8)
 
@@ -461,11 +443,7 @@ def sum_int32_wrapping(arrays: Sequence) -> tf.Tensor:
 # ----------------------------------------------------------------- aggregation
 def sparse_sum(indices: Sequence, values: Sequence, numel: int) -> tf.Tensor:
     """One scatter-add per rank, in rank order: the same float sums as ``np.add.at``
-    (a single scatter of all ranks would add in no fixed order on GPUs). On the host
-    (:func:`_on_host`) the reference's ``np.add.at`` (10x faster eagerly; the same sums)."""
-    if all(_on_host(v) for v in values) and all(_on_host(i, floats=False) for i in indices):
-        return from_host(reference.sparse_sum([i.numpy() for i in indices], [v.numpy() for v in values], numel),
-                         values[0])
+    (a single scatter of all ranks would add in no fixed order on GPUs)."""
     dtype = accumulation_dtype(_result_type(*(v.dtype for v in values)))
     with _on(values[0]):
         total = tf.zeros([numel], dtype)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 
@@ -27,20 +26,15 @@ def _to_numpy(value: Any) -> Any:
     return value.numpy() if isinstance(value, (tf.Tensor, tf.Variable)) else value
 
 
-def _to_tensor(value: Any) -> Any:
-    return tf.convert_to_tensor(value) if isinstance(value, np.ndarray) and value.dtype != object else value
-
-
 def state_bytes(compressor: Any) -> bytes:
     """``compressor.state_dict()`` pickled, its TensorFlow tensors as numpy arrays."""
     return pickle.dumps(tf.nest.map_structure(_to_numpy, compressor.state_dict()))
 
 
 def load_state_bytes(compressor: Any, data: bytes) -> None:
-    """Restore what :func:`state_bytes` saved into ``compressor`` (unpickles: trusted data only)."""
-    state = pickle.loads(data)
-    tensors = tf.nest.map_structure(_to_tensor, state["tensors"])
-    compressor.load_state_dict({**state, "tensors": tensors})
+    """Restore what :func:`state_bytes` saved into ``compressor`` (unpickles: trusted data only); the
+    numpy arrays move to a GPU's TensorFlow tensors on the first gradient there."""
+    compressor.load_state_dict(pickle.loads(data))
 
 
 class CompressionCheckpoint(trackable.Trackable):

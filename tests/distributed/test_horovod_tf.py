@@ -197,8 +197,9 @@ def test_statistics_count_every_byte_handed_to_the_collectives(label, job):
 
 def test_collectives_started_together_equal_horovods_own_one_by_one(tmp_path):
     """The communicator's queued collectives (one grouped allgather; with two ranks the allreduces
-    in it, but a float16 sum) make two Horovod calls and give the bytes Horovod's eager allgather and allreduce give, every dtype, sizes that
-    differ by rank, wrapping integer sums, an infinite maximum."""
+    in it, but a float16 sum) make two Horovod calls and give the bytes Horovod's eager allgather and
+    allreduce give, every dtype, sizes that differ by rank, wrapping integer sums, an infinite maximum;
+    the same for numpy arrays, whose results come back as numpy."""
     from tests.distributed import tf_collectives
 
     out = tmp_path / "collectives"
@@ -206,6 +207,6 @@ def test_collectives_started_together_equal_horovods_own_one_by_one(tmp_path):
     assert done.returncode == 0, launch.output(done)
     for rank in (0, 1):
         calls, *lines = (tmp_path / f"collectives.{rank}").read_text().splitlines()
-        assert calls == "calls grouped_allgather allreduce", calls  # the float16 sum stays Horovod's own
+        assert calls == "calls grouped_allgather allreduce grouped_allgather allreduce", calls  # float16 sums: Horovod's
         assert len(lines) == len(tf_collectives.collectives(rank))
         assert all(line.endswith(" same") for line in lines), lines

@@ -2,7 +2,8 @@
 :class:`~hvd_compress.comm.horovod_tf.HorovodTensorFlowCommunicator`, queued together and run at the
 first ``wait`` (allgathers as one grouped allgather; with two ranks the allreduces gathered and
 reduced on each rank), against Horovod's own eager allgather and allreduce of the same tensors,
-called one by one. Each rank writes ``--out.<rank>``: the Horovod calls the queue made, then one line per
+called one by one; then the same collectives of numpy arrays (an exchange computing on the host), whose
+results come back as numpy arrays. Each rank writes ``--out.<rank>``: the Horovod calls the queue made, then one line per
 collective, ``same`` when the results have the same dtype, shape and bytes, else what differs.
 """
 
@@ -34,6 +35,13 @@ def collectives(rank: int) -> list:
     ]
 
 
+def run_queued(comm, cases: list, prefix: str) -> list:
+    """Queue every case on ``comm``, then wait for each: the results in order."""
+    handles = [comm.allgather_async(t, f"{prefix}.{i}") if op is None else comm.allreduce_async(t, op, f"{prefix}.{i}")
+               for i, (op, t) in enumerate(cases)]
+    return [comm.wait(handle) for handle in handles]
+
+
 def main() -> None:
     import horovod.tensorflow as hvd
 
@@ -45,8 +53,6 @@ def main() -> None:
     hvd.init()
     comm = HorovodTensorFlowCommunicator()
     cases = collectives(hvd.rank())
-    handles = [comm.allgather_async(t, f"case.{i}") if op is None else comm.allreduce_async(t, op, f"case.{i}")
-               for i, (op, t) in enumerate(cases)]
     calls, own = [], {name: getattr(hvd, name) for name in ("allgather", "allreduce", "grouped_allgather")}
     for name, function in own.items():
         def counted(*args, _run=function, _name=name, **kwargs):
@@ -54,15 +60,17 @@ def main() -> None:
             return _run(*args, **kwargs)
 
         setattr(hvd, name, counted)
-    queued = [comm.wait(handle).numpy() for handle in handles]
+    queued = [got.numpy() for got in run_queued(comm, cases, "case")]
+    host = run_queued(comm, [(op, t.numpy()) for op, t in cases], "host")  # numpy in, numpy out
     for name, function in own.items():
         setattr(hvd, name, function)
     lines = [f"calls {' '.join(calls)}"]
-    for i, ((op, tensor), got) in enumerate(zip(cases, queued)):
+    for i, ((op, tensor), got, got_host) in enumerate(zip(cases, queued, host)):
         want = (hvd.allgather(tensor, name=f"own.{i}") if op is None
                 else hvd.allreduce(tensor, op=hvd.Sum if op == "sum" else hvd.Max, name=f"own.{i}")).numpy()
-        same = got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
-        lines.append(f"{i} {op} {tensor.dtype.name} " + ("same" if same else f"differs: {got!r} vs {want!r}"))
+        same = all(isinstance(x, np.ndarray) and x.dtype == want.dtype and x.shape == want.shape
+                   and x.tobytes() == want.tobytes() for x in (got, got_host))
+        lines.append(f"{i} {op} {tensor.dtype.name} " + ("same" if same else f"differs: {got!r}, {got_host!r} vs {want!r}"))
     with open(f"{args.out}.{hvd.rank()}", "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -114,7 +114,10 @@ class ByteCounter:
         ours = self._ours(method)
 
         def wrapper(this, tensor, *args, **kwargs):
-            self.bytes += tensor.shape.num_elements() * tensor.dtype.size  # static: AutoGraph may trace this
+            if isinstance(tensor, np.ndarray):  # an exchange computing on the host
+                self.bytes += tensor.nbytes
+            else:  # static: AutoGraph may trace this
+                self.bytes += tensor.shape.num_elements() * tensor.dtype.size
             return ours(this, tensor, *args, **kwargs)
 
         return wrapper

@@ -24,3 +24,14 @@ def numpy_draws(K, monkeypatch):
         "uniform",
         lambda rng, like: K.ops.cast(K.tensor(rng.random(like.shape[0], dtype=np.float32)), like.dtype),
     )
+
+
+@pytest.fixture(autouse=True)
+def framework_kernels(request, monkeypatch):
+    """Compressors called on the framework's tensors run its kernels: eager TensorFlow CPU tensors,
+    which the library computes on as numpy arrays (``tf_ops.host_array``), stay TensorFlow tensors
+    here, so these tests check the kernels a graph or a GPU runs."""
+    if "K" in request.fixturenames:
+        K = request.getfixturevalue("K")
+        if K.name == "tf":
+            monkeypatch.setattr(K.ops, "host_array", lambda a: a)

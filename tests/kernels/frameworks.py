@@ -20,8 +20,6 @@ usable GPU), ``cpu`` leaves them out; unset, they run whenever ``torch.cuda.is_a
 
 from __future__ import annotations
 
-import contextlib
-
 import functools
 import hashlib
 import inspect
@@ -215,13 +213,9 @@ class TFFramework(Framework):
     def native_cast(self, t, dtype):
         return self.tf.cast(t, self.dtype(dtype))
 
-    @contextlib.contextmanager
     def fixed_threshold(self, threshold):
-        """Graphs compute the threshold in ``_threshold``; eager CPU tensors take the reference's selection."""
         tf = self.tf
-        with mock.patch.object(self.ops, "_threshold", lambda _a, _r: tf.constant(threshold, tf.float64)), \
-                mock.patch.object(self.ops.reference, "gaussiank_threshold", lambda _a, _r: threshold):
-            yield
+        return mock.patch.object(self.ops, "_threshold", lambda _a, _r: tf.constant(threshold, tf.float64))
 
     def run(self, fn, *args):
         """Eagerly, and traced by ``tf.function`` for the args' static shapes."""
