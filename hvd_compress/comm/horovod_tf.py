@@ -73,6 +73,8 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
     tensors and adds (or takes the maximum) itself, ``a + b`` and ``max(a, b)`` being the same bits
     in either order, and the bytes each rank sends are those of a ring allreduce (``d``). Every rank
     queues the same collectives in the same order, so the grouped calls match as the single ones did.
+    Numpy arrays (an exchange computing on the host) are viewed as bytes, gathered and reduced by
+    numpy, and come back as numpy arrays: a drop-in Top-k exchange then makes one TensorFlow op.
     """
 
     def __init__(self) -> None:
@@ -90,13 +92,9 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
     def wait(self, handle: Any) -> Any:
         if handle.tensor is not None:
             self._run_queued()
-        return handle.result.numpy() if handle.host else handle.result
+        return handle.result
 
     def _queue(self, queued: "_Queued") -> "_Queued":
-        """Queue a collective; a numpy array (an exchange computing on the host) travels as a
-        tensor, and :meth:`wait` hands its result back as numpy."""
-        if isinstance(queued.tensor, np.ndarray):
-            queued.tensor, queued.host = tf.convert_to_tensor(queued.tensor), True
         self._queued.append(queued)
         return queued
 
@@ -105,7 +103,7 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
         ranks the allreduces (Max; Sum, but not of float16 or bfloat16, which Horovod may add in float32)."""
         if queued.op is None:
             return True
-        half = queued.tensor.dtype in (tf.float16, tf.bfloat16)
+        half = queued.tensor.dtype.name in ("float16", "bfloat16")
         return self.size == 2 and (queued.op == self.MAX or not half)
 
     def _run_queued(self) -> None:
@@ -115,7 +113,9 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
             if grouped and queued is grouped[0]:
                 self._grouped(grouped)
             elif not self._joins(queued):
-                queued.result = self.hvd.allreduce(queued.tensor, op=self._ops[queued.op], name=queued.name)
+                result = self.hvd.allreduce(tf.convert_to_tensor(queued.tensor), op=self._ops[queued.op],
+                                            name=queued.name)
+                queued.result = _like(result, queued.tensor)
         for queued in batch:
             queued.tensor = None
 
@@ -123,24 +123,37 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
         """Run ``grouped`` as one ``grouped_allgather`` (a lone one as itself)."""
         if len(grouped) == 1:
             (queued,) = grouped
-            queued.result = (
-                self.hvd.allgather(queued.tensor, name=queued.name) if queued.op is None
-                else self.hvd.allreduce(queued.tensor, op=self._ops[queued.op], name=queued.name)
+            tensor = tf.convert_to_tensor(queued.tensor)
+            result = (
+                self.hvd.allgather(tensor, name=queued.name) if queued.op is None
+                else self.hvd.allreduce(tensor, op=self._ops[queued.op], name=queued.name)
             )
+            queued.result = _like(result, queued.tensor)
             return
         sent = [q.tensor if q.op is None else q.tensor[None] for q in grouped]  # allreduces: a row per rank
         gathered = self.hvd.grouped_allgather([_as_bytes(t) for t in sent], name=grouped[0].name)
         for queued, result in zip(grouped, gathered):
-            result = _from_bytes(result, queued.tensor.dtype)
+            result = _from_bytes(result, queued.tensor)
             queued.result = result if queued.op is None else _reduce_rows(result, queued.op == self.MAX)
 
 
+def _like(result: Any, sent: Any) -> Any:
+    """A collective's ``result`` as numpy when ``sent`` was (an exchange computing on the host)."""
+    return result.numpy() if isinstance(sent, np.ndarray) else result
+
+
 def _as_bytes(tensor: Any) -> Any:
+    """``tensor``'s bytes as int8 (a numpy array's along its last axis, in one tensor)."""
+    if isinstance(tensor, np.ndarray):
+        return tf.convert_to_tensor(np.ascontiguousarray(tensor).view(np.int8))
     return tensor if tensor.dtype == tf.int8 else tf.bitcast(tensor, tf.int8)
 
 
-def _from_bytes(tensor: Any, dtype: Any) -> Any:
-    return tensor if dtype == tf.int8 else tf.bitcast(tensor, dtype)
+def _from_bytes(tensor: Any, sent: Any) -> Any:
+    """The gathered bytes ``tensor`` in ``sent``'s dtype (and numpy when ``sent`` was)."""
+    if isinstance(sent, np.ndarray):
+        return tensor.numpy().view(sent.dtype)
+    return tensor if sent.dtype == tf.int8 else tf.bitcast(tensor, sent.dtype)
 
 
 #: integer sums wrap, as Horovod's do: added as the unsigned type of the same width
@@ -149,6 +162,8 @@ _UNSIGNED = {tf.int8: tf.uint8, tf.int16: tf.uint16, tf.int32: tf.uint32, tf.int
 
 def _reduce_rows(rows: Any, maximum: bool) -> Any:
     """The two ranks' rows ``[2, ...]`` reduced: ``max`` or the sum (integers wrapping)."""
+    if isinstance(rows, np.ndarray):  # numpy's integer sums of arrays wrap
+        return np.maximum(rows[0], rows[1]) if maximum else rows[0] + rows[1]
     if maximum:
         return tf.maximum(rows[0], rows[1])
     unsigned = _UNSIGNED.get(rows.dtype)
@@ -167,7 +182,6 @@ class _Queued:
     name: str
     tensor: Any
     result: Any = None
-    host: bool = False  # queued as a numpy array: the result goes back as one
 
 
 def eagerly(
