@@ -412,19 +412,25 @@ def terngrad_codes(g: np.ndarray, scale: float, uniform: np.ndarray) -> np.ndarr
 
 
 def _pack_fields(fields: np.ndarray, bits: int, per_word: int, word: type) -> np.ndarray:
-    """Pack small unsigned ``fields`` into words of ``per_word`` fields of ``bits`` bits."""
+    """Pack small unsigned ``fields`` into words (unsigned ``word``) of ``per_word`` fields of ``bits``
+    bits, field ``i`` of a word at bit ``i * bits``; computed in ``word`` itself (the fields do not overlap)."""
     words = -(-fields.shape[0] // per_word)
-    padded = np.zeros(words * per_word, dtype=np.uint64)
+    padded = np.zeros(words * per_word, dtype=word)
     padded[: fields.shape[0]] = fields
-    shifts = (bits * np.arange(per_word, dtype=np.uint64))[None, :]
-    return (padded.reshape(words, per_word) << shifts).sum(axis=1, dtype=np.uint64).astype(word)
+    grid = padded.reshape(words, per_word)
+    packed = grid[:, 0].copy()
+    for i in range(1, per_word):  # a column at a time: a few passes over words, not over fields
+        packed |= grid[:, i] << word(bits * i)
+    return packed
 
 
 def _unpack_fields(words: np.ndarray, bits: int, per_word: int, numel: int) -> np.ndarray:
-    shifts = (bits * np.arange(per_word, dtype=np.uint64))[None, :]
-    mask = np.uint64((1 << bits) - 1)
-    fields = (words.astype(np.uint64)[:, None] >> shifts) & mask
-    return fields.reshape(-1)[:numel].astype(np.int64)
+    """Inverse of :func:`_pack_fields`: the first ``numel`` fields of unsigned ``words``, in their dtype."""
+    word = words.dtype.type
+    grid = np.empty((words.shape[0], per_word), dtype=words.dtype)
+    for i in range(per_word):
+        np.bitwise_and(words >> word(bits * i), word((1 << bits) - 1), out=grid[:, i])
+    return grid.reshape(-1)[:numel]
 
 
 def pack_ternary(codes: np.ndarray, world_size: int) -> np.ndarray:
@@ -435,7 +441,7 @@ def pack_ternary(codes: np.ndarray, world_size: int) -> np.ndarray:
     addition wraps modulo ``2**32``, which the unsigned view undoes exactly.
     """
     bits = ternary_field_bits(world_size)
-    fields = (codes.astype(np.int64) + 1).astype(np.uint64)
+    fields = (codes.astype(np.int64) + 1).astype(np.uint32)
     return _pack_fields(fields, bits, 32 // bits, np.uint32).view(np.int32)
 
 
@@ -443,18 +449,18 @@ def unpack_ternary_sum(lanes: np.ndarray, numel: int, world_size: int) -> np.nda
     """Inverse of :func:`pack_ternary` on the sum of ``world_size`` ranks' lanes: ``sum t``."""
     bits = ternary_field_bits(world_size)
     fields = _unpack_fields(lanes.view(np.uint32), bits, 32 // bits, numel)
-    return (fields - world_size).astype(np.int32)
+    return fields.astype(np.int32) - np.int32(world_size)
 
 
 def pack_two_bit(codes: np.ndarray) -> np.ndarray:
     """``t + 1`` packed four to a byte (int8, the allgather wire format)."""
-    fields = (codes.astype(np.int64) + 1).astype(np.uint64)
+    fields = (codes + np.int8(1)).view(np.uint8)  # {-1, 0, 1} + 1: 0, 1, 2
     return _pack_fields(fields, 2, 4, np.uint8).view(np.int8)
 
 
 def unpack_two_bit(packed: np.ndarray, numel: int) -> np.ndarray:
     """Inverse of :func:`pack_two_bit`: codes in {-1, 0, 1} (int8)."""
-    return (_unpack_fields(packed.view(np.uint8), 2, 4, numel) - 1).astype(np.int8)
+    return _unpack_fields(packed.view(np.uint8), 2, 4, numel).view(np.int8) - np.int8(1)
 
 
 def maximum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
