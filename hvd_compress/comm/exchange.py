@@ -42,29 +42,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import computed_form, ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
-from hvd_compress.comm.rounds import Rounds, check_header
+from hvd_compress.comm import fused
+from hvd_compress.comm.rounds import FLAG_BITS, Rounds, check_header, flag_words, flagged_anywhere  # noqa: F401
 
 
 def elements(tensor: Any) -> int:
     """Elements of a tensor of any framework."""
     return math.prod(int(n) for n in tensor.shape)
-
-
-#: flags of non-finite tensors per header column (bits of an int64 that stays positive)
-FLAG_BITS = 63
-
-
-def flag_words(flags: List[bool]) -> List[int]:
-    """``flags`` (one per tensor of the bucket, in order) packed ``FLAG_BITS`` to an int64 column:
-    the header's width depends on the bucket's tensors only, not on which are flagged or dense."""
-    return [sum(1 << bit for bit, flag in enumerate(flags[start : start + FLAG_BITS]) if flag)
-            for start in range(0, len(flags), FLAG_BITS)]
-
-
-def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
-    """Per tensor of ``count``: whether some rank's header row (its last columns, :func:`flag_words`) flags it."""
-    words = -(-count // FLAG_BITS)
-    return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
 
 
 def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> Any:
@@ -88,12 +72,13 @@ def in_run_state(method: Callable) -> Callable:
 
 class BucketExchange:
     """One bucket's payloads and the collectives that move them, on the run state ``run`` (what the
-    route hands :func:`open_exchange`); every step of the compressor it makes runs on that state."""
+    route hands :func:`open_exchange`); every step of the compressor it makes runs on that state.
+    ``fuse=False``: the per-tensor path even where the fused one could run (tests compare the two)."""
 
-    def __init__(self, compressor: Any, comm: Any, key: str, run: Any = None) -> None:
+    def __init__(self, compressor: Any, comm: Any, key: str, run: Any = None, fuse: bool = True) -> None:
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
         self.run = compressor.state if run is None else run
-        self.world = comm.size
+        self.world, self.fuse = comm.size, fuse
         self.average = True
         self.shapes: Dict[str, tuple] = {}
         self.added: List[Tuple[str, Any]] = []
@@ -156,14 +141,11 @@ class BucketExchange:
         ``finish`` on any, when ranks may finish them in different orders.
         """
         tensors = [t for _, t in self.added]
-        if self.ops.FUSES_BUCKETS:
-            from hvd_compress.comm import fused  # imports torch: only for kernels that fuse (torch)
-
-            if fused.supported(self.compressor, tensors):
-                names = [n for n, _ in self.added]
-                bucket = fused.bucket_for(self.compressor, self.run, self.key, names, tensors, self.comm.size)
-                self.fused = bucket.launch(tensors, self.comm, complete)
-                return
+        if self.fuse and fused.supported(self.compressor, tensors):
+            names = [n for n, _ in self.added]
+            bucket = fused.bucket_for(self.compressor, self.run, self.key, names, tensors, self.comm.size)
+            self.fused = bucket.launch(tensors, self.comm, complete)
+            return
         self._encode()
         ops, comm, key = self.ops, self.comm, self.key
         layout = [(n, self.shapes[n], "dense") for n, _ in self.dense] + self.codec.layout()
@@ -205,10 +187,11 @@ class BucketExchange:
         ``{name: result}``; with ``order`` (names), the results flat and concatenated in that order."""
         self.average = average
         if self.fused is not None:
-            return self.fused.finish(self.comm, average, order)
-        results = self._finish()
-        if order is not None:
-            results = self.ops.concat([self.ops.reshape(results[name], (-1,)) for name in order])
+            results = self.fused.finish(self.comm, average, order)
+        else:
+            results = self._finish()
+            if order is not None:
+                results = self.ops.concat([self.ops.reshape(results[name], (-1,)) for name in order])
         if self.caller is None:
             return results
         back, like = self.caller

@@ -50,30 +50,36 @@ draws (each tensor draws its own uniforms, in the order the tensors were added).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-
 from hvd_compress import wire
-from hvd_compress.kernels import torch_ops as ops
-from hvd_compress.comm.rounds import Rounds, check_header
+from hvd_compress.kernels import ops_for
+from hvd_compress.comm.rounds import Rounds, check_header, flag_words
 
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: an array of the bucket's kernel module (numpy array, torch tensor)
+Array = Any
 
 
-def supported(compressor: Any, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the bucket can take the fused path (else the per-tensor path runs)."""
+def supported(compressor: Any, tensors: Sequence[Array]) -> bool:
+    """Whether the bucket can take the fused path (else the per-tensor path runs): a compressor with
+    a fused form, tensors of one kernel module that fuses buckets, of one float dtype and device."""
     if not getattr(compressor, "fused", False) or not tensors:
         return False
-    first = tensors[0]
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return False
-    if first.dtype not in FUSED_DTYPES or any(
-        t.dtype != first.dtype or t.device != first.device for t in tensors
-    ):
-        return False
-    return True
+    ops = ops_for(tensors[0])
+    return ops.FUSES_BUCKETS and ops.fusable(tensors)
+
+
+def float_errors_ignored(method: Any) -> Any:
+    """A step's method without the kernel module's floating-point warnings (numpy's): the flags are
+    ``0 * Inf`` by design, and sums may overflow as in the dense allreduce."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with getattr(self, "bucket", self).ops.float_errors_ignored():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class Group:
@@ -85,10 +91,10 @@ class Group:
         self.stop = start + self.rows * n
         self.first, self.last = first, first + self.rows
 
-    def view(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.start : self.stop].view(self.rows, self.n)
+    def view(self, flat: Array) -> Array:
+        return flat[self.start : self.stop].reshape(self.rows, self.n)
 
-    def column(self, per_row: torch.Tensor) -> torch.Tensor:
+    def column(self, per_row: Array) -> Array:
         """This group's part of a per-compressed-tensor vector, as a column (broadcasts over a row)."""
         return per_row[self.first : self.last, None]
 
@@ -101,12 +107,16 @@ def _offsets(groups: List[Group]) -> Dict[int, int]:
 class FusedBucket:
     """Plan and state of one bucket on the fused path (see the module docstring)."""
 
-    def __init__(self, compressor: Any, key: str, names: List[str], shapes: List[tuple], like: torch.Tensor,
+    def __init__(self, compressor: Any, key: str, names: List[str], shapes: List[tuple], like: Array,
                  world: int) -> None:
         self.compressor, self.key, self.world = compressor, key, world
         self.names, self.shapes = list(names), [tuple(s) for s in shapes]
-        self.dtype, self.device = like.dtype, like.device
+        #: the kernel module of the bucket's arrays (``reference`` for numpy, ``torch_ops``)
+        self.ops = ops = ops_for(like)
+        self.dtype, self.device = like.dtype, getattr(like, "device", None)
         self.acc = ops.accumulation_dtype(self.dtype)
+        #: an empty array of the bucket's dtype and device: where new buffers go
+        self.like = ops.zeros(0, self.dtype, like)
         self.config_hash = compressor.config_hash()
         self.numels = [math.prod(s) for s in self.shapes]
         self.kinds = [compressor.fused_kind(n) for n in self.numels]
@@ -118,25 +128,25 @@ class FusedBucket:
         self.codec = compressor.bucket_codec(self) if self.compressed else None
         #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
         self.padded = self.codec.spare if self.codec is not None else 0
-        self.spare_zero = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.spare_zero = ops.zeros(self.padded, self.dtype, like)
         #: the dense part, laid out by size groups too (momentum correction flags its tensors per group)
         self.dense_groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind == "dense"])
         self.dense = [i for g in self.dense_groups for i in g.members]
         self.n_dense = self.dense_groups[-1].stop if self.dense_groups else 0
         self.dense_offsets = _offsets(self.dense_groups)
-        #: the average's divisor, a 0-d tensor: a true division (see ``torch_ops.divide``), made once
-        self.divisor = torch.full((), float(world), dtype=self.acc, device=self.device)
+        #: the average's divisor in the accumulation dtype, a true division (see ``torch_ops.divide``), made once
+        self.divisor = ops.scalar(world, self.acc, like)
         #: momentum correction's decay (0: off)
         self.momentum = float(getattr(compressor, "momentum", 0.0) or 0.0)
         self.step_stats = self._step_stats()
         layout = (self.names, self.shapes, self.kinds, str(self.dtype))
         self.signature = wire.header_hash(layout)
         # state
-        self.residual: Optional[torch.Tensor] = None
-        self.velocity: Optional[torch.Tensor] = None  # compressed part, the residual's layout
-        self.dense_velocity: Optional[torch.Tensor] = None  # dense part, in the order of self.dense
-        self.posterior: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self.flush_into_dense: Dict[int, torch.Tensor] = {}
+        self.residual: Optional[Array] = None
+        self.velocity: Optional[Array] = None  # compressed part, the residual's layout
+        self.dense_velocity: Optional[Array] = None  # dense part, in the order of self.dense
+        self.posterior: Optional[Tuple[Array, Array]] = None
+        self.flush_into_dense: Dict[int, Array] = {}
         self.checked = False
 
     def _by_size(self, indices: List[int]) -> List[Group]:
@@ -153,11 +163,11 @@ class FusedBucket:
     def _step_stats(self) -> Tuple[int, int, int, int]:
         """What a step hands the collectives, for :class:`~hvd_compress.compressors.base.WireStats`:
         ``(bytes sent, dense bytes, values sent, elements)``; the same every step of this plan."""
-        def size(dtype: torch.dtype) -> int:
-            return torch.empty((), dtype=dtype).element_size()
+        def size(dtype: Any) -> int:
+            return self.ops.itemsize(self.ops.empty(0, dtype, self.like))
 
         itemsize, wire_dtype = size(self.dtype), self.compressor.dense_wire_dtype
-        sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(torch, wire_dtype)))
+        sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(self.ops, wire_dtype)))
         values = self.n_dense
         if self.codec is not None:
             codec_bytes, codec_values = self.codec.wire(self, itemsize)
@@ -166,21 +176,25 @@ class FusedBucket:
         return sent, numel * itemsize, values, numel
 
     # ------------------------------------------------------------------ layout
-    def matches(self, names: List[str], shapes: List[tuple], like: torch.Tensor, world: int) -> bool:
+    def matches(self, names: List[str], shapes: List[tuple], like: Array, world: int) -> bool:
         return (
             names == self.names
             and shapes == self.shapes
             and like.dtype == self.dtype
-            and like.device == self.device
+            and getattr(like, "device", None) == self.device
             and world == self.world
             and self.compressor.config_hash() == self.config_hash
         )
 
     def start_check(self, comm: Any) -> Any:
-        """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
+        """Start the allgather of ``[config hash, layout hash, flags]`` (handle for :meth:`check`). No flag
+        is set (NaN/Inf travel in-band), but with them the header has the width of the per-tensor path's
+        for a codec without columns of its own (dense, TernGrad, custom ones), so that a rank on that path
+        (another compressor) meets the same error; the width depends on the bucket's tensors only."""
         config = wire.header_config(type(self.compressor).__name__, self.config_hash)
-        header = torch.tensor([[config, self.signature]], dtype=torch.int64, device=self.device)
-        self.compressor.stats.add(header.numel() * header.element_size(), 0, 0, 0)
+        columns = [config, self.signature, *flag_words([False] * len(self.names))]
+        header = self.ops.as_int64([columns], like=self.like)
+        self.compressor.stats.add(8 * len(columns), 0, 0, 0)
         return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
 
     def check(self, comm: Any, handle: Any = None) -> None:
@@ -191,7 +205,7 @@ class FusedBucket:
         ``launch`` never blocks (ranks may launch their buckets in different orders).
         """
         handle = self.start_check(comm) if handle is None else handle
-        check_header(comm, ops.to_list(comm.wait(handle)), self.key, self.compressor, f" on {self._describe()}")
+        check_header(comm, self.ops.to_list(comm.wait(handle)), self.key, self.compressor, f" on {self._describe()}")
         self.checked = True
 
     def _describe(self) -> str:
@@ -202,44 +216,45 @@ class FusedBucket:
     # ------------------------------------------------------------------- state
     def adopt(self, memory: Any) -> None:
         """Take each tensor's state from the compressor's per-name memory (checkpoints, other layouts)."""
-        comp = self.compressor
+        comp, ops = self.compressor, self.ops
         feedback = getattr(comp, "error_feedback", False)
         post_idx, post_val = [], []
         for i in self.compressed:
             memory.track(self.names[i], self.shapes[i])
             idx = memory.peek(self.names[i], "posterior_indices")
             if idx is not None:
-                post_idx.append(idx.to(torch.int64) + self.offsets[i])
+                post_idx.append(ops.cast(idx, ops.int64) + self.offsets[i])
                 post_val.append(memory.peek(self.names[i], "posterior_values"))
         if feedback and self.compressed:
             self.residual = self._gathered(memory, "residual", self.compressed, self.padded)
         if self.momentum and self.compressed:
             self.velocity = self._gathered(memory, "velocity", self.compressed, self.padded)
         if post_idx:
-            self.posterior = (torch.cat(post_idx).to(self.device), torch.cat(post_val).to(self.device))
+            self.posterior = (ops.to_device(ops.concat(post_idx), self.like),
+                              ops.to_device(ops.concat(post_val), self.like))
         if self.momentum and self.dense:
             self.dense_velocity = self._gathered(memory, "velocity", self.dense, False)
         for i in self.dense:
             name = self.names[i]
             r = memory.peek(name, "residual")
-            if r is not None and r.numel() == self.numels[i]:
-                self.flush_into_dense[i] = r.reshape(-1).to(self.acc)
+            if r is not None and math.prod(r.shape) == self.numels[i]:
+                self.flush_into_dense[i] = ops.cast(r.reshape(-1), self.acc)
                 comp.warn_dense(name, self.numels[i])
             memory.reset(name)
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
 
-    def _gathered(self, memory: Any, key: str, members: List[int], spare: bool) -> torch.Tensor:
+    def _gathered(self, memory: Any, key: str, members: List[int], spare: bool) -> Array:
         """The arrays ``key`` of tensors ``members`` as one flat buffer in the accumulation dtype (zeros
         where a tensor has none), and a 0 for the spare entry with ``spare``."""
-        parts = []
+        ops, parts = self.ops, []
         for i in members:
             value = memory.peek(self.names[i], key)
-            parts.append(value.reshape(-1).to(self.acc) if value is not None and value.numel() == self.numels[i]
-                         else torch.zeros(self.numels[i], dtype=self.acc, device=self.device))
+            known = value is not None and math.prod(value.shape) == self.numels[i]
+            parts.append(ops.cast(value.reshape(-1), self.acc) if known else ops.zeros(self.numels[i], self.acc, self.like))
         if spare:
-            parts.append(torch.zeros(1, dtype=self.acc, device=self.device))
-        return torch.cat(parts).to(self.device)
+            parts.append(ops.zeros(1, self.acc, self.like))
+        return ops.to_device(ops.concat(parts), self.like)
 
     def flush(self, memory: Any) -> None:
         """Write each tensor's state back to the per-name memory (views; no copy of the residual)."""
@@ -247,25 +262,26 @@ class FusedBucket:
             name, shape, start, n = self.names[i], self.shapes[i], self.offsets[i], self.numels[i]
             memory.track(name, shape)
             if self.residual is not None:
-                memory.set(name, "residual", self.residual[start : start + n].view(shape))
+                memory.set(name, "residual", self.residual[start : start + n].reshape(shape))
             if self.velocity is not None:
-                memory.set(name, "velocity", self.velocity[start : start + n].view(shape))
+                memory.set(name, "velocity", self.velocity[start : start + n].reshape(shape))
             if self.posterior is not None:
                 idx, values = self.posterior
-                mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
-                memory.set(name, "posterior_indices", (idx[mine] - start).to(ops.index_dtype(n)))
+                mine = (idx >= start) & (idx < start + n) & (values != self.ops.NO_DISTORTION)
+                memory.set(name, "posterior_indices", self.ops.cast(idx[mine] - start, self.ops.index_dtype(n)))
                 memory.set(name, "posterior_values", values[mine])
         for i, r in self.flush_into_dense.items():
             memory.track(self.names[i], self.shapes[i])
-            memory.set(self.names[i], "residual", r.view(self.shapes[i]))
+            memory.set(self.names[i], "residual", r.reshape(self.shapes[i]))
         if self.dense_velocity is not None:
             for i, start in self.dense_offsets.items():
                 memory.track(self.names[i], self.shapes[i])
                 velocity = self.dense_velocity[start : start + self.numels[i]]
-                memory.set(self.names[i], "velocity", velocity.view(self.shapes[i]))
+                memory.set(self.names[i], "velocity", velocity.reshape(self.shapes[i]))
 
     # ------------------------------------------------------------------ encode
-    def launch(self, tensors: List[torch.Tensor], comm: Any, complete: bool = True) -> "Launched":
+    @float_errors_ignored
+    def launch(self, tensors: List[Array], comm: Any, complete: bool = True) -> "Launched":
         """Encode the bucket and start its collectives.
 
         ``complete=False``: return without waiting for any other rank; what needs a
@@ -283,52 +299,57 @@ class FusedBucket:
             send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
             out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            g = torch.cat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
+            g = self.ops.concat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
         self.compressor.stats.add(*self.step_stats)
         if complete:
             out.complete(comm)
         return out
 
-    def _dense_input(self, tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _dense_input(self, tensors: List[Array]) -> Optional[Array]:
         """The dense part in its flat layout, a fresh buffer of this step's (the allreduce may reduce it in place)."""
         if not self.dense:
             return None
-        parts = []
+        ops, parts = self.ops, []
         for i in self.dense:
             flat = tensors[i].reshape(-1)
             if i in self.flush_into_dense:  # once, after a switch to dense (see flush)
                 flat = ops.saturate(flat + self.flush_into_dense.pop(i), self.dtype)
             parts.append(flat)
-        flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+        flat = ops.concat(parts) if len(parts) > 1 else ops.clone(parts[0])
         wire_dtype = self.compressor.dense_wire_dtype
-        return flat if wire_dtype is None else ops.cast(flat, getattr(torch, wire_dtype))
+        return flat if wire_dtype is None else ops.cast(flat, getattr(ops, wire_dtype))
 
-    def _dense_velocity_input(self, tensors: List[torch.Tensor], out: "Launched") -> Optional[torch.Tensor]:
+    def _dense_velocity_input(self, tensors: List[Array], out: "Launched") -> Optional[Array]:
         """Momentum correction's dense part: ``u = m u + g``; send ``u`` (plus a flushed residual, once)."""
         if not self.dense:
             return None
-        g = torch.cat([tensors[i].reshape(-1) for i in self.dense])
+        ops = self.ops
+        g = ops.concat([tensors[i].reshape(-1) for i in self.dense])
         out.dense_velocity = u = ops.momentum_update(self.dense_velocity, g, self.momentum)
-        sent = u.clone() if self.flush_into_dense else u  # collectives leave their input as it is
+        sent = ops.clone(u) if self.flush_into_dense else u  # collectives leave their input as it is
         for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush)
             start = self.dense_offsets[i]
-            sent[start : start + self.numels[i]].add_(self.flush_into_dense.pop(i))
+            part = sent[start : start + self.numels[i]]
+            part += self.flush_into_dense.pop(i)
         wire_dtype = self.compressor.dense_wire_dtype
-        return ops.saturate(sent, self.dtype if wire_dtype is None else getattr(torch, wire_dtype))
+        return ops.saturate(sent, self.dtype if wire_dtype is None else getattr(ops, wire_dtype))
 
-    def keep_dense_velocity(self, total: torch.Tensor, velocity: torch.Tensor) -> None:
+    def keep_dense_velocity(self, total: Array, velocity: Array) -> None:
         """The dense part's new velocity, but a tensor whose sum holds NaN/Inf keeps its old one."""
         for grp in self.dense_groups:  # per tensor (row), the sum of 0 * its elements: NaN where it holds NaN/Inf
-            bad = torch.isnan(torch.mul(grp.view(total), 0).sum(dim=1, keepdim=True))
-            torch.where(bad, grp.view(self.dense_velocity), grp.view(velocity), out=grp.view(velocity))
+            bad = self.ops.isnan(self.ops.multiply(grp.view(total), 0).sum(1))[:, None]
+            self.ops.where(bad, grp.view(self.dense_velocity), grp.view(velocity), out=grp.view(velocity))
         self.dense_velocity = velocity
 
-    def compensated(self, g: torch.Tensor) -> torch.Tensor:
+    def compensated(self, g: Array) -> Array:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
         if self.residual is None:
             return g
-        return g.add_(self.residual) if g.dtype == self.acc else torch.add(g, self.residual)
+        if g.dtype != self.acc:
+            return g + self.residual
+        g += self.residual
+        return g
 
 
 class Launched:
@@ -338,11 +359,12 @@ class Launched:
         self.bucket = bucket
         self.handles: Dict[str, Any] = {}
         self.rounds = Rounds(comm, bucket.key, self.handles)  # the codec's rounds of collectives
-        self.residual: Optional[torch.Tensor] = None
-        self.velocity: Optional[torch.Tensor] = None  # momentum correction: this step's, masked
-        self.dense_velocity: Optional[torch.Tensor] = None
+        self.residual: Optional[Array] = None
+        self.velocity: Optional[Array] = None  # momentum correction: this step's, masked
+        self.dense_velocity: Optional[Array] = None
         self.header: Any = None  # the layout check still to wait for (name-matched transports)
 
+    @float_errors_ignored
     def complete(self, comm: Any) -> None:
         """Check the layout if still pending, then start the rounds that waited for other ranks' data."""
         if self.header is not None:
@@ -351,6 +373,7 @@ class Launched:
         self.rounds.advance()
 
     # ------------------------------------------------------------------ finish
+    @float_errors_ignored
     def finish(self, comm: Any, average: bool, order: Optional[List[str]] = None) -> Any:
         """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape, or
         with ``order`` (names) those results flat, concatenated in that order: one cat and one division
@@ -362,23 +385,23 @@ class Launched:
         if order is not None:
             sums = {b.names[i]: total[start : start + b.numels[i]]
                     for total, starts in parts for i, start in starts.items()}
-            return self._scaled(torch.cat([sums[name] for name in order]), average)
-        results: Dict[str, torch.Tensor] = {}
+            return self._scaled(b.ops.concat([sums[name] for name in order]), average)
+        results: Dict[str, Array] = {}
         for total, starts in parts:
             flat = self._scaled(total, average)
             for i, start in starts.items():
-                results[b.names[i]] = flat[start : start + b.numels[i]].view(b.shapes[i])
+                results[b.names[i]] = flat[start : start + b.numels[i]].reshape(b.shapes[i])
         return results
 
-    def _totals(self, comm: Any) -> List[Tuple[torch.Tensor, Dict[int, int]]]:
+    def _totals(self, comm: Any) -> List[Tuple[Array, Dict[int, int]]]:
         """The sums over ranks (accumulation dtype), each with its tensors' first entries: the dense part's,
         the compressed part's; the bucket takes the step's state."""
         b = self.bucket
         parts = []
         if b.dense:
-            total = comm.wait(self.handles["dense"]).to(b.acc)
+            total = b.ops.cast(comm.wait(self.handles["dense"]), b.acc)
             if total is self.dense_velocity:  # a world of one hands back its input: keep the velocity apart
-                total = total.clone()
+                total = b.ops.clone(total)
             if self.dense_velocity is not None:
                 b.keep_dense_velocity(total, self.dense_velocity)
             parts.append((total, b.dense_offsets))
@@ -388,26 +411,22 @@ class Launched:
             parts.append((total, b.offsets))
         return parts
 
-    def _scaled(self, total: torch.Tensor, average: bool) -> torch.Tensor:
+    def _scaled(self, total: Array, average: bool) -> Array:
         b = self.bucket
-        return ops.cast(torch.div(total, b.divisor) if average else total, b.dtype)
+        return b.ops.cast(total / b.divisor if average else total, b.dtype)
 
-    def _keep(self, bad: torch.Tensor) -> None:
+    def _keep(self, bad: Array) -> None:
         """The bucket takes the step's residual (and velocity); flagged tensors keep theirs from before the step."""
         b = self.bucket
-        if self.residual is not None:
-            for grp in b.groups:
-                torch.where(grp.column(bad), grp.view(b.residual), grp.view(self.residual),
-                            out=grp.view(self.residual))
-            b.residual = self.residual
-        if self.velocity is not None:
-            for grp in b.groups:
-                torch.where(grp.column(bad), grp.view(b.velocity), grp.view(self.velocity),
-                            out=grp.view(self.velocity))
-            b.velocity = self.velocity
+        for old, new in ((b.residual, self.residual), (b.velocity, self.velocity)):
+            if new is not None:
+                for grp in b.groups:
+                    b.ops.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
+        b.residual = self.residual if self.residual is not None else b.residual
+        b.velocity = self.velocity if self.velocity is not None else b.velocity
 
 
-def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: List[torch.Tensor],
+def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: List[Array],
                world: int) -> "FusedBucket":
     """The :class:`FusedBucket` of ``key`` for this layout, kept in the run state ``run.buckets`` (the
     route's :class:`~hvd_compress.compressors.state.CompressorState`).
@@ -425,7 +444,7 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
         if other_key == key or wanted.intersection(other.names):
             other.flush(run.memory)
             del run.buckets[other_key]
-    compressor.adopt_loaded_state(ops, tensors[0])
+    compressor.adopt_loaded_state(fresh.ops, tensors[0])
     fresh.adopt(run.memory)
     run.buckets[key] = fresh
     return fresh

@@ -69,10 +69,20 @@ class ThreadCommunicator(Communicator):
         return self._collective(tensor, lambda posts: ops.cast(ops.dense_sum(posts), tensor.dtype))
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self._collective(tensor, ops_for(tensor).concat)
+        return self._collective(tensor, lambda posts: _concatenated(posts, name))
 
     def wait(self, handle: Any) -> Any:
         return handle
+
+
+def _concatenated(posts: List[Any], name: str) -> Any:
+    """The ranks' tensors concatenated along dim 0; every rank raises the same error when their other
+    dimensions differ (as ``MPICommunicator`` checks them)."""
+    shapes = [tuple(p.shape[1:]) for p in posts]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"hvd_compress: ranks disagree on the trailing shape of allgather '{name}' "
+                         f"(per rank: {shapes})")
+    return ops_for(posts[0]).concat(posts)
 
 
 def run_ranks(size: int, work: Callable[[ThreadCommunicator], Any], timeout: float = 60.0) -> List[Any]:

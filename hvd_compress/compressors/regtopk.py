@@ -73,19 +73,17 @@ class RegTopK(Sparsifier):
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``, damped by ``|tanh((1 + D) / mu)|`` where the last aggregate informed ``D``."""
         if posterior is None:  # D = 1e8 everywhere: plain Top-k
-            return a.abs()
+            return abs(a)
         idx, distortion = posterior
-        scores = a.abs().to(ops.accumulation_dtype(ops.promote(a.dtype, distortion.dtype)))
-        damped = ops.regtopk_scores(a.index_select(0, idx), distortion, self.mu)
-        return scores.index_copy_(0, idx, damped.abs_())  # |.|: a NaN of 0 * Inf keeps the sign bit clear
+        return ops.regtopk_sparse_scores(a, idx, distortion, self.mu)
 
     def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
         """The posterior ``(indices, D)``: ``D = (T - s) / s`` at the sent slots (``s != 0``), else 1e8;
         tensors flagged non-finite: 1e8."""
         idx, values = sent
-        own = values.to(total.dtype)
+        own = ops.cast(values, total.dtype)
         informative = (own != 0) & ~bad[slot_rows]
-        distortion = (total.index_select(0, idx) - own) / own
+        distortion = (ops.take(total, idx) - own) / own
         return idx, ops.where(informative, distortion, ops.NO_DISTORTION)
 
     def _sent(self, name: str, indices: Any, values: Any) -> None:

@@ -124,14 +124,14 @@ class Sparsifier(Compressor):
         return self.k(numel)
 
     def bucket_codec(self, bucket: Any) -> Any:
-        """:class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec` (imports torch)."""
+        """:class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec`."""
         from hvd_compress.compressors.sparse_bucket import SparseBucketCodec
 
         return SparseBucketCodec(self, bucket)
 
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""
-        return a.abs()
+        return abs(a)
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """A fused bucket's selection, ``(positions, probe)``: every row's ``k`` largest ``scores``

@@ -1,4 +1,4 @@
-"""The sparsifiers' codec for a fused torch bucket: one round of two fixed-size allgathers.
+"""The sparsifiers' codec for a fused bucket (numpy, torch): one round of two fixed-size allgathers.
 
 Per bucket (the compressed part, laid out by size groups of ``(rows, n)`` matrices)::
 
@@ -7,7 +7,9 @@ Per bucket (the compressed part, laid out by size groups of ``(rows, n)`` matric
                                                 (Gaussian-k: moments, one count of all its
                                                 thresholds, one mark), then a fixed number
                                                 of kernels for the bucket
-                                                (:class:`~hvd_compress.kernels.torch_rows.Rows`)
+                                                (:func:`~hvd_compress.kernels.bucket_rows`: torch's
+                                                :class:`~hvd_compress.kernels.torch_rows.Rows`, numpy's
+                                                :class:`~hvd_compress.kernels.reference_rows.Rows`)
     send a[S] ++ f, S ++ first entries          two allgathers of K + flags entries per rank
     r = a with a[S] set to 0                    (momentum: u[S] = 0)
     total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
@@ -25,11 +27,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Generator, List, Tuple
 
-import torch
-
-from hvd_compress.kernels import torch_ops as ops
-from hvd_compress.kernels.torch_rows import Rows
+from hvd_compress.kernels import bucket_rows
 from hvd_compress.compressors.rounds import Send
+
+#: an array of the bucket's kernel module (numpy array, torch tensor)
+Array = Any
 
 
 class SparseBucketCodec:
@@ -38,28 +40,27 @@ class SparseBucketCodec:
     rounds = 1
 
     def __init__(self, compressor: Any, bucket: Any) -> None:
-        self.compressor = compressor
+        self.compressor, ops = compressor, bucket.ops
         groups = bucket.groups
         #: slots may go unused (Gaussian-k): one spare work entry after the compressed part
         self.spare = int(bool(getattr(compressor, "pads_slots", False)))
         self.k_total = sum(g.rows * compressor.slots(g.n) for g in groups)
         self.index_dtype = ops.index_dtype(bucket.n_compressed + 1)
         #: the selections of the compressed part; unused slots point at the spare entry
-        self.rows = Rows([(g.start, g.rows, g.n, compressor.k(g.n), compressor.slots(g.n)) for g in groups],
-                         bucket.device, spare=bucket.n_compressed)
+        self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, compressor.k(g.n), compressor.slots(g.n)) for g in groups],
+                                bucket.like, spare=bucket.n_compressed)
         #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
         #: at the first work position of its tensor (the spare: its own)
         self.flag_count = sum(g.rows for g in groups) + self.spare
-        self.flag_positions = torch.tensor([g.start + row * g.n for g in groups for row in range(g.rows)]
-                                           + [bucket.n_compressed] * self.spare, dtype=self.index_dtype,
-                                           device=bucket.device)
+        firsts = [g.start + row * g.n for g in groups for row in range(g.rows)] + [bucket.n_compressed] * self.spare
+        self.flag_positions = ops.cast(ops.as_int64(firsts, bucket.like), self.index_dtype)
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
-        index_size = torch.empty((), dtype=self.index_dtype).element_size()
+        index_size = bucket.ops.itemsize(bucket.ops.empty(0, self.index_dtype, bucket.like))
         return (self.k_total + self.flag_count) * (itemsize + index_size), self.k_total
 
-    def exchange(self, bucket: Any, g: torch.Tensor, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+    def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """Encode ``g`` (the compressed part, and a 0 for the spare entry), one round, then the
         decode: ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
         message, positions, sent = self._encode(bucket, g, step)
@@ -67,42 +68,42 @@ class SparseBucketCodec:
         received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
         return self._decode(bucket, received, sent)
 
-    def _encode(self, bucket: Any, g: torch.Tensor, step: Any) -> Tuple[torch.Tensor, torch.Tensor, Any]:
-        comp, K, count = self.compressor, self.k_total, self.flag_count - self.spare
+    def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any]:
+        comp, ops, K, count = self.compressor, bucket.ops, self.k_total, self.flag_count - self.spare
         if bucket.momentum:  # u = m u + g; a = r + u
             step.velocity = u = ops.momentum_update(bucket.velocity, g, bucket.momentum)
-            a = u if bucket.residual is None else torch.add(u, bucket.residual)
+            a = u if bucket.residual is None else u + bucket.residual
         else:
             a = bucket.compensated(g)
         scores = comp.bucket_scores(a, bucket.posterior, ops)
         idx, probe = comp.bucket_select(a, scores, self.rows, ops)
-        message = torch.empty(K + self.flag_count, dtype=bucket.dtype, device=bucket.device)
+        message = ops.empty(K + self.flag_count, bucket.dtype, bucket.like)
         if a.dtype != bucket.dtype and bucket.residual is not None:  # values saturate to the gradient's dtype,
             values, step.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=bucket.dtype)
-            message[:K].copy_(values)  # the rest stays in the residual
+            message[:K] = values  # the rest stays in the residual
         elif a.dtype != bucket.dtype:  # the velocity without error feedback: its values saturate, the rest goes
-            values = ops.saturate(a.index_select(0, idx), bucket.dtype)
-            message[:K].copy_(values)
+            values = ops.saturate(ops.take(a, idx), bucket.dtype)
+            message[:K] = values
         else:
-            values = torch.index_select(a, 0, idx, out=message[:K])
+            values = ops.take(a, idx, out=message[:K])
             if bucket.residual is not None:
-                step.residual = a.index_fill_(0, idx, 0)
+                step.residual = ops.zero_at(a, idx)
         if bucket.momentum:
             ops.momentum_mask(step.velocity, idx)  # u[S] = 0 (the spare entry's slots: it stays 0)
-        torch.mul(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
+        ops.multiply(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
         if self.spare:
-            message[K + count :].zero_()
-        positions = torch.empty(K + self.flag_count, dtype=self.index_dtype, device=bucket.device)
-        return message, torch.cat([idx, self.flag_positions], out=positions), (idx, values)
+            ops.fill_zero(message[K + count :])
+        positions = ops.empty(K + self.flag_count, self.index_dtype, bucket.like)
+        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values)
 
-    def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        width = self.k_total + self.flag_count
-        values = received["values"].view(bucket.world, width)
-        indices = received["indices"].view(bucket.world, width)
-        total = torch.zeros(bucket.n_compressed + self.spare, dtype=bucket.acc, device=bucket.device)
+    def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[Array, Array]:
+        ops, width = bucket.ops, self.k_total + self.flag_count
+        values = received["values"].reshape(bucket.world, width)
+        indices = received["indices"].reshape(bucket.world, width)
+        total = ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like)
         for rank in range(bucket.world):  # rank order: the same sums on every rank and device; the flags
-            total.index_add_(0, indices[rank], values[rank].to(bucket.acc))  # (0 or NaN) add at first entries
-        bad = torch.isnan(values[:, self.k_total :].to(bucket.acc).sum(dim=0))  # NaN where any rank was non-finite
+            ops.index_add(total, indices[rank], ops.cast(values[rank], bucket.acc))  # (0 or NaN) at first entries
+        bad = ops.isnan(ops.cast(values[:, self.k_total :], bucket.acc).sum(0))  # NaN where any rank was non-finite
         posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
         if posterior is not None:
             bucket.posterior = posterior

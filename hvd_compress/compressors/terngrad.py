@@ -92,7 +92,7 @@ class TernGrad(Compressor):
         return TernaryTensorCodec(self, exchange)
 
     def bucket_codec(self, bucket: Any) -> Any:
-        """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec` (imports torch)."""
+        """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec`."""
         from hvd_compress.compressors.terngrad_bucket import TernaryBucketCodec
 
         return TernaryBucketCodec(self, bucket)

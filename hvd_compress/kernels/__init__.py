@@ -19,7 +19,7 @@ Tensors inside a graph, on a GPU, or of 16-bit types keep TensorFlow's kernels.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -62,6 +62,17 @@ def in_form_of(result: Any, original: Any) -> Any:
     if computed_form(original) is original:
         return result
     return ops_for(original).from_host(result, original)
+
+
+def bucket_rows(ops: ModuleType, groups: Sequence[Tuple[int, int, int, int, int]], like: Any,
+                spare: Optional[int] = None) -> Any:
+    """The row selections of a fused bucket of ``ops``'s arrays (``like``: one of them):
+    :class:`~hvd_compress.kernels.torch_rows.Rows`, numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`."""
+    if ops.__name__ == _TORCH:
+        from hvd_compress.kernels.torch_rows import Rows
+    else:
+        from hvd_compress.kernels.reference_rows import Rows  # type: ignore[assignment]
+    return Rows(groups, getattr(like, "device", None), spare=spare)
 
 
 def module(name: str) -> ModuleType:

@@ -20,12 +20,12 @@ import numpy as np
 
 from hvd_compress.wire import ternary_field_bits
 
-#: Wire dtype of ``FP16``.
-float16 = np.float16
+#: Wire dtype of ``FP16``; dtypes of the fused bucket path's buffers.
+float16, float32, int16, int64 = np.float16, np.float32, np.int16, np.int64
 
 #: Whether the exchanges may hand this module's tensors to the fused bucket path
-#: (``hvd_compress.comm.fused``); only the torch kernels have one.
-FUSES_BUCKETS = False
+#: (``hvd_compress.comm.fused``, which needs :data:`BUCKET_FUNCTIONS` too).
+FUSES_BUCKETS = True
 
 #: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
 #: state of this module's streams can be set on a host stream, which is how checkpoints check it).
@@ -268,13 +268,18 @@ def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
     """
     k = num_selected(a.shape[0], ratio)
     magnitude = np.abs(a)
+    return gaussiank_from(magnitude, gaussiank_threshold(a, ratio), k)
+
+
+def gaussiank_from(magnitude: np.ndarray, threshold: float, k: int) -> np.ndarray:
+    """:func:`gaussiank_correct` on ``|a|`` from a first ``threshold``: the indices selected, ascending."""
     selected = gaussiank_correct(
         lambda threshold: int(np.count_nonzero(magnitude > threshold)),
         lambda threshold: np.flatnonzero(magnitude > threshold),
-        gaussiank_threshold(a, ratio),
+        threshold,
         k,
     )
-    return selected.astype(index_dtype(a.shape[0]))
+    return selected.astype(index_dtype(magnitude.shape[0]))
 
 
 #: Every threshold the correction can evaluate, as multiples of the first: ``0.5^i 1.5^j`` for the
@@ -372,9 +377,15 @@ def regtopk_select_sparse(
     ``|a_j|``: only the entries sent last step need ``tanh``. Same result as the
     dense form, at the cost of one ``|a|`` pass.
     """
+    return topk_indices(regtopk_sparse_scores(a, idx, values, mu), k)
+
+
+def regtopk_sparse_scores(a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu: float) -> np.ndarray:
+    """RegTop-k's scores with ``D`` given by its informative part ``(idx, values)`` (``|a|`` elsewhere),
+    in at least float32."""
     scores = np.abs(a).astype(accumulation_dtype(np.result_type(a.dtype, values.dtype)))
     scores[idx] = regtopk_scores(a[idx], values, mu)
-    return topk_indices(scores, k)
+    return scores
 
 
 # --------------------------------------------------------------------------- #
@@ -468,9 +479,9 @@ def maximum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.maximum(a, b)
 
 
-def concat(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """Rank-ordered concatenation, as an allgather returns it."""
-    return np.concatenate(arrays)
+def concat(arrays: Sequence[np.ndarray], out=None) -> np.ndarray:
+    """Rank-ordered concatenation, as an allgather returns it (into ``out``)."""
+    return np.concatenate(arrays, out=out)
 
 
 def sum_codes(codes: Sequence[np.ndarray]) -> np.ndarray:
@@ -509,3 +520,130 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
     total = np.zeros(numel, dtype=dtype)
     np.add.at(total, np.concatenate(indices).astype(np.int64), np.concatenate(values).astype(dtype))
     return total
+
+
+# --------------------------------------------------------------------------- #
+# Fused buckets (hvd_compress.comm.fused): buffers, and every tensor's step at once
+# --------------------------------------------------------------------------- #
+#: The functions the fused bucket path calls besides the ones above; a kernel module with
+#: ``FUSES_BUCKETS`` provides them all.
+BUCKET_FUNCTIONS = (
+    "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at", "fill_zero", "index_add",
+    "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from", "regtopk_sparse_scores", "uniform_into",
+    "terngrad_bucket_scales", "terngrad_bucket_codes", "terngrad_bucket_residual",
+)
+
+
+def fusable(tensors: Sequence[np.ndarray]) -> bool:
+    """Whether ``tensors`` can share a fused bucket: arrays of one float dtype."""
+    first = tensors[0]
+    return all(isinstance(t, np.ndarray) and t.dtype == first.dtype for t in tensors) and first.dtype in (
+        np.float16, np.float32, np.float64)
+
+
+def float_errors_ignored():
+    """A context without numpy's floating-point warnings: a fused step makes its NaN flags as
+    ``0 * Inf`` and lets sums overflow, as the dense allreduce it replaces does."""
+    return np.errstate(all="ignore")
+
+
+def empty(numel: int, dtype, like: np.ndarray) -> np.ndarray:
+    return np.empty(numel, dtype=dtype)
+
+
+def zeros(numel: int, dtype, like: np.ndarray) -> np.ndarray:
+    return np.zeros(numel, dtype=dtype)
+
+
+def scalar(value: float, dtype, like: np.ndarray):
+    """``value`` as a number of ``dtype`` (divisions by it round once in that dtype)."""
+    return np.dtype(dtype).type(value)
+
+
+def clone(a: np.ndarray) -> np.ndarray:
+    return a.copy()
+
+
+def to_device(a: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``a`` where ``like`` lives (the host)."""
+    return a
+
+
+def take(a: np.ndarray, indices: np.ndarray, out=None) -> np.ndarray:
+    """``a[indices]`` (into ``out``)."""
+    return np.take(a, indices, out=out)
+
+
+def zero_at(a: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """``a[indices] = 0`` in place; returns ``a``."""
+    a[indices] = 0
+    return a
+
+
+def fill_zero(a: np.ndarray) -> np.ndarray:
+    a[...] = 0
+    return a
+
+
+def index_add(total: np.ndarray, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``total[indices] += values`` in place, in order (a repeated index adds each time)."""
+    np.add.at(total, indices, values)
+    return total
+
+
+def nonfinite_to_zero(a: np.ndarray) -> np.ndarray:
+    """``a`` with NaN and +-Inf replaced by 0."""
+    return np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def isnan(a: np.ndarray) -> np.ndarray:
+    return np.isnan(a)
+
+
+def multiply(a: np.ndarray, b, out=None) -> np.ndarray:
+    return np.multiply(a, b, out=out)
+
+
+def where(condition: np.ndarray, a, b, out=None) -> np.ndarray:
+    """``a`` where ``condition``, else ``b`` (into ``out``, which may be ``b``)."""
+    if out is None:
+        return np.where(condition, a, b)
+    out[...] = np.where(condition, a, b)
+    return out
+
+
+def uniform_into(rng: np.random.Generator, out: np.ndarray) -> np.ndarray:
+    """:func:`uniform`'s float32 draws, written into the float32 ``out``."""
+    return rng.random(out.shape[0], dtype=np.float32, out=out)
+
+
+def terngrad_bucket_scales(a: np.ndarray, groups, clip):
+    """Per row of ``groups`` (views of ``a``): ``(max|clip(a)|, clipping bound or None)`` in ``a``'s
+    dtype, the bound ``c std`` of :func:`terngrad_clip`, +Inf where that function leaves the row as it is."""
+    rows_of = [row for grp in groups for row in grp.view(a)]
+    if clip is None:
+        return np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype), None
+    exact = np.array([clip * float(np.std(row, dtype=np.float64)) for row in rows_of])
+    constant = np.array([np.max(row) == np.min(row) for row in rows_of], dtype=bool)
+    bound = cast(exact, a.dtype)
+    bound[(exact == 0) | constant] = np.inf
+    return np.minimum(np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype), bound), bound
+
+
+def terngrad_bucket_codes(a: np.ndarray, groups, bound, scale: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``)."""
+    ratio = np.abs(a)  # S = 0: |a| = 0 / 0 is NaN, no code
+    for grp in groups:
+        view = grp.view(ratio)
+        if bound is not None:
+            np.minimum(view, grp.column(bound), out=view)
+        view /= grp.column(scale)
+    return (np.sign(a).astype(np.int8) * (uniform < ratio)).astype(np.int8)
+
+
+def terngrad_bucket_residual(a: np.ndarray, groups, codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """``r = a - S t`` per row, in place in ``a``."""
+    for grp in groups:
+        view = grp.view(a)
+        view -= grp.view(codes) * grp.column(scale)
+    return a

@@ -55,7 +55,7 @@ _NUMPY_DTYPES = {
 }
 
 
-float16 = torch.float16
+float16, float32, int16, int64 = torch.float16, torch.float32, torch.int16, torch.int64
 
 #: CPU tensors take the host's shortcuts (numpy's selection and buffers, a loop over rows
 #: with host reads, which cost nothing there); :func:`accelerator_path` turns them off.
@@ -218,12 +218,8 @@ def set_generator_state(rng: torch.Generator, state) -> None:
     rng.set_state(state)
 
 
-def promote(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return torch.promote_types(a, b)
-
-
-def where(condition: torch.Tensor, a: torch.Tensor, b) -> torch.Tensor:
-    return torch.where(condition, a, b)
+def where(condition: torch.Tensor, a, b, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.where(condition, a, b) if out is None else torch.where(condition, a, b, out=out)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -497,8 +493,8 @@ def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.maximum(a, b)
 
 
-def concat(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(list(arrays))
+def concat(arrays: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.cat(list(arrays), out=out)
 
 
 def sum_codes(codes: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -522,3 +518,116 @@ def sparse_sum(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], 
     for idx, v in zip(indices, values):
         total.index_add_(0, idx.long(), v.to(dtype))
     return total
+
+
+# ---------------------------------------------------------------- fused buckets
+#: dtypes a fused bucket takes
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fusable(tensors: Sequence[torch.Tensor]) -> bool:
+    first = tensors[0]
+    return all(isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device
+               for t in tensors) and first.dtype in FUSED_DTYPES
+
+
+def float_errors_ignored():
+    """torch never warns of floating-point errors."""
+    return contextlib.nullcontext()
+
+
+def empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=like.device)
+
+
+def zeros(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=like.device)
+
+
+def scalar(value: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d tensor on ``like``'s device: a division by it is a true division (see :func:`divide`)."""
+    return torch.full((), float(value), dtype=dtype, device=like.device)
+
+
+def clone(a: torch.Tensor) -> torch.Tensor:
+    return a.clone()
+
+
+def to_device(a: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return a.to(like.device)
+
+
+def take(a: torch.Tensor, indices: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.index_select(a, 0, indices, out=out)
+
+
+def zero_at(a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return a.index_fill_(0, indices, 0)
+
+
+def fill_zero(a: torch.Tensor) -> torch.Tensor:
+    return a.zero_()
+
+
+def index_add(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return total.index_add_(0, indices, values)
+
+
+def nonfinite_to_zero(a: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def isnan(a: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(a)
+
+
+def multiply(a: torch.Tensor, b, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return torch.mul(a, b, out=out)
+
+
+def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float) -> torch.Tensor:
+    """``|a|``, damped by ``|tanh((1 + D) / mu)|`` at ``idx`` (``|.|``: a NaN of ``0 * Inf`` keeps the
+    sign bit clear, as the fused selections need)."""
+    scores = a.abs().to(accumulation_dtype(torch.promote_types(a.dtype, values.dtype)))
+    damped = regtopk_scores(a.index_select(0, idx), values, mu)
+    return scores.index_copy_(0, idx, damped.abs_())
+
+
+def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
+    return torch.rand(out.shape[0], generator=rng, dtype=torch.float32, device=out.device, out=out)
+
+
+def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
+    """One ``aminmax`` (and ``std``) per group: ``clip(g) = clamp(g, -b, b)`` is monotone, so
+    ``max|clip(g)| = min(max(-min g, max g), b)`` exactly; ``b = c std(g)``, +Inf where ``b = 0``
+    or ``g`` is constant (no clipping)."""
+    extremes = [torch.aminmax(grp.view(a), dim=1) for grp in groups]
+    low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
+    local = torch.maximum(-low, high).abs()
+    if clip is None:
+        return local, None
+    std = torch.cat([torch.std(grp.view(a), dim=1, correction=0) for grp in groups])
+    bound = (std.double() * clip).to(a.dtype)
+    bound = torch.where((bound == 0) | (low == high), torch.inf, bound)
+    return torch.minimum(local, bound), bound
+
+
+def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
+                          uniform: torch.Tensor) -> torch.Tensor:
+    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``; ``|clip(g)| = min(|g|, b)`` and ``clip``
+    keeps the sign, so ``clip(g)`` is never formed."""
+    ratio = torch.abs(a)
+    for grp in groups:
+        view = grp.view(ratio)
+        if bound is not None:
+            torch.minimum(view, grp.column(bound), out=view)
+        view.div_(grp.column(scale))
+    keep = torch.lt(uniform, ratio).view(torch.int8)
+    # sign(g) keep = keep - 2 (keep and g < 0): where keep is 1, |g| > 0 (a 0 never passes u < 0)
+    return torch.sub(keep, torch.lt(a, 0).view(torch.int8).bitwise_and_(keep), alpha=2)
+
+
+def terngrad_bucket_residual(a: torch.Tensor, groups, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    for grp in groups:
+        grp.view(a).addcmul_(grp.view(codes), grp.column(scale), value=-1)
+    return a

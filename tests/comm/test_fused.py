@@ -1,11 +1,13 @@
-"""The fused torch bucket path (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
+"""The fused bucket path (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on buckets
 of several tensors (sizes repeated, so tensors share a top-k call; small ones
 dense) and must equal the :class:`~hvd_compress.simulator.Simulator`, which
 encodes tensor by tensor, over several steps, for every fused compressor and
-gradient dtype, on the CPU's way and on the accelerator's (``accelerator_path``: the
-selections of :mod:`~hvd_compress.kernels.torch_rows` without host reads). Also: nothing
+gradient dtype, on numpy arrays (``path="numpy"``: the selections of
+:mod:`~hvd_compress.kernels.reference_rows`) and on torch tensors, the CPU's way and the
+accelerator's (``accelerator_path``: the selections of :mod:`~hvd_compress.kernels.torch_rows`
+without host reads). Also: nothing
 is lost (sent + residual == produced), a NaN on one rank makes that tensor
 non-finite on every rank and leaves every residual as it was, and a steady-state
 step reads no tensor back to the host.
@@ -42,6 +44,9 @@ COMPRESSORS = {
     "none": NoneCompressor,
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays
+PATHS = ["host", "accelerator", "numpy"]
+NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def way_of(way: str):
@@ -49,70 +54,81 @@ def way_of(way: str):
     return torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext()
 
 
-def gradients(rank: int, step: int, dtype, ties: bool = False):
+def gradients(rank: int, step: int, dtype, ties: bool = False, numpy: bool = False):
+    """Torch tensors of ``dtype``, or with ``numpy`` the same values as numpy arrays (of ``dtype``'s kind)."""
     generator = torch.Generator().manual_seed(100 * rank + step)
     grads = {}
     for name, shape in SHAPES.items():
         g = torch.randn(shape, generator=generator)
         if ties:  # few distinct magnitudes: many ties at every k-th value
             g = torch.round(g * 2) / 2
-        grads[name] = g.to(dtype)
+        grads[name] = g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g.to(dtype)
     return grads
 
 
-def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan")):
+def as_float64(t) -> np.ndarray:
+    """A result or state (torch tensor or numpy array) as a float64 numpy array."""
+    return t.double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float64)
+
+
+def copied(t):
+    return t.clone() if isinstance(t, torch.Tensor) else t.copy()
+
+
+def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan"), numpy=False):
     compressor = make()
     out = []
     for step in range(steps):
         exchange = BucketExchange(compressor, comm, "bucket")
-        for name, g in gradients(comm.rank, step, dtype, ties).items():
+        for name, g in gradients(comm.rank, step, dtype, ties, numpy).items():
             if nan == (comm.rank, step, name):
-                g = g.clone()
-                g.view(-1)[3] = special
+                g = copied(g)
+                g.reshape(-1)[3] = special
             exchange.add(name, g)
         exchange.launch()
         assert exchange.fused is not None, "the bucket did not take the fused path"
-        out.append({n: t.clone() for n, t in exchange.finish(average=True).items()})
+        out.append({n: copied(t) for n, t in exchange.finish(average=True).items()})
         out[-1]["residuals"] = {n: compressor.residual(n) for n in SHAPES}
     return out
 
 
-@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", COMPRESSORS)
-def test_fused_bucket_equals_simulator(kind, dtype, way):
+def test_fused_bucket_equals_simulator(kind, dtype, path):
     if kind.startswith("fp16") and dtype == torch.float64:
         pytest.skip("float64 -> float16 rounding is covered by the kernel tests")
-    if way == "accelerator" and kind in ("fp16", "none"):
+    if path == "accelerator" and kind in ("fp16", "none"):
         pytest.skip("dense: no selection")
-    ranks, steps = 3, 3
+    if path == "numpy" and dtype not in NUMPY_DTYPES:
+        pytest.skip("numpy has no bfloat16")
+    ranks, steps, numpy = 3, 3, path == "numpy"
 
-    with way_of(way):
-        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, ties=True))
+    with way_of(path):
+        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True, numpy=numpy))
     sim = Simulator(ranks, COMPRESSORS[kind]())
     # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
-    # tensors, which may round differently from one tensor's std; all else is bit for bit.
-    clipped = kind in ("terngrad", "terngrad-unshared")
+    # tensors on torch, which may round differently from one tensor's std; all else is bit for bit
+    # (numpy's rows take the reference's std of each tensor: bit for bit too).
+    clipped = kind in ("terngrad", "terngrad-unshared") and not numpy
     tolerance = 64 * torch.finfo(dtype).eps if clipped else 0
     for step in range(steps):
-        per_rank = [gradients(r, step, dtype, ties=True) for r in range(ranks)]
+        per_rank = [gradients(r, step, dtype, ties=True, numpy=numpy) for r in range(ranks)]
         expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
         for rank, result in enumerate(results):
             for name in SHAPES:
                 got, want = result[step][name], expected[name]
-                assert got.dtype == want.dtype and got.shape == want.shape, name
+                assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, name
                 np.testing.assert_allclose(
-                    got.double().numpy(),
-                    want.double().numpy(),
+                    as_float64(got),
+                    as_float64(want),
                     rtol=0,
-                    atol=tolerance * float(want.double().abs().max()),
+                    atol=tolerance * float(np.abs(as_float64(want)).max()),
                     err_msg=f"{kind} {dtype} step {step} {name}",
                 )
                 residual = sim.compressors[rank].residual(name)
                 if residual is not None:
-                    np.testing.assert_array_equal(
-                        result[step]["residuals"][name].double().numpy(), residual.double().numpy()
-                    )
+                    np.testing.assert_array_equal(as_float64(result[step]["residuals"][name]), as_float64(residual))
 
 
 class InPlaceRanks(ThreadCommunicator):
@@ -165,13 +181,14 @@ def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, s
 @pytest.mark.parametrize("kind", ["none", "topk", "terngrad"])
 def test_flat_finish_is_the_results_concatenated(kind, dtype):
     """``finish(order=names)`` (a DDP hook's flat bucket: one cat, one division) is ``finish()``'s
-    results flattened and concatenated in that order, bit for bit; on the per-tensor path too."""
+    results flattened and concatenated in that order, bit for bit: fused torch and numpy buckets,
+    and on the per-tensor path (numpy, ``fuse=False``) too."""
     order = ["e", "b", "a", "f", "d", "c"]
 
-    def steps(comm, make, grads, flat):
+    def steps(comm, make, grads, flat, fuse=True):
         compressor, out = make(), []
         for step in range(3):
-            exchange = BucketExchange(compressor, comm, "bucket")
+            exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
             for name, g in grads(comm.rank, step).items():
                 exchange.add(name, g)
             exchange.launch()
@@ -181,57 +198,60 @@ def test_flat_finish_is_the_results_concatenated(kind, dtype):
 
     fused = lambda rank, step: gradients(rank, step, dtype)  # noqa: E731
     numpy = lambda rank, step: {n: g.float().numpy() for n, g in gradients(rank, step, dtype).items()}  # noqa: E731
-    for grads, wire in ((fused, torch.Tensor), (numpy, np.ndarray)):
-        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True))
-        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False))
+    for grads, wire, fuse in ((fused, torch.Tensor, True), (numpy, np.ndarray, True), (numpy, np.ndarray, False)):
+        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True, fuse))
+        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False, fuse))
         for flat, want in zip(flats, wants):
             for got, expected in zip(flat, want):
                 assert isinstance(got, wire) and got.shape == expected.shape
                 np.testing.assert_array_equal(np.asarray(got.float() if wire is torch.Tensor else got), expected)
 
 
-def test_sent_plus_residual_equals_produced():
+@pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])
+def test_sent_plus_residual_equals_produced(numpy):
     """One rank, Top-k with error feedback: sum of results + residual == sum of gradients."""
-    results = exchange_steps(SingleProcessCommunicator(), lambda: TopK(0.01), torch.float64, 6)
+    results = exchange_steps(SingleProcessCommunicator(), lambda: TopK(0.01), torch.float64, 6, numpy=numpy)
     for name in SHAPES:
-        produced = sum(gradients(0, step, torch.float64)[name] for step in range(6))
-        delivered = sum(results[step][name] for step in range(6))
+        produced = sum(as_float64(gradients(0, step, torch.float64)[name]) for step in range(6))
+        delivered = sum(as_float64(results[step][name]) for step in range(6))
         residual = results[-1]["residuals"][name]
-        total = delivered + (0 if residual is None else residual)
-        np.testing.assert_allclose(total.numpy(), produced.numpy(), rtol=0, atol=1e-12)
+        total = delivered + (0 if residual is None else as_float64(residual))
+        np.testing.assert_allclose(total, produced, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("special, dtype", [(float("nan"), torch.float32), (float("-inf"), torch.float16)],
                          ids=["nan-float32", "inf-float16"])
-@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad-feedback-unclipped", "fp16"])
-def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, way, special, dtype):
-    """Also -Inf in a float16 gradient, whose values travel saturated (finite): the flag still goes."""
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, path, special, dtype):
+    """Also -Inf in a float16 gradient, whose values travel saturated (finite): the flag still goes.
+    No numpy warning on the way."""
     ranks = 2
 
-    with way_of(way):
-        results = run_ranks(
-            ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, 3, nan=(1, 1, "a"), special=special)
-        )
+    with way_of(path):
+        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, 3, nan=(1, 1, "a"),
+                                                               special=special, numpy=path == "numpy"))
     for result in results:
-        assert not torch.isfinite(result[1]["a"]).all(), "tensor 'a' should be non-finite on every rank"
-        assert all(bool(torch.isfinite(result[s][n]).all()) for s in range(3) for n in SHAPES if (s, n) != (1, "a"))
+        assert not np.isfinite(as_float64(result[1]["a"])).all(), "tensor 'a' should be non-finite on every rank"
+        assert all(np.isfinite(as_float64(result[s][n])).all() for s in range(3) for n in SHAPES if (s, n) != (1, "a"))
         before, after = result[0]["residuals"]["a"], result[1]["residuals"]["a"]
         if before is not None:
-            assert torch.equal(before, after), "the residual of the NaN step must be kept"
+            np.testing.assert_array_equal(as_float64(before), as_float64(after), "the residual of the NaN step must be kept")
         for name in SHAPES:
             residual = result[2]["residuals"][name]
-            assert residual is None or bool(torch.isfinite(residual).all()), name
+            assert residual is None or np.isfinite(as_float64(residual)).all(), name
 
 
-def test_checkpoint_of_a_fused_bucket_resumes_exactly():
+@pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])
+def test_checkpoint_of_a_fused_bucket_resumes_exactly(numpy):
     comm = SingleProcessCommunicator()
 
     def run(compressor, steps, start=0):
         out = None
         for step in range(start, start + steps):
             exchange = BucketExchange(compressor, comm, "bucket")
-            for name, g in gradients(0, step, torch.float32).items():
+            for name, g in gradients(0, step, torch.float32, numpy=numpy).items():
                 exchange.add(name, g)
             exchange.launch()
             out = exchange.finish()
@@ -244,7 +264,7 @@ def test_checkpoint_of_a_fused_bucket_resumes_exactly():
     resumed.load_state_dict(first.state_dict())
     again = run(resumed, 2, start=2)
     for name in SHAPES:
-        assert torch.equal(again[name], straight[name]), name
+        np.testing.assert_array_equal(as_float64(again[name]), as_float64(straight[name]), name)
 
 
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad", "fp16", "none"])

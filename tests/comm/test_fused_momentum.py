@@ -1,10 +1,11 @@
-"""Momentum correction on the fused torch bucket (:mod:`hvd_compress.comm.fused`) against the per-tensor path.
+"""Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors and numpy
+arrays) against the per-tensor path.
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
 holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
 one sent dense because ``N k >= d``; the results, residuals and velocities must be
-the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on the
-CPU's way and the accelerator's. The dense tensors' averages differ only where a
+the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on numpy and
+on torch the CPU's way and the accelerator's. The dense tensors' averages differ only where a
 half-precision wire rounds the sum (the Simulator sums in float32). Also: a NaN step
 leaves every residual and velocity as before (and equals the per-tensor exchange),
 a change of density moves the velocities between the dense and compressed parts,
@@ -42,6 +43,11 @@ COMPRESSORS = {
 }
 
 
+#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays
+PATHS = ["host", "accelerator", "numpy"]
+NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
 def way_of(way: str):
     return torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext()
 
@@ -59,17 +65,18 @@ def state_of(compressor):
     return {n: (compressor.residual(n), compressor.velocity(n)) for n in SHAPES}
 
 
-def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False):
-    """This rank's results and state after each step; ``ratios[step]`` sets the density before the step."""
+def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False, fuse=True):
+    """This rank's results and state after each step; ``ratios[step]`` sets the density before the step.
+    ``numpy``: the gradients as numpy arrays; ``fuse=False``: the per-tensor path."""
     out = []
     for step in range(steps):
         if ratios and step in ratios:
             compressor.ratio = ratios[step]
-        exchange = BucketExchange(compressor, comm, "bucket")
+        exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
         for name, g in gradients(comm.rank, step, dtype, nan).items():
-            exchange.add(name, g.numpy() if numpy else g)
+            exchange.add(name, g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g)
         exchange.launch()
-        assert (exchange.fused is not None) != numpy
+        assert (exchange.fused is not None) == fuse
         results = {n: torch.as_tensor(t).clone() for n, t in exchange.finish(average=True).items()}
         out.append((results, {n: tuple(None if x is None else torch.as_tensor(x).clone() for x in pair)
                               for n, pair in state_of(compressor).items()}))
@@ -84,21 +91,24 @@ def assert_state_equal(got, want, where):
                 assert torch.equal(torch.as_tensor(a).double(), torch.as_tensor(b).double()), f"{where} {name} {label}"
 
 
-@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("way", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("kind", COMPRESSORS)
 def test_fused_bucket_equals_simulator(kind, dtype, way):
-    steps = 3
+    steps, numpy = 3, way == "numpy"
+    if numpy and dtype not in NUMPY_DTYPES:
+        pytest.skip("numpy has no bfloat16")
     with way_of(way):
-        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps))
+        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps, numpy=numpy))
     sim = Simulator(RANKS, COMPRESSORS[kind]())
     half = dtype in (torch.float16, torch.bfloat16)
     for step in range(steps):
-        per_rank = [gradients(r, step, dtype) for r in range(RANKS)]
+        per_rank = [{n: g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g for n, g in gradients(r, step, dtype).items()}
+                    for r in range(RANKS)]
         expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
         for rank, (got, state) in enumerate(r[step] for r in results):
             for name in SHAPES:
-                want = expected[name]
+                want = torch.as_tensor(expected[name])
                 assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
                 # a half-precision wire rounds the dense sum before the division; the Simulator does not
                 tolerance = torch.finfo(dtype).eps * float(want.double().abs().max()) if half and name in DENSE else 0
@@ -107,17 +117,18 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
             assert_state_equal(state, state_of(sim.compressors[rank]), f"{kind} {dtype} step {step} rank {rank}")
 
 
-@pytest.mark.parametrize("way", ["host", "accelerator"])
+@pytest.mark.parametrize("way", PATHS)
 @pytest.mark.parametrize("kind", ["topk", "regtopk"])
 def test_nan_step_keeps_residuals_and_velocities_and_equals_the_per_tensor_path(kind, way):
     """NaN on rank 1 at step 1 in a compressed tensor and in a dense one: those results are NaN on
     every rank; every rank's residual and velocity of them are as before the step; the per-tensor
-    exchange (numpy) gives the same results and state at every step."""
+    exchange (numpy, ``fuse=False``) gives the same results and state at every step."""
     nan = {(1, 1): ("a", "three")}
     with way_of(way):
-        fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan))
+        fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan,
+                                                             numpy=way == "numpy"))
     per_tensor = run_ranks(
-        RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan, numpy=True)
+        RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan, numpy=True, fuse=False)
     )
     for rank, (mine, theirs) in enumerate(zip(fused, per_tensor)):
         for name in ("a", "three"):
@@ -134,12 +145,13 @@ def test_nan_step_keeps_residuals_and_velocities_and_equals_the_per_tensor_path(
     assert all(torch.isfinite(t).all() for t in finite), "the step after the NaN trains normally"
 
 
-def test_density_change_moves_velocities_between_dense_and_compressed():
+@pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])
+def test_density_change_moves_velocities_between_dense_and_compressed(numpy):
     """A warm-up's last steps: at 40% every tensor is sent dense (N k >= d), then 5%: the velocities move
     from the bucket's dense part to its compressed part (and back), as the Simulator's per-tensor state."""
     ratios = {0: 0.4, 2: 0.05, 3: 0.4, 4: 0.05}
     make = COMPRESSORS["topk"]
-    results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios))
+    results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios, numpy=numpy))
     sim = Simulator(RANKS, make())
     for step in range(6):
         for c in sim.compressors:
@@ -179,7 +191,7 @@ def test_checkpoint_mid_training_resumes_exactly():
 
 def test_auto_sending_a_bucket_dense_sends_the_velocities():
     """``Auto(..., pin="dense")``: each tensor's average is the velocity of momentum SGD fed the average
-    gradient (fused torch bucket and per-tensor numpy alike)."""
+    gradient (fused torch and numpy buckets alike)."""
     m, steps = 0.9, 4
 
     def work(comm, numpy):
@@ -283,13 +295,14 @@ def test_cuda_steady_state_step_never_synchronizes_and_equals_the_cpu(kind, dtyp
 def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
     """One rank (its collective hands back the buffer it was given): a NaN in one of two equal-size
     dense tensors makes that result NaN and keeps its velocity from before the step, while the other
-    tensor of its size group steps, u = m u + g; the per-tensor path (numpy) gives the same."""
+    tensor of its size group steps, u = m u + g; the per-tensor path (numpy, ``fuse=False``) gives the
+    same, and so does the fused numpy bucket."""
     shapes = {"w": (30, 40), "b1": (7,), "b2": (7,)}  # b1, b2: one size group of the dense part
 
-    def run(numpy):
+    def run(numpy, fuse=True):
         compressor, comm, out = TopK(0.05, dense_below=8, momentum=0.9), SingleProcessCommunicator(), []
         for step in range(3):
-            exchange = BucketExchange(compressor, comm, "bucket")
+            exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
             for name, shape in shapes.items():
                 g = torch.full(shape, float(step + 1)) + torch.arange(math.prod(shape)).view(shape) / 8
                 if step == 1 and name == "b1":
@@ -300,13 +313,19 @@ def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
             out.append((results, {n: torch.as_tensor(compressor.velocity(n)).clone() for n in shapes}))
         return out
 
-    fused, per_tensor = run(False), run(True)
+    fused, per_tensor = run(False), run(True, fuse=False)
+    assert_runs_equal(run(True), per_tensor, shapes)
     (_, before_u), (nan_step, nan_u) = fused[0], fused[1]
     assert torch.isnan(nan_step["b1"]).any() and torch.isfinite(nan_step["b2"]).all()
     assert torch.equal(nan_u["b1"], before_u["b1"]), "the NaN tensor keeps its velocity"
     assert not torch.equal(nan_u["b2"], before_u["b2"]), "its group's other tensor steps"
     assert torch.isfinite(fused[2][0]["b1"]).all(), "the step after trains normally"
-    for step, ((got, got_u), (want, want_u)) in enumerate(zip(fused, per_tensor)):
+    assert_runs_equal(fused, per_tensor, shapes)
+
+
+def assert_runs_equal(runs, others, shapes):
+    """Per step the same results (or both NaN somewhere) and velocities."""
+    for step, ((got, got_u), (want, want_u)) in enumerate(zip(runs, others)):
         for name in shapes:
             assert torch.equal(got[name], want[name].float()) or (
                 torch.isnan(got[name]).any() and torch.isnan(want[name]).any()), (step, name)

@@ -1,5 +1,7 @@
 """NaN/Inf on the per-tensor exchange (numpy and TensorFlow tensors): as in a dense allreduce.
 
+(numpy buckets take the fused path, :mod:`hvd_compress.comm.fused`, unless ``fuse=False``: both run here.)
+
 A NaN gradient on rank 1 makes that tensor non-finite in every rank's result and
 leaves the other tensors finite; no rank raises; every residual stays finite and
 equal to its value before the step (within float32 rounding: the rank that encoded
@@ -49,7 +51,7 @@ def gradients(rank: int, step: int, framework: str):
 def steps(comm, make, framework, count=3):
     compressor, out = make(), []
     for step in range(count):
-        exchange = BucketExchange(compressor, comm, "bucket")
+        exchange = BucketExchange(compressor, comm, "bucket", fuse=framework == "numpy-fused")
         for name, g in gradients(comm.rank, step, framework).items():
             exchange.add(name, g)
         exchange.launch()
@@ -60,7 +62,7 @@ def steps(comm, make, framework, count=3):
     return out
 
 
-@pytest.mark.parametrize("framework", ["numpy", "tf"])
+@pytest.mark.parametrize("framework", ["numpy", "tf", "numpy-fused"])
 @pytest.mark.parametrize("kind", COMPRESSORS)
 def test_nan_on_one_rank_is_nonfinite_on_every_rank_and_nothing_is_lost(kind, framework):
     results = run_ranks(2, lambda comm: steps(comm, COMPRESSORS[kind], framework), timeout=60)
@@ -88,7 +90,7 @@ def test_flags_of_buckets_past_one_header_column_name_the_right_tensor(make):
     bad = {1: "t063", 2: "t126"}
 
     def run(comm):
-        exchange = BucketExchange(make(), comm, "bucket")
+        exchange = BucketExchange(make(), comm, "bucket", fuse=False)
         rng = np.random.default_rng(comm.rank)
         for name in names:
             g = rng.standard_normal(20).astype(np.float32)
