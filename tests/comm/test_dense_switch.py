@@ -1,4 +1,5 @@
-"""Sparsifiers send dense when N * k >= numel (a sparse allgather would move more bytes)."""
+"""Sparsifiers send dense when N * k >= numel (a sparse allgather would move more bytes): the
+Simulator, and thread ranks on the fused bucket path (numpy)."""
 
 import warnings
 
@@ -6,6 +7,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
+from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.threads import run_ranks
 from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.simulator import Simulator
 
@@ -58,3 +61,43 @@ def test_switch_can_be_turned_off_and_needs_several_ranks():
     on = TopK(0.1).bind(0, 16)
     with pytest.warns(UserWarning):
         assert isinstance(on.encode(np.ones(1100), "w"), DensePayload)
+
+
+@pytest.mark.filterwarnings("ignore:.*dense")
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_bucket_switching_to_dense_and_back_equals_the_simulator(kind):
+    """The same switch on thread ranks through the fused bucket path (numpy arrays): sparse at 0.01,
+    dense at 0.5 (the residual flushed into the dense sum, once), sparse again: every rank's results
+    and residuals (none, or zeros, while dense) are the Simulator's bit for bit. RegTop-k: up to the
+    switch back, where the two keep different state (the per-tensor compressor's
+    posterior survives the dense step; the fused bucket drops a dense tensor's state and starts afresh)."""
+    ranks = 4
+    ratios = [0.01, 0.5] if kind is RegTopK else [0.01, 0.5, 0.01]
+    steps = [{"w": grads(ranks, 2000, seed)["w"], "v": grads(ranks, 300, 10 + seed)["w"]} for seed in range(3)]
+
+    def work(comm):
+        compressor, out = kind(0.01, dense_below=0), []
+        for step, ratio in enumerate(ratios):
+            compressor.ratio = ratio
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, per_rank in steps[step].items():
+                exchange.add(name, per_rank[comm.rank])
+            exchange.launch()
+            assert exchange.fused is not None
+            out.append((exchange.finish(), {name: compressor.residual(name) for name in steps[step]}))
+        return out
+
+    results = run_ranks(ranks, work)
+    sim = Simulator(ranks, kind(0.01, dense_below=0))
+    for step, ratio in enumerate(ratios):
+        for c in sim.compressors:
+            c.ratio = ratio
+        expected = sim.step(steps[step])
+        for rank, result in enumerate(results):
+            got, residuals = result[step]
+            for name in expected:
+                np.testing.assert_array_equal(got[name], expected[name], f"step {step} {name}")
+                want, mine = sim.compressors[rank].residual(name), residuals[name]
+                zeros = np.zeros(got[name].shape)  # a tensor sent dense keeps none on the fused path: all sent
+                np.testing.assert_array_equal(zeros if mine is None else mine, zeros if want is None else want,
+                                              f"step {step} {name} rank {rank}")
