@@ -22,11 +22,13 @@ a few collectives instead of a few per tensor:
 Usage: ``add(name, grad)`` for each tensor, ``launch()`` once the bucket is
 complete, ``finish(average)`` for ``{name: average or sum}``.
 
-Torch buckets of one dtype and device whose compressor has a fused form take
-:mod:`hvd_compress.comm.fused` instead: the header is exchanged once per layout,
-sizes are known in advance, a step reads nothing back to the host and encodes
-the whole bucket with a few kernels. The per-tensor path above serves numpy and
-TensorFlow tensors.
+Buckets of numpy arrays or torch tensors (one dtype and device) whose compressor
+has a fused form take :mod:`hvd_compress.comm.fused` instead (``fused.supported``:
+the kernel module's ``FUSES_BUCKETS`` and ``fusable``): the header is exchanged once
+per layout, sizes are known in advance, a step reads nothing back to the host and
+encodes the whole bucket with a few kernels. The per-tensor path above serves
+TensorFlow tensors, custom compressors (``fused = False``), buckets that cannot fuse,
+and ``BucketExchange(..., fuse=False)``.
 Every collective of a bucket is started by ``launch`` (a round that needs an
 earlier one's result, TernGrad's codes drawn with the shared scales, is started
 there too, unless ``launch(complete=False)`` leaves it to ``complete()``), so

@@ -1,8 +1,14 @@
-"""The fused bucket path for torch tensors: a few kernels per bucket, no host reads in a step.
+"""The fused bucket path: a few kernels per bucket, no host reads in a step.
 
 :class:`~hvd_compress.comm.exchange.BucketExchange` hands a bucket here when its
-tensors are torch tensors of one dtype and device and the compressor offers a
-fused form (``compressor.fused``: None, FP16, Top-k, Gaussian-k, RegTop-k, TernGrad).
+tensors are arrays of one kernel module that fuses buckets (``FUSES_BUCKETS``: numpy
+arrays, :mod:`hvd_compress.kernels.reference`; torch tensors,
+:mod:`hvd_compress.kernels.torch_ops`), of one dtype and device (``ops.fusable``),
+and the compressor offers a fused form (``compressor.fused``: None, FP16, Top-k,
+Gaussian-k, RegTop-k, TernGrad). The plan below is written once: every array
+operation goes through the bucket's kernel module (``bucket.ops``, the functions
+``reference.BUCKET_FUNCTIONS`` names), so torch launches the kernels a GPU runs and
+numpy runs the same steps on the host; nothing here imports a framework.
 What a step of a bucket needs to know in advance is known in advance: a
 :class:`FusedBucket` is built once per layout (names, shapes, dtype, device,
 compressor configuration, world size) and holds
@@ -22,7 +28,7 @@ compressor configuration, world size) and holds
   correction the velocities of both parts, flat buffers like the residual.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
-layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
+layout hash, flags]``, read on the host); afterwards a step reads nothing back. Per step::
 
     dense part: one cat, one allreduce-Sum of it (``allreduce_donated_async``: the cat is
                                                   the step's own, no copy for the transport;
@@ -44,8 +50,10 @@ keeps its values from before the step. Dense tensors carry NaN/Inf through the
 sum themselves.
 
 Results are those of the per-tensor compressors (and the Simulator) bit for
-bit: same selection (ties to the lower index), same sums in rank order, same
-draws (each tensor draws its own uniforms, in the order the tensors were added).
+bit, on numpy and on torch: same selection (ties to the lower index), same sums
+in rank order, same draws (each tensor draws its own uniforms, in the order the
+tensors were added); TernGrad's clipping bound on torch comes from a row-wise
+std, which may round differently from one tensor's.
 """
 
 from __future__ import annotations

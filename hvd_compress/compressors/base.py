@@ -296,7 +296,8 @@ class Compressor:
         return TensorCodec(self, exchange)
 
     def bucket_codec(self, bucket: Any) -> Any:
-        """The codec of a fused torch bucket's compressed part (:mod:`hvd_compress.compressors.rounds`);
+        """The codec of a fused bucket's compressed part (:mod:`hvd_compress.compressors.rounds`; its
+        arrays are the bucket's kernel module's, ``bucket.ops``);
         compressors that send every tensor dense have none."""
         raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
 

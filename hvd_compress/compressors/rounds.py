@@ -1,6 +1,6 @@
 """What a codec asks the transport to move: rounds of collectives.
 
-A compressor's codec (the fused torch bucket's, :meth:`Compressor.bucket_codec`, and the
+A compressor's codec (the fused bucket's, :meth:`Compressor.bucket_codec`, and the
 per-tensor exchange's, :meth:`Compressor.tensor_codec`) encodes and decodes; the engine in
 :mod:`hvd_compress.comm` only starts collectives and hands their results back. A codec's
 ``exchange`` is a generator: each ``yield`` is one round, a list of :class:`Send`; the

@@ -135,8 +135,9 @@ class Sparsifier(Compressor):
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """A fused bucket's selection, ``(positions, probe)``: every row's ``k`` largest ``scores``
-        (:meth:`~hvd_compress.kernels.torch_rows.Rows.topk`), and per row a value that is NaN or
-        Inf exactly where the row holds NaN/Inf (its largest score), so ``0 * probe`` is its flag."""
+        (``Rows.topk``: :mod:`~hvd_compress.kernels.torch_rows`, :mod:`~hvd_compress.kernels.reference_rows`),
+        and per row a value that is NaN or Inf exactly where the row holds NaN/Inf (its largest
+        score), so ``0 * probe`` is its flag."""
         return rows.topk(scores)
 
     def warn_dense(self, name: str, numel: int) -> None:

@@ -1,7 +1,7 @@
 """The per-tensor codec: any framework, tensors of any sizes, payloads encoded one tensor at a time.
 
-The per-tensor exchange (:class:`~hvd_compress.comm.exchange.BucketExchange`: numpy,
-TensorFlow, torch buckets that cannot fuse) asks the compressor for a codec
+The per-tensor exchange (:class:`~hvd_compress.comm.exchange.BucketExchange`:
+TensorFlow, custom compressors, numpy and torch buckets that cannot fuse) asks the compressor for a codec
 (``compressor.tensor_codec(exchange)``) and hands it every gradient of the bucket.
 :class:`TensorCodec` serves every compressor whose ``encode`` returns dense or sparse
 payloads (:mod:`hvd_compress.wire`); TernGrad brings its own

@@ -5,6 +5,9 @@ compressor classes hold the state (residuals, RegTop-k's distortion, random
 generators) and call these. Torch and TensorFlow kernels implement the same
 functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
 and TernGrad given the same random draws, the same threshold rule for Gaussian-k.
+The last section holds what the fused bucket path (``hvd_compress.comm.fused``) needs
+beside them: buffers, indexed reads and writes, and TernGrad's steps of every row of
+a bucket; on numpy each row is the per-tensor function's.
 
 Notation (docs/design.md): ``a`` is the error-compensated gradient
 ``g + r`` of one tensor on one rank, ``d`` its length, ``k = max(1, ceil(ratio * d))``.
