@@ -26,9 +26,11 @@ Buckets of numpy arrays or torch tensors (one dtype and device) whose compressor
 has a fused form take :mod:`hvd_compress.comm.fused` instead (``fused.supported``:
 the kernel module's ``FUSES_BUCKETS`` and ``fusable``): the header is exchanged once
 per layout, sizes are known in advance, a step reads nothing back to the host and
-encodes the whole bucket with a few kernels. The per-tensor path above serves
-TensorFlow tensors, custom compressors (``fused = False``), buckets that cannot fuse,
-and ``BucketExchange(..., fuse=False)``.
+encodes the whole bucket with a few kernels; eager TensorFlow CPU float32/float64
+tensors ride it as numpy arrays (:func:`~hvd_compress.kernels.computed_form`). The
+per-tensor path above serves the other TensorFlow tensors (graphs, GPUs, 16-bit
+types), custom compressors (``fused = False``), buckets that cannot fuse, and
+``BucketExchange(..., fuse=False)``.
 Every collective of a bucket is started by ``launch`` (a round that needs an
 earlier one's result, TernGrad's codes drawn with the shared scales, is started
 there too, unless ``launch(complete=False)`` leaves it to ``complete()``), so
@@ -45,12 +47,29 @@ from hvd_compress.wire import DensePayload, header_config, header_hash
 from hvd_compress.kernels import computed_form, ops_for
 from hvd_compress.compressors.base import NonFiniteGradientError
 from hvd_compress.comm import fused
-from hvd_compress.comm.rounds import FLAG_BITS, Rounds, check_header, flag_words, flagged_anywhere  # noqa: F401
+from hvd_compress.comm.rounds import Rounds, check_header
 
 
 def elements(tensor: Any) -> int:
     """Elements of a tensor of any framework."""
     return math.prod(int(n) for n in tensor.shape)
+
+
+#: flags of non-finite tensors per header column (bits of an int64 that stays positive)
+FLAG_BITS = 63
+
+
+def flag_words(flags: List[bool]) -> List[int]:
+    """``flags`` (one per tensor of the bucket, in order) packed ``FLAG_BITS`` to an int64 column:
+    the header's width depends on the bucket's tensors only, not on which are flagged or dense."""
+    return [sum(1 << bit for bit, flag in enumerate(flags[start : start + FLAG_BITS]) if flag)
+            for start in range(0, len(flags), FLAG_BITS)]
+
+
+def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
+    """Per tensor of ``count``: whether some rank's header row (its last columns, :func:`flag_words`) flags it."""
+    words = -(-count // FLAG_BITS)
+    return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
 
 
 def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> Any:

@@ -28,7 +28,7 @@ compressor configuration, world size) and holds
   correction the velocities of both parts, flat buffers like the residual.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
-layout hash, flags]``, read on the host); afterwards a step reads nothing back. Per step::
+layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
 
     dense part: one cat, one allreduce-Sum of it (``allreduce_donated_async``: the cat is
                                                   the step's own, no copy for the transport;
@@ -63,8 +63,8 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvd_compress import wire
-from hvd_compress.kernels import ops_for
-from hvd_compress.comm.rounds import Rounds, check_header, flag_words
+from hvd_compress.kernels import module, ops_for
+from hvd_compress.comm.rounds import Rounds, check_header
 
 #: an array of the bucket's kernel module (numpy array, torch tensor)
 Array = Any
@@ -157,6 +157,14 @@ class FusedBucket:
         self.flush_into_dense: Dict[int, Array] = {}
         self.checked = False
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """A kernel module does not pickle (a route's state may be): its name does."""
+        return {**self.__dict__, "ops": self.ops.__name__}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.ops = module(state["ops"])
+
     def _by_size(self, indices: List[int]) -> List[Group]:
         """Tensors ``indices`` as groups of equal size, in the order each size first appears, adjacent."""
         by_size: Dict[int, List[int]] = {}
@@ -195,14 +203,10 @@ class FusedBucket:
         )
 
     def start_check(self, comm: Any) -> Any:
-        """Start the allgather of ``[config hash, layout hash, flags]`` (handle for :meth:`check`). No flag
-        is set (NaN/Inf travel in-band), but with them the header has the width of the per-tensor path's
-        for a codec without columns of its own (dense, TernGrad, custom ones), so that a rank on that path
-        (another compressor) meets the same error; the width depends on the bucket's tensors only."""
+        """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
         config = wire.header_config(type(self.compressor).__name__, self.config_hash)
-        columns = [config, self.signature, *flag_words([False] * len(self.names))]
-        header = self.ops.as_int64([columns], like=self.like)
-        self.compressor.stats.add(8 * len(columns), 0, 0, 0)
+        header = self.ops.as_int64([[config, self.signature]], like=self.like)
+        self.compressor.stats.add(16, 0, 0, 0)  # two int64
         return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
 
     def check(self, comm: Any, handle: Any = None) -> None:

@@ -86,23 +86,6 @@ class Rounds:
         self.left -= 1
 
 
-#: flags of non-finite tensors per header column (bits of an int64 that stays positive)
-FLAG_BITS = 63
-
-
-def flag_words(flags: List[bool]) -> List[int]:
-    """``flags`` (one per tensor of the bucket, in order) packed ``FLAG_BITS`` to an int64 column:
-    the header's width depends on the bucket's tensors only, not on which are flagged or dense."""
-    return [sum(1 << bit for bit, flag in enumerate(flags[start : start + FLAG_BITS]) if flag)
-            for start in range(0, len(flags), FLAG_BITS)]
-
-
-def flagged_anywhere(rows: List[List[int]], count: int) -> List[bool]:
-    """Per tensor of ``count``: whether some rank's header row (its last columns, :func:`flag_words`) flags it."""
-    words = -(-count // FLAG_BITS)
-    return [any(row[len(row) - words + j // FLAG_BITS] >> (j % FLAG_BITS) & 1 for row in rows) for j in range(count)]
-
-
 def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "") -> None:
     """Raise the same ``ValueError`` on every rank when the ranks' ``[config hash, layout hash]`` differ."""
     if all(row[:2] == rows[0][:2] for row in rows):

@@ -179,7 +179,9 @@ def squared_norm(tensor: Any) -> float:
 
 
 def residual_norm(compressor: Compressor) -> float:
-    """``sqrt(sum over tensors t of ||r_t||^2)``: the norm of all error-feedback residuals."""
+    """``sqrt(sum over tensors t of ||r_t||^2)``: the norm of all error-feedback residuals (those a
+    fused bucket holds written back first)."""
+    compressor.state.flush_buckets()
     total = 0.0
     for name in compressor.memory.names():
         residual = compressor.memory.peek(name, "residual")

@@ -179,10 +179,13 @@ def test_ranks_configured_differently_fail_clearly():
     conformance.check_ranks_disagreeing_fail_clearly(make, FP16)
 
 
-def vote_against_fp16() -> None:
-    """Rank 0 votes, rank 1 runs FP16: the header check's error (thread ranks)."""
+def vote_against_fp16(fuse: bool = False) -> None:
+    """Rank 0 votes, rank 1 runs FP16: the header check's error (thread ranks). FP16's bucket on the
+    per-tensor path, whose header has the vote's width; on the fused path (``fuse``), whose header
+    holds the two hashes only, the ranks' headers differ in width and the transport stops them."""
     compressors = [make(), FP16()]
-    run_ranks(2, lambda comm: conformance.exchange_steps(comm, compressors[comm.rank], 1, "numpy"), timeout=20)
+    run_ranks(2, lambda comm: conformance.exchange_steps(comm, compressors[comm.rank], 1, "numpy", fuse),
+              timeout=20)
 
 
 @pytest.fixture
@@ -201,6 +204,8 @@ def test_registered_by_name_and_named_in_the_disagreement_error(registered):
     assert number >= FIRST_FREE_NUMBER and header_config("TopK", 0) >> 32 == 3  # built-ins keep theirs
     with pytest.raises(ValueError, match="ranks run different compressors: rank 0 MajorityVote, rank 1 FP16"):
         vote_against_fp16()
+    with pytest.raises(ValueError, match="ranks disagree on the trailing shape of allgather 'bucket0.header'"):
+        vote_against_fp16(fuse=True)
     with pytest.raises(ValueError, match="is taken by MajorityVote"):
         Compression.register("majorityvote", FP16)
     with pytest.raises(ValueError, match="cannot number Other 3: TopK already has 3"):

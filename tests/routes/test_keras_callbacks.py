@@ -67,16 +67,17 @@ def sizes(model):
     return [int(np.prod(v.shape)) for v in model.trainable_variables]
 
 
-def header(sparse: int, tensors: int) -> int:
-    """Bytes of the per-step header of one exchange (per dtype) of ``tensors`` tensors: int64 config
-    and layout hashes, one count per sparse tensor and the tensors' non-finite flags (63 to an int64
-    column); it counts as sent (it is handed to an allgather)."""
-    return 8 * (2 + sparse + -(-tensors // FLAG_BITS))
+def layout_check(tensors: int) -> int:
+    """Bytes of the layout check of one fused exchange (per dtype) of ``tensors`` tensors, sent once
+    when its plan is built: int64 config and layout hashes and the non-finite flag columns (63 to an
+    int64); it counts as sent (it is handed to an allgather). Each step then sends, beside the values
+    and indices, a flag and its position per sparse tensor (8 bytes)."""
+    return 8 * (2 + -(-tensors // FLAG_BITS))
 
 
 def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
-    """Top-k at 1%, every tensor sparse: k float32 values + k int32 indices per tensor and step, and
-    the exchange's header."""
+    """Top-k at 1%, every tensor sparse: k float32 values + k int32 indices per tensor and step, a flag
+    and its position per tensor, and the exchange's layout check once (the first epoch)."""
     topk = TopK(0.01, dense_below=0)
     csv_path = tmp_path / "log.csv"
     history, model = fit(
@@ -85,18 +86,20 @@ def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
     logs = history.history
     sent = sum(num_selected(n, 0.01) for n in sizes(model))
     numel = sum(sizes(model))
-    step = 8 * sent + header(len(sizes(model)), len(sizes(model)))
-    for epoch in range(2):  # reset each epoch: both epochs count the same STEPS steps
-        assert logs["compression_bytes"][epoch] == STEPS * step
+    step = 8 * sent + 8 * len(sizes(model))
+    for epoch in range(2):  # reset each epoch: both epochs count STEPS steps, the first the layout check
+        sent_bytes = STEPS * step + (layout_check(len(sizes(model))) if epoch == 0 else 0)
+        assert logs["compression_bytes"][epoch] == sent_bytes
         assert logs["compression_dense_bytes"][epoch] == STEPS * 4 * numel
-        assert logs["compression_savings"][epoch] == pytest.approx(4 * numel / step)
+        assert logs["compression_savings"][epoch] == pytest.approx(STEPS * 4 * numel / sent_bytes)
         assert logs["compression_density"][epoch] == pytest.approx(sent / numel)
     assert logs["compression_savings"][0] > 40
     assert logs["compression_density"][0] == pytest.approx(0.01, rel=0.05)
 
     # the residual norm is that of the residuals left at the end of the last epoch
-    expected = math.sqrt(sum(float(np.sum(np.square(topk.residual(n)))) for n in topk.memory.names()))
-    assert len(topk.memory.names()) == 4
+    names = list(topk.state_dict()["tensors"])  # the fused bucket's state written back per tensor
+    expected = math.sqrt(sum(float(np.sum(np.square(topk.residual(n)))) for n in names))
+    assert len(names) == 4
     assert 0 < logs["compression_residual_norm"][-1] == pytest.approx(expected, rel=1e-6)
     assert all(np.isfinite(logs["compression_residual_norm"]))
 
@@ -109,13 +112,15 @@ def test_stats_reach_history_and_csv_with_exact_bytes(tmp_path):
 
 def test_stats_from_model_optimizer_with_dense_small_tensors():
     """No argument: the callback takes ``model.optimizer.compression``; biases and the 256-element
-    output layer (under dense_below=1024) travel dense, 4 bytes per element (with the header)."""
+    output layer (under dense_below=1024) travel dense, 4 bytes per element (with the flags and the
+    layout check)."""
     topk = TopK(0.01)
     history, model = fit(topk, lambda opt: [CompressionStatsCallback()], 1)
     large = [n for n in sizes(model) if n >= 1024]
     small = [n for n in sizes(model) if n < 1024]
     sent = sum(num_selected(n, 0.01) for n in large)
-    assert history.history["compression_bytes"] == [STEPS * (8 * sent + 4 * sum(small) + header(len(large), len(sizes(model))))]
+    step = 8 * sent + 8 * len(large) + 4 * sum(small)
+    assert history.history["compression_bytes"] == [STEPS * step + layout_check(len(sizes(model)))]
     assert history.history["compression_density"][0] == pytest.approx((sent + sum(small)) / sum(sizes(model)))
     assert history.history["compression_savings"][0] > 1
 

@@ -82,7 +82,7 @@ def test_keras_optimizer_checkpoint_holds_the_compression_state(tmp_path):
     model.compile(optimizer=opt, loss="mse")
     rng = np.random.default_rng(0)
     model.fit(rng.standard_normal((32, 64)), rng.standard_normal((32, 40)), batch_size=16, verbose=0)
-    kernel = next(name for name in compression.memory.names() if "kernel" in name)
+    kernel = next(name for name in compression.state_dict()["tensors"] if "kernel" in name)
     path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
 
     restored = Compression.topk(0.05)
