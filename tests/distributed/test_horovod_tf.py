@@ -102,17 +102,17 @@ def topk_bytes(dropin):
     """Bytes per step through our collectives with Top-k at 5% (eager CPU tensors ride the fused
     numpy bucket): k int32 indices + k float32 values and a flag with its position per weight matrix;
     per exchange, one per matrix (stock, where Horovod allreduces the biases itself) or one for the
-    bucket with the biases (drop-in), the layout check [config, layout, non-finite flags (one column
-    up to 63 tensors)] once, spread over the run's steps; stock: once per gradient, the int64 pair
-    [config, layout] that checks the ranks agree, spread over the run's steps too."""
+    bucket with the biases (drop-in), the layout check, the int64 pair [config, layout], once, spread
+    over the run's steps; stock: once per gradient, the int64 pair [config, layout] that checks the
+    ranks agree, spread over the run's steps too."""
     from tests.distributed import tf_horovod as workload
 
     shapes = [v.shape.num_elements() for v in workload.make_model().trainable_variables]
     matrices = [n for n in shapes if n >= 1024]
     sparse = sum(8 * int(np.ceil(workload.RATIO * n)) for n in matrices) + 8 * len(matrices)
     if not dropin:
-        return sparse + 8 * 3 * len(matrices) // STEPS + 16 * len(shapes) // STEPS
-    return sparse + 8 * 3 // STEPS + 4 * sum(n for n in shapes if n < 1024)
+        return sparse + 16 * len(matrices) // STEPS + 16 * len(shapes) // STEPS
+    return sparse + 16 // STEPS + 4 * sum(n for n in shapes if n < 1024)
 
 
 @pytest.mark.parametrize("path", ["tape", "tape-dropin"])
