@@ -263,7 +263,8 @@ class FusedBucket:
         for i in members:
             value = memory.peek(self.names[i], key)
             known = value is not None and math.prod(value.shape) == self.numels[i]
-            parts.append(ops.cast(value.reshape(-1), self.acc) if known else ops.zeros(self.numels[i], self.acc, self.like))
+            parts.append(ops.cast(value.reshape(-1), self.acc) if known
+                         else ops.zeros(self.numels[i], self.acc, self.like))
         if spare:
             parts.append(ops.zeros(1, self.acc, self.like))
         return ops.to_device(ops.concat(parts), self.like)

@@ -531,9 +531,10 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 #: The functions the fused bucket path calls besides the ones above; a kernel module with
 #: ``FUSES_BUCKETS`` provides them all.
 BUCKET_FUNCTIONS = (
-    "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at", "fill_zero", "index_add",
-    "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from", "regtopk_sparse_scores", "uniform_into",
-    "terngrad_bucket_scales", "terngrad_bucket_codes", "terngrad_bucket_residual",
+    "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
+    "fill_zero", "index_add", "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
+    "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
+    "terngrad_bucket_residual",
 )
 
 
@@ -624,13 +625,14 @@ def terngrad_bucket_scales(a: np.ndarray, groups, clip):
     """Per row of ``groups`` (views of ``a``): ``(max|clip(a)|, clipping bound or None)`` in ``a``'s
     dtype, the bound ``c std`` of :func:`terngrad_clip`, +Inf where that function leaves the row as it is."""
     rows_of = [row for grp in groups for row in grp.view(a)]
+    largest = np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype)
     if clip is None:
-        return np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype), None
+        return largest, None
     exact = np.array([clip * float(np.std(row, dtype=np.float64)) for row in rows_of])
     constant = np.array([np.max(row) == np.min(row) for row in rows_of], dtype=bool)
     bound = cast(exact, a.dtype)
     bound[(exact == 0) | constant] = np.inf
-    return np.minimum(np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype), bound), bound
+    return np.minimum(largest, bound), bound
 
 
 def terngrad_bucket_codes(a: np.ndarray, groups, bound, scale: np.ndarray, uniform: np.ndarray) -> np.ndarray:

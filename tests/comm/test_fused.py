@@ -105,7 +105,8 @@ def test_fused_bucket_equals_simulator(kind, dtype, path):
     ranks, steps, numpy = 3, 3, path == "numpy"
 
     with way_of(path):
-        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True, numpy=numpy))
+        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True,
+                                                               numpy=numpy))
     sim = Simulator(ranks, COMPRESSORS[kind]())
     # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
     # tensors on torch, which may round differently from one tensor's std; all else is bit for bit
@@ -237,7 +238,8 @@ def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, path, s
         assert all(np.isfinite(as_float64(result[s][n])).all() for s in range(3) for n in SHAPES if (s, n) != (1, "a"))
         before, after = result[0]["residuals"]["a"], result[1]["residuals"]["a"]
         if before is not None:
-            np.testing.assert_array_equal(as_float64(before), as_float64(after), "the residual of the NaN step must be kept")
+            np.testing.assert_array_equal(as_float64(before), as_float64(after),
+                                          "the residual of the NaN step must be kept")
         for name in SHAPES:
             residual = result[2]["residuals"][name]
             assert residual is None or np.isfinite(as_float64(residual)).all(), name

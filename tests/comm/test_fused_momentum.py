@@ -103,8 +103,8 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
     sim = Simulator(RANKS, COMPRESSORS[kind]())
     half = dtype in (torch.float16, torch.bfloat16)
     for step in range(steps):
-        per_rank = [{n: g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g for n, g in gradients(r, step, dtype).items()}
-                    for r in range(RANKS)]
+        per_rank = [{n: g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g
+                     for n, g in gradients(r, step, dtype).items()} for r in range(RANKS)]
         expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
         for rank, (got, state) in enumerate(r[step] for r in results):
             for name in SHAPES:
