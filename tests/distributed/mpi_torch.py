@@ -9,6 +9,10 @@ rank) and writes ``PREFIX.<rank>`` with the number of checks that passed.
 the MPI optimizer; each rank writes ``PREFIX.switch.<rank>`` (JSON: its relative
 error, the bytes handed to the collectives, the bytes ``compressor.stats`` counted).
 
+``buckets --compression NAMES... --out FILE``: numpy buckets (:func:`bucket_gradients`) through
+:class:`~hvd_compress.comm.exchange.BucketExchange` over the MPICommunicator, the fused path; each
+rank writes ``FILE.buckets.<rank>.npz`` (``name/step/tensor``: the average).
+
 ``train --compression NAMES... --out FILE``: trains
 :func:`tests.distributed.torch_horovod.make_model` like that workload, but with
 ``hvd_compress.mpi.DistributedOptimizer``; rank 0 writes the final parameters
@@ -250,9 +254,36 @@ def train(name: str, steps: int, args: argparse.Namespace, counter: ByteCounter)
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
+# ------------------------------------------------------------------ numpy buckets
+BUCKET_SHAPES = {"w": (40, 50), "b": (7,), "v": (2000,), "u": (40, 50), "s": (300,)}
+
+
+def bucket_gradients(rank: int, step: int) -> Dict[str, np.ndarray]:
+    """A numpy bucket's float32 gradients, seeded by ``(rank, step)``, few distinct magnitudes (ties)."""
+    rng = np.random.default_rng([rank, step])
+    return {n: (np.round(rng.standard_normal(s) * 2) / 2).astype(np.float32) for n, s in BUCKET_SHAPES.items()}
+
+
+def numpy_buckets(comm, names, steps: int) -> Dict[str, np.ndarray]:
+    """``{name/step/tensor: average}`` of numpy buckets exchanged over ``comm`` (the fused path)."""
+    from hvd_compress.comm.exchange import BucketExchange
+
+    out = {}
+    for name in names:
+        compression = compressor(name)
+        for step in range(steps):
+            exchange = BucketExchange(compression, comm, f"numpy.{name}")
+            for tensor, g in bucket_gradients(comm.rank, step).items():
+                exchange.add(tensor, g)
+            exchange.launch()
+            assert exchange.fused is not None, "a numpy bucket took the per-tensor path"
+            out.update({f"{name}/{step}/{t}": np.asarray(v) for t, v in exchange.finish().items()})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", nargs="+", choices=["collectives", "train", "probe"])
+    parser.add_argument("mode", nargs="+", choices=["collectives", "train", "probe", "buckets"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--compression", nargs="+", default=[])
     parser.add_argument("--steps", type=int, default=4)
@@ -269,6 +300,8 @@ def main() -> None:
     if "collectives" in args.mode:
         count = check_collectives(comm)
         Path(f"{args.out}.{comm.rank}").write_text(str(count))
+    if "buckets" in args.mode:
+        np.savez(f"{args.out}.buckets.{comm.rank}.npz", **numpy_buckets(comm, args.compression, args.steps))
     counter = ByteCounter()
     if "probe" in args.mode:
         Path(f"{args.out}.switch.{comm.rank}").write_text(json.dumps(switch_probe(counter)))

@@ -5,7 +5,8 @@
   empty contributions, numpy and torch inputs, broadcast;
 - ``hvd_compress.mpi.DistributedOptimizer`` on 4 processes == the in-process
   Simulator (1e-6 absolute, as for Horovod), its statistics == the bytes handed to
-  the collectives, and the dense-switch probe loses nothing;
+  the collectives, and the dense-switch probe loses nothing; numpy buckets through the
+  exchange's fused path == the Simulator too;
 - a rank configured with another ratio makes every rank fail fast with "ranks disagree";
   left uncaught, every rank prints it (``[rank R]`` lines) and the job aborts;
 - an exception on rank 1 alone during training (in the script, or a NaN gradient
@@ -46,13 +47,13 @@ NAMES = ["topk", "regtopk", "terngrad", "gaussiank"]
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    """One ``mpirun -np 4`` job: the collectives, the dense-switch probe, then the optimizer with every
-    name of NAMES."""
+    """One ``mpirun -np 4`` job: the collectives, numpy buckets, the dense-switch probe, then the optimizer
+    with every name of NAMES."""
     launch.require_mpi()
     out = tmp_path_factory.mktemp("mpi4") / "result.npz"
     done = launch.run(
-        "mpirun", 4, MODULE, "collectives", "probe", "train", "--compression", *NAMES, "--steps", str(STEPS),
-        "--out", str(out), timeout=180,
+        "mpirun", 4, MODULE, "collectives", "buckets", "probe", "train", "--compression", *NAMES,
+        "--steps", str(STEPS), "--out", str(out), timeout=180,
     )
     return done, out
 
@@ -94,6 +95,27 @@ def test_mpi_optimizer_equals_simulator(four_ranks):
                 atol=1e-6,
                 err_msg=f"{name} {param}: 4-process MPI run differs from the Simulator",
             )
+
+
+def test_numpy_buckets_take_the_fused_path_and_equal_the_simulator(four_ranks):
+    """numpy arrays through ``BucketExchange`` over the MPICommunicator (the fused path, which the job
+    asserts): every rank's averages are the Simulator's; the compressed tensors' bit for bit, the dense
+    ones' within 1e-6 (MPI's allreduce adds the ranks in its own order)."""
+    from hvd_compress.simulator import Simulator
+    from tests.distributed.mpi_torch import BUCKET_SHAPES, bucket_gradients
+
+    done, out = four_ranks
+    assert done.returncode == 0, launch.output(done)
+    results = [np.load(out.parent / f"{out.name}.buckets.{rank}.npz") for rank in range(4)]
+    for name in NAMES:
+        sim = Simulator(4, workload.compressor(name))
+        for step in range(STEPS):
+            expected = sim.step({t: [bucket_gradients(r, step)[t] for r in range(4)] for t in BUCKET_SHAPES})
+            for rank, result in enumerate(results):
+                for tensor, want in expected.items():
+                    dense = sim.compressors[0].fused_kind(want.size) == "dense"
+                    np.testing.assert_allclose(result[f"{name}/{step}/{tensor}"], want, rtol=0,
+                                               atol=1e-6 if dense else 0, err_msg=f"{name} {step} {tensor} {rank}")
 
 
 def test_statistics_count_every_byte_handed_to_the_collectives(four_ranks):
