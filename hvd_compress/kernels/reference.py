@@ -386,7 +386,7 @@ def regtopk_select_sparse(
 def regtopk_sparse_scores(a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu: float) -> np.ndarray:
     """RegTop-k's scores with ``D`` given by its informative part ``(idx, values)`` (``|a|`` elsewhere),
     in at least float32."""
-    scores = np.abs(a).astype(accumulation_dtype(np.result_type(a.dtype, values.dtype)))
+    scores = np.abs(a).astype(accumulation_dtype(np.result_type(a.dtype, values.dtype)), copy=False)
     scores[idx] = regtopk_scores(a[idx], values, mu)
     return scores
 
@@ -612,7 +612,9 @@ def where(condition: np.ndarray, a, b, out=None) -> np.ndarray:
     """``a`` where ``condition``, else ``b`` (into ``out``, which may be ``b``)."""
     if out is None:
         return np.where(condition, a, b)
-    out[...] = np.where(condition, a, b)
+    if out is not b:
+        out[...] = b
+    np.copyto(out, a, where=condition)
     return out
 
 
