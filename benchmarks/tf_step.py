@@ -120,31 +120,11 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
     return step
 
 
-def issue_one_by_one(comm: Any) -> None:
-    """The collectives ``comm`` queued, each its own eager Horovod call in queue order (no grouping)."""
-    batch, comm._queued = comm._queued, []
-    for queued in batch:
-        queued.result = (comm.hvd.allgather(queued.tensor, name=queued.name) if queued.op is None else
-                         comm.hvd.allreduce(queued.tensor, op=comm._ops[queued.op], name=queued.name))
-        queued.tensor = None
-
-
-def grouped_collectives(rows: Sequence[str]) -> Optional[Callable]:
-    """The TF communicator's own way to run its queue, where some row runs it one by one (else None)."""
-    if not any(row.endswith(ONE_BY_ONE) for row in rows):
-        return None
-    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
-
-    return HorovodTensorFlowCommunicator._run_queued
-
-
-def use_collectives(row: str, grouped: Optional[Callable]) -> None:
+def use_collectives(row: str) -> None:
     """Before running ``row``: the TF communicator runs its queue grouped, or one by one for ``:one-by-one`` rows."""
-    if grouped is None:
-        return
     from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
 
-    HorovodTensorFlowCommunicator._run_queued = issue_one_by_one if row.endswith(ONE_BY_ONE) else grouped
+    HorovodTensorFlowCommunicator.grouped = not row.endswith(ONE_BY_ONE)
 
 
 def ranks_agree(model: Any) -> bool:
@@ -169,9 +149,8 @@ def time_model(kind: str, config: Dict[str, Any], rank: int) -> Dict[str, Any]:
     models = {row: make_model(kind) for row in rows}
     steps = {row: make_step(row, models[row], config["lr"]) for row in rows}
     times: Dict[str, List[float]] = {row: [] for row in rows}
-    grouped = grouped_collectives(rows)
     for row in rows:
-        use_collectives(row, grouped)
+        use_collectives(row)
         started = time.perf_counter()
         for _ in range(config["warmup"]):
             steps[row](x, y).numpy()
@@ -179,7 +158,7 @@ def time_model(kind: str, config: Dict[str, Any], rank: int) -> Dict[str, Any]:
             print(f"{PROGRESS}{kind} {row}: traced and warmed up in {time.perf_counter() - started:.1f} s", flush=True)
     for round_ in range(config["rounds"]):
         for row in rows:
-            use_collectives(row, grouped)
+            use_collectives(row)
             for _ in range(config["steps"]):
                 started = time.perf_counter()
                 steps[row](x, y).numpy()

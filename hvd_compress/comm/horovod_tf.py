@@ -77,6 +77,10 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
     numpy, and come back as numpy arrays: a drop-in Top-k exchange then makes one TensorFlow op.
     """
 
+    #: run the queue's allgathers (and two ranks' allreduces) as one grouped call; ``False``: each
+    #: collective is its own Horovod call, in queue order (``python -m benchmarks tf-step --one-by-one``)
+    grouped = True
+
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
@@ -108,14 +112,12 @@ class HorovodTensorFlowCommunicator(HorovodCommunicator):
 
     def _run_queued(self) -> None:
         batch, self._queued = self._queued, []
-        grouped = [queued for queued in batch if self._joins(queued)]
+        grouped = [queued for queued in batch if self._joins(queued)] if self.grouped else []
         for queued in batch:
             if grouped and queued is grouped[0]:
                 self._grouped(grouped)
-            elif not self._joins(queued):
-                result = self.hvd.allreduce(tf.convert_to_tensor(queued.tensor), op=self._ops[queued.op],
-                                            name=queued.name)
-                queued.result = _like(result, queued.tensor)
+            elif queued not in grouped:  # its own Horovod call
+                self._grouped([queued])
         for queued in batch:
             queued.tensor = None
 
