@@ -66,13 +66,13 @@ def in_form_of(result: Any, original: Any) -> Any:
 
 def bucket_rows(ops: ModuleType, groups: Sequence[Tuple[int, int, int, int, int]], like: Any,
                 spare: Optional[int] = None) -> Any:
-    """The row selections of a fused bucket of ``ops``'s arrays (``like``: one of them):
-    :class:`~hvd_compress.kernels.torch_rows.Rows`, numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`."""
-    if ops.__name__ == _TORCH:
-        from hvd_compress.kernels.torch_rows import Rows
-    else:
-        from hvd_compress.kernels.reference_rows import Rows  # type: ignore[assignment]
-    return Rows(groups, getattr(like, "device", None), spare=spare)
+    """The row selections of a fused bucket of ``ops``'s arrays (``like``: one of them): the ``Rows``
+    of the module ``ops`` names (``BUCKET_ROWS``: :class:`~hvd_compress.kernels.torch_rows.Rows`,
+    numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`)."""
+    import importlib
+
+    rows = importlib.import_module(ops.BUCKET_ROWS).Rows
+    return rows(groups, getattr(like, "device", None), spare=spare)
 
 
 def module(name: str) -> ModuleType:

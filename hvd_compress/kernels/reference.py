@@ -27,7 +27,7 @@ from hvd_compress.wire import ternary_field_bits
 float16, float32, int16, int64 = np.float16, np.float32, np.int16, np.int64
 
 #: Whether the exchanges may hand this module's tensors to the fused bucket path
-#: (``hvd_compress.comm.fused``, which needs :data:`BUCKET_FUNCTIONS` too).
+#: (``hvd_compress.comm.fused``, which needs :data:`BUCKET_FUNCTIONS` and :data:`BUCKET_ROWS` too).
 FUSES_BUCKETS = True
 
 #: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
@@ -530,6 +530,8 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 # --------------------------------------------------------------------------- #
 #: The functions the fused bucket path calls besides the ones above; a kernel module with
 #: ``FUSES_BUCKETS`` provides them all.
+#: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
+BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
     "fill_zero", "index_add", "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",

@@ -37,6 +37,8 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 
 #: torch tensors may take the fused bucket path (``hvd_compress.comm.fused``, ``kernels.torch_rows``)
 FUSES_BUCKETS = True
+#: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
+BUCKET_ROWS = "hvd_compress.kernels.torch_rows"
 
 #: a CUDA generator's state (seed and offset) is 16 bytes, which a CPU stream cannot take: checkpoints
 #: check such a state when it is set on the device
