@@ -252,7 +252,8 @@ class FusedBucket:
             if r is not None and math.prod(r.shape) == self.numels[i]:
                 self.flush_into_dense[i] = ops.cast(r.reshape(-1), self.acc)
                 comp.warn_dense(name, self.numels[i])
-            memory.reset(name)
+            memory.discard(name, "residual")  # sent once (above); the velocity is the bucket's until flush();
+            memory.discard(name, "velocity")  # a RegTop-k posterior stays for when the tensor is compressed again
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
 
