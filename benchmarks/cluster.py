@@ -316,17 +316,20 @@ def _wait(
             else:
                 output.append(line)
 
+    def done(rank: int, code: Optional[int]) -> bool:  # exited after writing its result (see finish_worker)
+        return code == 0 or (code is not None and (tmp_path / f"{rank}.json").exists())
+
     while True:
         drain()
         codes = [p.poll() for p in procs]
-        failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+        failed = [r for r, code in enumerate(codes) if code is not None and not done(r, code)]
         if failed:
             time.sleep(0.5)
             drain()
             rank = failed[0]
             log = "".join(output) if rank == 0 else _tail(tmp_path / f"{rank}.log")
             raise RuntimeError(f"hvd_compress: rank {rank} exited with {codes[rank]}:\n{log[-3000:]}")
-        if all(code == 0 for code in codes):
+        if all(done(r, code) for r, code in enumerate(codes)):
             reader.join(timeout=10)
             drain()
             return "".join(output)
@@ -368,17 +371,21 @@ def progress(text: str) -> None:
 
 
 def write_result(config: Dict[str, Any], result: Dict[str, Any]) -> None:
-    with open(config["out"], "w") as f:
+    """Write ``result`` whole or not at all (the driver takes a rank with a result as done)."""
+    partial = config["out"] + ".partial"
+    with open(partial, "w") as f:
         json.dump(result, f)
+    os.replace(partial, config["out"])
 
 
 def finish_worker(config: Dict[str, Any], result: Dict[str, Any]) -> None:
-    """Leave the process group once every rank is done, and write ``result`` with this rank's number."""
+    """Once every rank is done, write ``result`` with this rank's number, then leave the process group
+    (gloo may abort a process while its peers close their connections: the result is in by then)."""
     import torch.distributed as dist
 
     dist.barrier()
-    dist.destroy_process_group()
     write_result(config, {"rank": config["rank"], **result})
+    dist.destroy_process_group()
 
 
 def tx_bytes(ifname: str) -> Optional[int]:

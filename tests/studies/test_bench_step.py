@@ -154,3 +154,13 @@ def test_rejects_bad_options(tmp_path, capsys):
     assert "ranks must be at least 2" in capsys.readouterr().err
     assert main(["step", "--link", "none", "--ratio", "0", "--out", str(tmp_path)]) == 2
     assert "ratio must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_a_rank_that_crashes_after_writing_its_result_is_done_one_before_fails():
+    """Gloo may abort a process while its peers leave the process group: a rank whose result is
+    written is done; a rank that dies without one stops the job with its exit code."""
+    link = cluster.Link(nodes=2)
+    results = cluster.run_workers(link, 2, "tests.studies.abort_worker", {"mode": "after"}, timeout=60)
+    assert [r["rank"] for r in results] == [0, 1]
+    with pytest.raises(RuntimeError, match="exited with -6"):
+        cluster.run_workers(link, 2, "tests.studies.abort_worker", {"mode": "before"}, timeout=60)
