@@ -91,3 +91,25 @@ def test_keras_optimizer_checkpoint_holds_the_compression_state(tmp_path):
     )
     tf.train.Checkpoint(optimizer=fresh).restore(path)
     np.testing.assert_array_equal(restored.residual(kernel), compression.residual(kernel))
+
+
+def test_a_checkpoint_of_tensorflow_kernels_resumes_on_the_host(tmp_path, monkeypatch):
+    """State written while the exchange ran TensorFlow's kernels (a GPU's, or this library before CPU
+    tensors went to numpy: its TensorFlow random stream) loads into a CPU run, which continues with
+    the saved residuals and keeps the TensorFlow stream in its next checkpoint beside numpy's."""
+    from hvd_compress.kernels import tf_ops
+
+    written = Compression.terngrad(error_feedback=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(tf_ops, "host_array", lambda a: a)  # TensorFlow's kernels on CPU tensors
+        run_steps(GradientExchange(written, SingleProcessCommunicator()), range(2))
+        assert tf.is_tensor(written.residual("dense/kernel:0"))  # the state is TensorFlow's
+        saved = written.state_dict()
+    path = tf.train.Checkpoint(compression=CompressionCheckpoint(written)).save(str(tmp_path / "ckpt"))
+    restored = Compression.terngrad(error_feedback=True)
+    tf.train.Checkpoint(compression=CompressionCheckpoint(restored)).restore(path).assert_consumed()
+    np.testing.assert_array_equal(restored.residual("dense/kernel:0"), written.residual("dense/kernel:0"))
+    (got,) = run_steps(GradientExchange(restored, SingleProcessCommunicator()), [2])
+    assert all(np.isfinite(g).all() for g in got)
+    assert set(saved["generators"]) == {tf_ops.__name__}
+    assert set(restored.state_dict()["generators"]) == {tf_ops.__name__, "hvd_compress.kernels.reference"}
