@@ -250,7 +250,7 @@ class FusedBucket:
             name = self.names[i]
             r = memory.peek(name, "residual")
             if r is not None and math.prod(r.shape) == self.numels[i]:
-                self.flush_into_dense[i] = ops.cast(r.reshape(-1), self.acc)
+                self.flush_into_dense[i] = ops.to_device(ops.cast(ops.reshape(r, (-1,)), self.acc), self.like)
                 comp.warn_dense(name, self.numels[i])
             memory.discard(name, "residual")  # sent once (above); the velocity is the bucket's until flush();
             memory.discard(name, "velocity")  # a RegTop-k posterior stays for when the tensor is compressed again
@@ -264,7 +264,7 @@ class FusedBucket:
         for i in members:
             value = memory.peek(self.names[i], key)
             known = value is not None and math.prod(value.shape) == self.numels[i]
-            parts.append(ops.cast(value.reshape(-1), self.acc) if known
+            parts.append(ops.cast(ops.reshape(value, (-1,)), self.acc) if known
                          else ops.zeros(self.numels[i], self.acc, self.like))
         if spare:
             parts.append(ops.zeros(1, self.acc, self.like))
@@ -272,26 +272,27 @@ class FusedBucket:
 
     def flush(self, memory: Any) -> None:
         """Write each tensor's state back to the per-name memory (views; no copy of the residual)."""
+        ops = self.ops
         for i in self.compressed:
             name, shape, start, n = self.names[i], self.shapes[i], self.offsets[i], self.numels[i]
             memory.track(name, shape)
             if self.residual is not None:
-                memory.set(name, "residual", self.residual[start : start + n].reshape(shape))
+                memory.set(name, "residual", ops.reshape(self.residual[start : start + n], shape))
             if self.velocity is not None:
-                memory.set(name, "velocity", self.velocity[start : start + n].reshape(shape))
+                memory.set(name, "velocity", ops.reshape(self.velocity[start : start + n], shape))
             if self.posterior is not None:
                 idx, values = self.posterior
-                mine = (idx >= start) & (idx < start + n) & (values != self.ops.NO_DISTORTION)
-                memory.set(name, "posterior_indices", self.ops.cast(idx[mine] - start, self.ops.index_dtype(n)))
-                memory.set(name, "posterior_values", values[mine])
+                mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
+                memory.set(name, "posterior_indices", ops.cast(ops.masked(idx, mine) - start, ops.index_dtype(n)))
+                memory.set(name, "posterior_values", ops.masked(values, mine))
         for i, r in self.flush_into_dense.items():
             memory.track(self.names[i], self.shapes[i])
-            memory.set(self.names[i], "residual", r.reshape(self.shapes[i]))
+            memory.set(self.names[i], "residual", ops.reshape(r, self.shapes[i]))
         if self.dense_velocity is not None:
             for i, start in self.dense_offsets.items():
                 memory.track(self.names[i], self.shapes[i])
                 velocity = self.dense_velocity[start : start + self.numels[i]]
-                memory.set(self.names[i], "velocity", velocity.reshape(self.shapes[i]))
+                memory.set(self.names[i], "velocity", ops.reshape(velocity, self.shapes[i]))
 
     # ------------------------------------------------------------------ encode
     @float_errors_ignored
@@ -313,7 +314,7 @@ class FusedBucket:
             send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
             out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            g = self.ops.concat([tensors[i].reshape(-1) for i in self.compressed] + [self.spare_zero])
+            g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
         self.compressor.stats.add(*self.step_stats)
         if complete:
@@ -326,9 +327,9 @@ class FusedBucket:
             return None
         ops, parts = self.ops, []
         for i in self.dense:
-            flat = tensors[i].reshape(-1)
+            flat = ops.reshape(tensors[i], (-1,))
             if i in self.flush_into_dense:  # once, after a switch to dense (see flush)
-                flat = ops.saturate(flat + self.flush_into_dense.pop(i), self.dtype)
+                flat = ops.saturate(ops.add(flat, self.flush_into_dense.pop(i)), self.dtype)
             parts.append(flat)
         flat = ops.concat(parts) if len(parts) > 1 else ops.clone(parts[0])
         wire_dtype = self.compressor.dense_wire_dtype
@@ -339,31 +340,25 @@ class FusedBucket:
         if not self.dense:
             return None
         ops = self.ops
-        g = ops.concat([tensors[i].reshape(-1) for i in self.dense])
-        out.dense_velocity = u = ops.momentum_update(self.dense_velocity, g, self.momentum)
-        sent = ops.clone(u) if self.flush_into_dense else u  # collectives leave their input as it is
-        for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush)
-            start = self.dense_offsets[i]
-            part = sent[start : start + self.numels[i]]
-            part += self.flush_into_dense.pop(i)
+        g = ops.concat([ops.reshape(tensors[i], (-1,)) for i in self.dense])
+        out.dense_velocity = sent = ops.momentum_update(self.dense_velocity, g, self.momentum)
+        for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush): a new buffer,
+            start, stop = self.dense_offsets[i], self.dense_offsets[i] + self.numels[i]  # the velocity stays
+            sent = ops.concat([sent[:start], sent[start:stop] + self.flush_into_dense.pop(i), sent[stop:]])
         wire_dtype = self.compressor.dense_wire_dtype
         return ops.saturate(sent, self.dtype if wire_dtype is None else getattr(ops, wire_dtype))
 
     def keep_dense_velocity(self, total: Array, velocity: Array) -> None:
         """The dense part's new velocity, but a tensor whose sum holds NaN/Inf keeps its old one."""
-        for grp in self.dense_groups:  # per tensor (row), the sum of 0 * its elements: NaN where it holds NaN/Inf
-            bad = self.ops.isnan(self.ops.multiply(grp.view(total), 0).sum(1))[:, None]
-            self.ops.where(bad, grp.view(self.dense_velocity), grp.view(velocity), out=grp.view(velocity))
-        self.dense_velocity = velocity
+        self.dense_velocity = self.ops.keep_finite_rows(self.dense_groups, total, self.dense_velocity, velocity)
 
     def compensated(self, g: Array) -> Array:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
         if self.residual is None:
             return g
         if g.dtype != self.acc:
-            return g + self.residual
-        g += self.residual
-        return g
+            return self.ops.add(g, self.residual)
+        return self.ops.add_into(g, self.residual)
 
 
 class Launched:
@@ -404,7 +399,7 @@ class Launched:
         for total, starts in parts:
             flat = self._scaled(total, average)
             for i, start in starts.items():
-                results[b.names[i]] = flat[start : start + b.numels[i]].reshape(b.shapes[i])
+                results[b.names[i]] = b.ops.reshape(flat[start : start + b.numels[i]], b.shapes[i])
         return results
 
     def _totals(self, comm: Any) -> List[Tuple[Array, Dict[int, int]]]:
@@ -432,12 +427,10 @@ class Launched:
     def _keep(self, bad: Array) -> None:
         """The bucket takes the step's residual (and velocity); flagged tensors keep theirs from before the step."""
         b = self.bucket
-        for old, new in ((b.residual, self.residual), (b.velocity, self.velocity)):
-            if new is not None:
-                for grp in b.groups:
-                    b.ops.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
-        b.residual = self.residual if self.residual is not None else b.residual
-        b.velocity = self.velocity if self.velocity is not None else b.velocity
+        if self.residual is not None:
+            b.residual = b.ops.keep_rows(b.groups, bad, b.residual, self.residual)
+        if self.velocity is not None:
+            b.velocity = b.ops.keep_rows(b.groups, bad, b.velocity, self.velocity)
 
 
 def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: List[Array],

@@ -82,7 +82,7 @@ class RegTopK(Sparsifier):
         tensors flagged non-finite: 1e8."""
         idx, values = sent
         own = ops.cast(values, total.dtype)
-        informative = (own != 0) & ~bad[slot_rows]
+        informative = (own != 0) & ~ops.take(bad, slot_rows)
         distortion = (ops.take(total, idx) - own) / own
         return idx, ops.where(informative, distortion, ops.NO_DISTORTION)
 

@@ -80,30 +80,30 @@ class SparseBucketCodec:
         message = ops.empty(K + self.flag_count, bucket.dtype, bucket.like)
         if a.dtype != bucket.dtype and bucket.residual is not None:  # values saturate to the gradient's dtype,
             values, step.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=bucket.dtype)
-            message[:K] = values  # the rest stays in the residual
+            values = ops.copy_into(message[:K], values)  # the rest stays in the residual
         elif a.dtype != bucket.dtype:  # the velocity without error feedback: its values saturate, the rest goes
-            values = ops.saturate(ops.take(a, idx), bucket.dtype)
-            message[:K] = values
+            values = ops.copy_into(message[:K], ops.saturate(ops.take(a, idx), bucket.dtype))
         else:
             values = ops.take(a, idx, out=message[:K])
             if bucket.residual is not None:
                 step.residual = ops.zero_at(a, idx)
-        if bucket.momentum:
-            ops.momentum_mask(step.velocity, idx)  # u[S] = 0 (the spare entry's slots: it stays 0)
-        ops.multiply(probe, 0, out=message[K : K + count])  # the flags: 0, or NaN for a non-finite tensor
+        if bucket.momentum:  # u[S] = 0 (the spare entry's slots: it stays 0)
+            step.velocity = ops.momentum_mask(step.velocity, idx)
+        parts = [values, ops.multiply(probe, 0, out=message[K : K + count])]  # the flags: 0, or NaN where non-finite
         if self.spare:
-            ops.fill_zero(message[K + count :])
+            parts.append(ops.fill_zero(message[K + count :]))
         positions = ops.empty(K + self.flag_count, self.index_dtype, bucket.like)
-        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values)
+        return ops.joined(message, parts), ops.concat([idx, self.flag_positions], out=positions), (idx, values)
 
     def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[Array, Array]:
         ops, width = bucket.ops, self.k_total + self.flag_count
-        values = received["values"].reshape(bucket.world, width)
-        indices = received["indices"].reshape(bucket.world, width)
+        values = ops.reshape(received["values"], (bucket.world, width))
+        indices = ops.reshape(received["indices"], (bucket.world, width))
         total = ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like)
         for rank in range(bucket.world):  # rank order: the same sums on every rank and device; the flags
-            ops.index_add(total, indices[rank], ops.cast(values[rank], bucket.acc))  # (0 or NaN) at first entries
-        bad = ops.isnan(ops.cast(values[:, self.k_total :], bucket.acc).sum(0))  # NaN where any rank was non-finite
+            total = ops.index_add(total, indices[rank], ops.cast(values[rank], bucket.acc))  # (0 or NaN) at firsts
+        flags = ops.cast(values[:, self.k_total :], bucket.acc)
+        bad = ops.isnan(ops.sum_along(flags, 0))  # NaN where any rank was non-finite
         posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
         if posterior is not None:
             bucket.posterior = posterior

@@ -71,10 +71,11 @@ class TernaryBucketCodec:
         ops = bucket.ops
         uniform = ops.empty(bucket.n_compressed, ops.float32, bucket.like)
         generator = self.compressor.generator(ops, a)
+        parts = {}
         for i in sorted(bucket.compressed):
             start = bucket.offsets[i]
-            ops.uniform_into(generator, uniform[start : start + bucket.numels[i]])
-        return ops.cast(uniform, bucket.dtype)
+            parts[i] = ops.uniform_into(generator, uniform[start : start + bucket.numels[i]])
+        return ops.cast(ops.joined(uniform, [parts[i] for i in bucket.compressed]), bucket.dtype)
 
     def _codes_send(self, bucket: Any, a: Array, bound: Optional[Array], uniform: Array, scale: Array,
                     step: Any) -> Send:
@@ -100,31 +101,25 @@ class TernaryBucketCodec:
         if world > 127:
             code_sum = ops.cast(code_sum, ops.int16)
         for r in range(1, world):
-            code_sum += ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], n)
+            code_sum = ops.add_into(code_sum, ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], n))
         return code_sum
 
     def _decode_own_scales(self, bucket: Any, received: Dict[str, Any]) -> Tuple[Array, Array]:
         """Each rank's codes times its own scales, summed in rank order; a flagged tensor: NaN
         from the first rank's part on."""
         ops, count, n = bucket.ops, len(bucket.compressed), bucket.n_compressed
-        shared = ops.cast(received["scales"].reshape(bucket.world, 2 * count), bucket.acc)
-        bad = (shared[:, count:] > 0).any(0)
+        shared = ops.cast(ops.reshape(received["scales"], (bucket.world, 2 * count)), bucket.acc)
+        bad = ops.any_along(shared[:, count:] > 0, 0)
         chunk = wire.two_bit_bytes(n)
         total = None
         for r in range(bucket.world):
             codes = ops.unpack_two_bit(received[self.label][r * chunk : (r + 1) * chunk], n)
             scale = ops.where(bad, float("nan"), shared[r, :count]) if r == 0 else shared[r, :count]
             part = self._scaled_rows(bucket, codes, scale)
-            if total is None:
-                total = part
-            else:
-                total += part
+            total = part if total is None else ops.add_into(total, part)
         return total, bad
 
     @staticmethod
     def _scaled_rows(bucket: Any, codes: Array, scale: Array) -> Array:
         """``codes * S`` per compressed tensor, in the accumulation dtype (integer codes convert exactly)."""
-        total = bucket.ops.empty(bucket.n_compressed, bucket.acc, bucket.like)
-        for grp in bucket.groups:
-            bucket.ops.multiply(grp.view(codes), grp.column(scale), out=grp.view(total))
-        return total
+        return bucket.ops.scale_rows(bucket.groups, codes, scale, bucket.acc, bucket.n_compressed)

@@ -532,11 +532,15 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 #: ``FUSES_BUCKETS`` provides them all.
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
+#: Every one returns its result, which the fused path always uses: numpy and torch write in place
+#: (into ``out=``, a slice, or the first argument), TensorFlow's tensors are immutable and its
+#: functions return new ones (``joined`` then concatenates the parts written "into" a buffer).
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
     "fill_zero", "index_add", "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
     "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
-    "terngrad_bucket_residual",
+    "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
+    "keep_rows", "keep_finite_rows", "scale_rows",
 )
 
 
@@ -656,3 +660,61 @@ def terngrad_bucket_residual(a: np.ndarray, groups, codes: np.ndarray, scale: np
         view = grp.view(a)
         view -= grp.view(codes) * grp.column(scale)
     return a
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a + b`` in the type both promote to."""
+    return a + b
+
+
+def add_into(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a += b`` in place (``b`` of ``a``'s dtype); returns ``a``."""
+    a += b
+    return a
+
+
+def copy_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``out[...] = values`` (cast to ``out``'s dtype); returns ``out``."""
+    out[...] = values
+    return out
+
+
+def joined(buffer: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
+    """``buffer``, whose consecutive slices ``parts`` were written into (``out=``, :func:`copy_into`)."""
+    return buffer
+
+
+def sum_along(a: np.ndarray, axis: int) -> np.ndarray:
+    return a.sum(axis)
+
+
+def any_along(a: np.ndarray, axis: int) -> np.ndarray:
+    return a.any(axis)
+
+
+def masked(a: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The entries of ``a`` where ``mask``."""
+    return a[mask]
+
+
+def keep_rows(groups, bad: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``new`` with each row of ``groups`` flagged in ``bad`` (one flag per row) taken from ``old``, in place."""
+    for grp in groups:
+        where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
+    return new
+
+
+def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``new``, but each row of ``groups`` where ``total`` holds NaN/Inf taken from ``old``, in place."""
+    for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
+        bad = isnan(multiply(grp.view(total), 0).sum(1))[:, None]
+        where(bad, grp.view(old), grp.view(new), out=grp.view(new))
+    return new
+
+
+def scale_rows(groups, values: np.ndarray, scale: np.ndarray, dtype, numel: int) -> np.ndarray:
+    """``values`` times each row's ``scale``, in ``dtype``: ``numel`` entries, the rows of ``groups``."""
+    total = np.empty(numel, dtype=dtype)
+    for grp in groups:
+        multiply(grp.view(values), grp.column(scale), out=grp.view(total))
+    return total

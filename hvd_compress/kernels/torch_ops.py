@@ -633,3 +633,51 @@ def terngrad_bucket_residual(a: torch.Tensor, groups, codes: torch.Tensor, scale
     for grp in groups:
         grp.view(a).addcmul_(grp.view(codes), grp.column(scale), value=-1)
     return a
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.add_(b)
+
+
+def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return out.copy_(values)
+
+
+def joined(buffer: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return buffer
+
+
+def sum_along(a: torch.Tensor, axis: int) -> torch.Tensor:
+    return a.sum(axis)
+
+
+def any_along(a: torch.Tensor, axis: int) -> torch.Tensor:
+    return a.any(axis)
+
+
+def masked(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return a[mask]
+
+
+def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    for grp in groups:
+        torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
+    return new
+
+
+def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
+        bad = torch.isnan(torch.mul(grp.view(total), 0).sum(1))[:, None]
+        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(new))
+    return new
+
+
+def scale_rows(groups, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    total = torch.empty(numel, dtype=dtype, device=values.device)
+    for grp in groups:
+        torch.mul(grp.view(values), grp.column(scale), out=grp.view(total))
+    return total
