@@ -137,13 +137,11 @@ def check_state_dict_round_trip(make: Make, ranks: int = 3, framework: str = "nu
 
 
 # --------------------------------------------------------------------------- real exchange, thread ranks
-def exchange_steps(comm: Any, compressor: Any, steps: int, framework: str,
-                   fuse: bool = True) -> List[Dict[str, np.ndarray]]:
-    """This rank's averages of ``steps`` steps through one bucket of the real exchange (``fuse=False``:
-    its per-tensor path)."""
+def exchange_steps(comm: Any, compressor: Any, steps: int, framework: str) -> List[Dict[str, np.ndarray]]:
+    """This rank's averages of ``steps`` steps through one bucket of the real exchange."""
     out = []
     for step in range(steps):
-        exchange = BucketExchange(compressor, comm, "bucket0", fuse=fuse)
+        exchange = BucketExchange(compressor, comm, "bucket0")
         for name, per_rank in gradients(step, comm.size, framework).items():
             exchange.add(name, per_rank[comm.rank])
         exchange.launch()

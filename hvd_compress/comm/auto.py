@@ -30,9 +30,8 @@ dense allreduce is often faster. ``Auto`` decides per bucket, measured:
 
 Switching keeps every gradient: a bucket that goes dense travels through
 :class:`DenseView`, whose plans send each tensor's error-feedback residual
-with its first dense gradient (the fused path's dense-kind flush,
-:meth:`~hvd_compress.comm.fused.FusedBucket.adopt`; the per-tensor path adds it
-in :meth:`DenseView._encode`), so ``sum of what was sent + residual == sum of
+with its first dense gradient (the fused plan's dense-kind flush,
+:meth:`~hvd_compress.comm.fused.FusedBucket.adopt`), so ``sum of what was sent + residual == sum of
 gradients`` holds across the switch. Under momentum correction (a sparsifier's
 ``momentum``) a dense bucket sends each tensor's velocity ``u = m u + g``, and the
 velocity carries over both ways. Going dense drops the tensor's other
@@ -196,10 +195,6 @@ class DenseView(InnerState):
         memory.reset(name)
         return DensePayload(values=flat, dtype=flat.dtype)
 
-    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
-        """With momentum correction: the velocity, put back when the tensor's sum is non-finite."""
-        return {"velocity": self.state.memory.peek(name, "velocity")} if self.momentum else None
-
 
 # ------------------------------------------------------------------ measuring
 class WaitOnce:
@@ -276,7 +271,7 @@ class AutoExchange:
         for handle in exchange.in_flight():
             comm.wait(handle)
         launched = mark()
-        ops = exchange.ops
+        ops = ops_for(exchange.added[0][1])
         flat = ops.concat([ops.reshape(t, (-1,)) for _, t in exchange.added])  # in the exchange's form
         comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
         self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too

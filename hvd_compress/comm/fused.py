@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress import wire
 from hvd_compress.kernels import module, ops_for
@@ -68,15 +68,6 @@ from hvd_compress.comm.rounds import Rounds, check_header
 
 #: an array of the bucket's kernel module (numpy array, torch tensor)
 Array = Any
-
-
-def supported(compressor: Any, tensors: Sequence[Array]) -> bool:
-    """Whether the bucket can take the fused path (else the per-tensor path runs): a compressor with
-    a fused form, tensors of one kernel module that fuses buckets, of one float dtype and device."""
-    if not getattr(compressor, "fused", False) or not tensors:
-        return False
-    ops = ops_for(tensors[0])
-    return ops.FUSES_BUCKETS and ops.fusable(tensors)
 
 
 def float_errors_ignored(method: Any) -> Any:

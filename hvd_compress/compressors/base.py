@@ -288,13 +288,6 @@ class Compressor:
         hold every rank's. Default: nothing."""
         return {}
 
-    def tensor_codec(self, exchange: Any) -> Any:
-        """The codec of the per-tensor exchange (any framework): dense and sparse payloads
-        (:class:`~hvd_compress.compressors.tensor_codec.TensorCodec`)."""
-        from hvd_compress.compressors.tensor_codec import TensorCodec
-
-        return TensorCodec(self, exchange)
-
     def bucket_codec(self, bucket: Any) -> Any:
         """The codec of a fused bucket's compressed part (:mod:`hvd_compress.compressors.rounds`; its
         arrays are the bucket's kernel module's, ``bucket.ops``);
@@ -309,19 +302,6 @@ class Compressor:
 
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""
-
-    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
-        """Hook: the per-tensor arrays that a step whose exchanged result is non-finite must put back
-        (``{key: array or None}``, taken before ``encode``); ``None``: the exchange's own rules apply."""
-        return None
-
-    def restore_step_state(self, name: str, kept: Dict[str, Any]) -> None:
-        """Put back what :meth:`step_state` took (``None``: the array did not exist)."""
-        for key, value in kept.items():
-            if value is None:
-                self.memory.discard(name, key)
-            else:
-                self.memory.set(name, key, value)
 
     def residual(self, name: str) -> Optional[np.ndarray]:
         """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""

@@ -158,14 +158,6 @@ class Sparsifier(Compressor):
             return None
         return kernels.ops_for(velocity).reshape(velocity, self.memory.shape(name))
 
-    def step_state(self, name: str, numel: int) -> Optional[Dict[str, Any]]:
-        """With momentum: the arrays a step whose result is non-finite must put back (``r``, ``u``;
-        ``u`` only for a tensor sent dense, whose flushed residual is gone as on the fused path)."""
-        if not self.momentum:
-            return None
-        keys = ("velocity",) if self.fused_kind(numel) == "dense" else ("residual", "velocity")
-        return {key: self.memory.peek(name, key) for key in keys}
-
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         numel = flat.shape[0]
         if self.momentum:

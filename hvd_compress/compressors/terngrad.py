@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hvd_compress import kernels
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.wire import DensePayload, TernaryPayload
 from hvd_compress.wire import two_bit_bytes
@@ -85,12 +84,6 @@ class TernGrad(Compressor):
         vectors = np.array([[scales[name] for name in names] for scales in local])
         return {name: {"scale": s} for name, s in zip(names, vectors.max(axis=0).tolist())}
 
-    def tensor_codec(self, exchange: Any) -> Any:
-        """:class:`~hvd_compress.compressors.terngrad_tensors.TernaryTensorCodec`."""
-        from hvd_compress.compressors.terngrad_tensors import TernaryTensorCodec
-
-        return TernaryTensorCodec(self, exchange)
-
     def bucket_codec(self, bucket: Any) -> Any:
         """:class:`~hvd_compress.compressors.terngrad_bucket.TernaryBucketCodec`."""
         from hvd_compress.compressors.terngrad_bucket import TernaryBucketCodec
@@ -101,14 +94,8 @@ class TernGrad(Compressor):
     def _clipped(self, a: Any, ops: Any) -> Any:
         return a if self.clip is None else ops.terngrad_clip(a, self.clip)
 
-    def measure(self, tensor: Any, name: str) -> Optional[Tuple[Any, Any, Any, Any]]:
-        """``(flat g, a = g + r, clip(a), max|clip(a)|)`` of a gradient, which :meth:`encode_measured`
-        encodes; ``None`` for tensors sent dense. The per-tensor exchange measures every tensor
-        once, shares the scales, then encodes from the measurement."""
-        flat, shape, ops = self._validated(tensor, name)
-        return None if flat.shape[0] < self.dense_below else self._measured(flat, name, shape, ops)
-
     def _measured(self, flat: Any, name: str, shape: tuple, ops: Any) -> Tuple[Any, Any, Any, Any]:
+        """``(flat g, a = g + r, clip(a), max|clip(a)|)`` of a gradient."""
         a = self._compensated(flat, name, shape, ops)
         clipped = self._clipped(a, ops)
         return flat, a, clipped, ops.terngrad_scale(clipped)
@@ -119,8 +106,8 @@ class TernGrad(Compressor):
         The ranks' scales are combined with an allreduce-Max and the result is
         passed to :meth:`encode` as ``scale``.
         """
-        measured = self.measure(tensor, name)
-        return None if measured is None else measured[3]
+        flat, shape, ops = self._validated(tensor, name)
+        return None if flat.shape[0] < self.dense_below else self._measured(flat, name, shape, ops)[3]
 
     def encode(self, tensor: Any, name: str, scale: Optional[float] = None) -> Any:
         """Ternary payload of ``tensor``; ``scale`` is the shared ``S`` (``None``: local scale)."""
@@ -130,14 +117,6 @@ class TernGrad(Compressor):
         if flat.shape[0] < self.dense_below:
             return DensePayload(values=flat, dtype=flat.dtype)
         return self._payload(*self._measured(flat, name, shape, ops), name, ops, scale)
-
-    def encode_measured(self, measured: Tuple[Any, Any, Any, Any], name: str, scale: Optional[float] = None) -> Any:
-        """:meth:`encode` of the gradient :meth:`measure` measured (nothing computed twice)."""
-        flat, a, clipped, local = measured
-        ops = kernels.ops_for(flat, name)
-        payload = self._payload(flat, a, clipped, local, name, ops, scale)
-        self.stats.record(payload, flat.shape[0], ops.itemsize(flat))
-        return payload
 
     def _payload(self, flat: Any, a: Any, clipped: Any, local: Any, name: str, ops: Any,
                  scale: Optional[float]) -> TernaryPayload:
@@ -156,19 +135,6 @@ class TernGrad(Compressor):
         return TernaryPayload(
             codes=codes,
             scale=float(scale),
-            world_size=self.size,
-            shared_scale=shared,
-            dtype=flat.dtype,
-        )
-
-    def nonfinite_payload(self, flat: Any, ops: Any, shared: bool) -> TernaryPayload:
-        """What a rank sends for a tensor that is non-finite on some rank (the exchange flags it):
-        zero codes, the scale Inf (``0 * Inf = NaN``); no state changes (the residual keeps its
-        value from before the step)."""
-        zeros = ops.zeros_like(flat)
-        return TernaryPayload(
-            codes=ops.terngrad_codes(zeros, 0.0, zeros),
-            scale=float("inf"),
             world_size=self.size,
             shared_scale=shared,
             dtype=flat.dtype,

@@ -48,8 +48,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     num_selected,
 )
 
-#: no fused bucket path for TensorFlow tensors: they take the per-tensor exchange
-FUSES_BUCKETS = False
+#: eager TensorFlow tensors take the fused bucket path (``hvd_compress.comm.fused``) with the
+#: functions of the last section (tensors are immutable: each returns a new one)
+FUSES_BUCKETS = True
 
 #: every stream state (Philox key and counter) can be set on a host stream
 DEVICE_STREAM_STATE_BYTES = None
@@ -57,7 +58,7 @@ DEVICE_STREAM_STATE_BYTES = None
 _WORD = 1 << 32
 
 
-float16 = tf.float16
+float16, float32, int16, int64 = tf.float16, tf.float32, tf.int16, tf.int64
 
 
 def index_dtype(numel: int) -> tf.DType:
@@ -428,7 +429,8 @@ def maximum(a, b) -> tf.Tensor:
     return tf.maximum(a, b)
 
 
-def concat(arrays: Sequence) -> tf.Tensor:
+def concat(arrays: Sequence, out=None) -> tf.Tensor:
+    """One tensor of ``arrays`` end to end (``out``, where numpy and torch write it, is not used)."""
     return tf.concat(list(arrays), axis=0)
 
 
@@ -450,3 +452,187 @@ def sparse_sum(indices: Sequence, values: Sequence, numel: int) -> tf.Tensor:
     for idx, v in zip(indices, values):
         total = tf.tensor_scatter_nd_add(total, tf.reshape(idx, [-1, 1]), tf.cast(v, dtype))
     return total
+
+
+# ------------------------------------------------------------ fused buckets
+#: what :func:`fusable` takes: the engine's float dtypes
+FUSED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def fusable(tensors: Sequence) -> bool:
+    """Eager tensors (an exchange inside a graph runs eagerly in one ``tf.py_function``) of one float
+    dtype and device."""
+    first = tensors[0]
+    return tf.executing_eagerly() and first.dtype in FUSED_DTYPES and all(
+        isinstance(t, tf.Tensor) and t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+
+def float_errors_ignored():
+    """TensorFlow never warns of floating-point errors."""
+    return contextlib.nullcontext()
+
+
+def empty(numel: int, dtype, like) -> tf.Tensor:
+    """Zeros: a buffer numpy and torch would write into; TensorFlow's functions return their parts."""
+    return zeros(numel, dtype, like)
+
+
+def zeros(numel: int, dtype, like) -> tf.Tensor:
+    with _on(like):
+        return tf.zeros([numel], dtype)
+
+
+def scalar(value: float, dtype, like) -> tf.Tensor:
+    with _on(like):
+        return tf.constant(value, dtype)
+
+
+def clone(a) -> tf.Tensor:
+    return tf.identity(a)
+
+
+def to_device(a, like) -> tf.Tensor:
+    """``a`` (a tensor, or a numpy array of a checkpoint) on ``like``'s device."""
+    with _on(like):
+        return tf.identity(a)
+
+
+def take(a, indices, out=None) -> tf.Tensor:
+    return tf.gather(a, indices)
+
+
+def zero_at(a, indices) -> tf.Tensor:
+    return momentum_mask(a, indices)
+
+
+def fill_zero(a) -> tf.Tensor:
+    return tf.zeros_like(a)
+
+
+def index_add(total, indices, values) -> tf.Tensor:
+    """``total`` plus ``values`` at ``indices`` (a repeated index adds each time)."""
+    return tf.tensor_scatter_nd_add(total, tf.reshape(indices, [-1, 1]), values)
+
+
+def nonfinite_to_zero(a) -> tf.Tensor:
+    return tf.where(tf.math.is_finite(a), a, tf.zeros_like(a))
+
+
+def isnan(a) -> tf.Tensor:
+    return tf.math.is_nan(a)
+
+
+def multiply(a, b, out=None) -> tf.Tensor:
+    return a * tf.cast(b, a.dtype)
+
+
+def where(condition, a, b, out=None) -> tf.Tensor:
+    """``a`` where ``condition``, else ``b`` (numbers take the other's dtype)."""
+    if not tf.is_tensor(a):
+        a = tf.constant(a, b.dtype)
+    if not tf.is_tensor(b):
+        b = tf.constant(b, a.dtype)
+    return tf.where(condition, a, b)
+
+
+def add(a, b) -> tf.Tensor:
+    dtype = _result_type(a.dtype, b.dtype)
+    return tf.cast(a, dtype) + tf.cast(b, dtype)
+
+
+def add_into(a, b) -> tf.Tensor:
+    return a + tf.cast(b, a.dtype)
+
+
+def copy_into(out, values) -> tf.Tensor:
+    return tf.cast(values, out.dtype)
+
+
+def joined(buffer, parts: Sequence) -> tf.Tensor:
+    """The ``parts`` (consecutive slices of ``buffer`` elsewhere) end to end, in ``buffer``'s dtype."""
+    return tf.concat([tf.cast(p, buffer.dtype) for p in parts], axis=0)
+
+
+def sum_along(a, axis: int) -> tf.Tensor:
+    return tf.reduce_sum(a, axis)
+
+
+def any_along(a, axis: int) -> tf.Tensor:
+    return tf.reduce_any(a, axis)
+
+
+def masked(a, mask) -> tf.Tensor:
+    return tf.boolean_mask(a, mask)
+
+
+def regtopk_sparse_scores(a, idx, values, mu: float) -> tf.Tensor:
+    """``|a|``, damped by ``|tanh((1 + D) / mu)|`` at ``idx`` (what :func:`regtopk_select_sparse` ranks)."""
+    dtype = accumulation_dtype(_result_type(a.dtype, values.dtype))
+    damped = tf.abs(tf.cast(regtopk_scores(tf.gather(a, idx), values, mu), dtype))
+    return tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
+
+
+def uniform_into(rng: tf.random.Generator, out) -> tf.Tensor:
+    """:func:`uniform`'s float32 draws, as many as ``out`` has entries."""
+    with _on(out):
+        return rng.uniform([out.shape[0]], dtype=tf.float32)
+
+
+def _rows(a, groups) -> list:
+    """Each row of ``groups`` (:class:`hvd_compress.comm.fused.Group`) as a slice of ``a``."""
+    return [a[grp.start + i * grp.n : grp.start + (i + 1) * grp.n] for grp in groups for i in range(grp.rows)]
+
+
+def _per_entry(per_row, groups, numel: int):
+    """A per-row vector repeated over each row's entries, then ``per_row``'s fill for entries after the rows."""
+    lengths = [grp.n for grp in groups for _ in range(grp.rows)]
+    spread = tf.repeat(per_row, lengths)
+    tail = numel - sum(lengths)
+    return spread if tail == 0 else tf.concat([spread, tf.zeros([tail], per_row.dtype)], 0)
+
+
+def keep_rows(groups, bad, old, new) -> tf.Tensor:
+    """``new`` with each row flagged in ``bad`` taken from ``old``."""
+    return tf.where(_per_entry(bad, groups, new.shape[0]), old, new)
+
+
+def keep_finite_rows(groups, total, old, new) -> tf.Tensor:
+    """``new``, but each row where ``total`` holds NaN/Inf taken from ``old``."""
+    bad = tf.concat([tf.math.is_nan(tf.reduce_sum(tf.reshape(total[grp.start : grp.stop], [grp.rows, grp.n]) * 0, 1))
+                     for grp in groups], 0)
+    return keep_rows(groups, bad, old, new)
+
+
+def scale_rows(groups, values, scale, dtype, numel: int) -> tf.Tensor:
+    """``values`` times each row's ``scale``, in ``dtype``."""
+    return tf.cast(values, dtype) * _per_entry(tf.cast(scale, dtype), groups, numel)
+
+
+def terngrad_bucket_scales(a, groups, clip):
+    """Per row: ``(max|clip(a)|, clipping bound or None)`` as :func:`terngrad_clip` and
+    :func:`terngrad_scale` give them (the bound +Inf where the row is left as it is)."""
+    rows = _rows(a, groups)
+    largest = tf.stack([tf.reduce_max(tf.abs(row)) for row in rows])
+    if clip is None:
+        return largest, None
+    acc = accumulation_dtype(a.dtype)
+    exact = tf.stack([clip * tf.cast(tf.math.reduce_std(tf.cast(row, acc)), tf.float64) for row in rows])
+    constant = tf.stack([tf.equal(tf.reduce_max(row), tf.reduce_min(row)) for row in rows])
+    bound = tf.where(tf.equal(exact, 0.0) | constant, tf.constant(np.inf, a.dtype), cast(exact, a.dtype))
+    return tf.minimum(largest, bound), bound
+
+
+def terngrad_bucket_codes(a, groups, bound, scale, uniform) -> tf.Tensor:
+    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``)."""
+    magnitude = tf.abs(a)
+    if bound is not None:
+        magnitude = tf.minimum(magnitude, _per_entry(bound, groups, a.shape[0]))
+    ratio = _divide(magnitude, _per_entry(scale, groups, a.shape[0]))
+    keep = tf.cast(uniform, _result_type(uniform.dtype, a.dtype)) < ratio
+    sign = tf.cast(tf.sign(a), tf.int8)
+    return tf.where(keep, sign, tf.zeros_like(sign))
+
+
+def terngrad_bucket_residual(a, groups, codes, scale) -> tf.Tensor:
+    """``r = a - S t`` per row."""
+    return a - tf.cast(codes, a.dtype) * _per_entry(scale, groups, a.shape[0])

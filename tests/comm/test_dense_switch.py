@@ -84,7 +84,7 @@ def test_fused_bucket_switching_to_dense_and_back_equals_the_simulator(kind, fra
             for name, per_rank in steps[step].items():
                 exchange.add(name, wrap(per_rank[comm.rank]))
             exchange.launch()
-            assert exchange.fused is not None
+            assert len(exchange.launched) == 1
             out.append((exchange.finish(), {name: compressor.residual(name) for name in steps[step]}))
         return out
 

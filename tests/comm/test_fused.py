@@ -86,7 +86,7 @@ def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float
                 g.reshape(-1)[3] = special
             exchange.add(name, g)
         exchange.launch()
-        assert exchange.fused is not None, "the bucket did not take the fused path"
+        assert exchange.launched, "the bucket was not launched"
         out.append({n: copied(t) for n, t in exchange.finish(average=True).items()})
         out[-1]["residuals"] = {n: compressor.residual(n) for n in SHAPES}
     return out
@@ -161,7 +161,7 @@ def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, s
             for name, g in grads.items():
                 exchange.add(name, g)
             exchange.launch()
-            dense_steps += bool(exchange.fused.bucket.dense)
+            dense_steps += bool(exchange.launched[0].bucket.dense)
             results = exchange.finish(average=True)
             out.append({n: (results[n].clone(), compressor.residual(n)) for n in grads})
             for name, g in gradients(comm.rank, step, torch.float32).items():
@@ -182,14 +182,13 @@ def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, s
 @pytest.mark.parametrize("kind", ["none", "topk", "terngrad"])
 def test_flat_finish_is_the_results_concatenated(kind, dtype):
     """``finish(order=names)`` (a DDP hook's flat bucket: one cat, one division) is ``finish()``'s
-    results flattened and concatenated in that order, bit for bit: fused torch and numpy buckets,
-    and on the per-tensor path (numpy, ``fuse=False``) too."""
+    results flattened and concatenated in that order, bit for bit: torch and numpy buckets."""
     order = ["e", "b", "a", "f", "d", "c"]
 
-    def steps(comm, make, grads, flat, fuse=True):
+    def steps(comm, make, grads, flat):
         compressor, out = make(), []
         for step in range(3):
-            exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
+            exchange = BucketExchange(compressor, comm, "bucket")
             for name, g in grads(comm.rank, step).items():
                 exchange.add(name, g)
             exchange.launch()
@@ -199,9 +198,9 @@ def test_flat_finish_is_the_results_concatenated(kind, dtype):
 
     fused = lambda rank, step: gradients(rank, step, dtype)  # noqa: E731
     numpy = lambda rank, step: {n: g.float().numpy() for n, g in gradients(rank, step, dtype).items()}  # noqa: E731
-    for grads, wire, fuse in ((fused, torch.Tensor, True), (numpy, np.ndarray, True), (numpy, np.ndarray, False)):
-        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True, fuse))
-        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False, fuse))
+    for grads, wire in ((fused, torch.Tensor), (numpy, np.ndarray)):
+        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True))
+        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False))
         for flat, want in zip(flats, wants):
             for got, expected in zip(flat, want):
                 assert isinstance(got, wire) and got.shape == expected.shape

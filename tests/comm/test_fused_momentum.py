@@ -1,5 +1,5 @@
 """Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors and numpy
-arrays) against the per-tensor path.
+arrays) against the per-tensor compressors (the Simulator).
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
 holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
@@ -7,7 +7,7 @@ one sent dense because ``N k >= d``; the results, residuals and velocities must 
 the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on numpy and
 on torch the CPU's way and the accelerator's. The dense tensors' averages differ only where a
 half-precision wire rounds the sum (the Simulator sums in float32). Also: a NaN step
-leaves every residual and velocity as before (and equals the per-tensor exchange),
+leaves every residual and velocity as before (the other tensors step as the Simulator's),
 a change of density moves the velocities between the dense and compressed parts,
 a checkpoint mid-training resumes exactly, ``Auto`` sending a bucket dense sends the
 velocities, and a steady step reads nothing back to the host.
@@ -62,29 +62,32 @@ def gradients(rank: int, step: int, dtype, nan=None):
 
 
 def state_of(compressor):
-    return {n: (compressor.residual(n), compressor.velocity(n)) for n in SHAPES}
+    return state_of_names(compressor, SHAPES)
 
 
-def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False, fuse=True):
+def state_of_names(compressor, names):
+    return {n: (compressor.residual(n), compressor.velocity(n)) for n in names}
+
+
+def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False):
     """This rank's results and state after each step; ``ratios[step]`` sets the density before the step.
-    ``numpy``: the gradients as numpy arrays; ``fuse=False``: the per-tensor path."""
+    ``numpy``: the gradients as numpy arrays."""
     out = []
     for step in range(steps):
         if ratios and step in ratios:
             compressor.ratio = ratios[step]
-        exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
+        exchange = BucketExchange(compressor, comm, "bucket")
         for name, g in gradients(comm.rank, step, dtype, nan).items():
             exchange.add(name, g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g)
         exchange.launch()
-        assert (exchange.fused is not None) == fuse
         results = {n: torch.as_tensor(t).clone() for n, t in exchange.finish(average=True).items()}
         out.append((results, {n: tuple(None if x is None else torch.as_tensor(x).clone() for x in pair)
                               for n, pair in state_of(compressor).items()}))
     return out
 
 
-def assert_state_equal(got, want, where):
-    for name in SHAPES:
+def assert_state_equal(got, want, where, names=SHAPES):
+    for name in names:
         for label, a, b in zip(("residual", "velocity"), got[name], want[name]):
             assert (a is None) == (b is None), f"{where} {name} {label}"
             if a is not None:
@@ -119,28 +122,28 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
 
 @pytest.mark.parametrize("way", PATHS)
 @pytest.mark.parametrize("kind", ["topk", "regtopk"])
-def test_nan_step_keeps_residuals_and_velocities_and_equals_the_per_tensor_path(kind, way):
+def test_nan_step_keeps_residuals_and_velocities_and_the_others_step(kind, way):
     """NaN on rank 1 at step 1 in a compressed tensor and in a dense one: those results are NaN on
-    every rank; every rank's residual and velocity of them are as before the step; the per-tensor
-    exchange (numpy, ``fuse=False``) gives the same results and state at every step."""
+    every rank; every rank's residual and velocity of them are as before the step; the bucket's
+    other tensors give the Simulator's results and state (of gradients without NaN) at every step."""
     nan = {(1, 1): ("a", "three")}
     with way_of(way):
         fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan,
                                                              numpy=way == "numpy"))
-    per_tensor = run_ranks(
-        RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan, numpy=True, fuse=False)
-    )
-    for rank, (mine, theirs) in enumerate(zip(fused, per_tensor)):
-        for name in ("a", "three"):
+    clean = [n for n in SHAPES if n not in nan[(1, 1)]]
+    sim = Simulator(RANKS, COMPRESSORS[kind]())
+    for step in range(3):
+        expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in clean})
+        for rank, mine in enumerate(fused):
+            for name in clean:
+                assert torch.equal(mine[step][0][name], torch.as_tensor(expected[name])), (rank, step, name)
+            want = state_of_names(sim.compressors[rank], clean)
+            assert_state_equal({n: mine[step][1][n] for n in clean}, want, f"rank {rank} step {step}", clean)
+    for rank, mine in enumerate(fused):
+        for name in nan[(1, 1)]:
             assert torch.isnan(mine[1][0][name]).any(), f"'{name}' should be NaN on rank {rank}"
             for label, before, after in zip(("residual", "velocity"), mine[0][1][name], mine[1][1][name]):
                 assert (before is None and after is None) or torch.equal(before, after), (rank, name, label)
-        for step in range(3):
-            for name in SHAPES:
-                assert torch.equal(mine[step][0][name], theirs[step][0][name].to(torch.float32)) or (
-                    torch.isnan(mine[step][0][name]).any() and torch.isnan(theirs[step][0][name]).any()
-                ), (rank, step, name)
-            assert_state_equal(mine[step][1], theirs[step][1], f"rank {rank} step {step}")
     finite = [r[2][0][n] for r in fused for n in SHAPES]
     assert all(torch.isfinite(t).all() for t in finite), "the step after the NaN trains normally"
 
@@ -295,14 +298,13 @@ def test_cuda_steady_state_step_never_synchronizes_and_equals_the_cpu(kind, dtyp
 def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
     """One rank (its collective hands back the buffer it was given): a NaN in one of two equal-size
     dense tensors makes that result NaN and keeps its velocity from before the step, while the other
-    tensor of its size group steps, u = m u + g; the per-tensor path (numpy, ``fuse=False``) gives the
-    same, and so does the fused numpy bucket."""
+    tensor of its size group steps, u = m u + g; numpy arrays give the same."""
     shapes = {"w": (30, 40), "b1": (7,), "b2": (7,)}  # b1, b2: one size group of the dense part
 
-    def run(numpy, fuse=True):
+    def run(numpy):
         compressor, comm, out = TopK(0.05, dense_below=8, momentum=0.9), SingleProcessCommunicator(), []
         for step in range(3):
-            exchange = BucketExchange(compressor, comm, "bucket", fuse=fuse)
+            exchange = BucketExchange(compressor, comm, "bucket")
             for name, shape in shapes.items():
                 g = torch.full(shape, float(step + 1)) + torch.arange(math.prod(shape)).view(shape) / 8
                 if step == 1 and name == "b1":
@@ -313,14 +315,13 @@ def test_world_of_one_nan_in_a_dense_tensor_keeps_its_velocity(average):
             out.append((results, {n: torch.as_tensor(compressor.velocity(n)).clone() for n in shapes}))
         return out
 
-    fused, per_tensor = run(False), run(True, fuse=False)
-    assert_runs_equal(run(True), per_tensor, shapes)
+    fused = run(False)
+    assert_runs_equal(run(True), fused, shapes)
     (_, before_u), (nan_step, nan_u) = fused[0], fused[1]
     assert torch.isnan(nan_step["b1"]).any() and torch.isfinite(nan_step["b2"]).all()
     assert torch.equal(nan_u["b1"], before_u["b1"]), "the NaN tensor keeps its velocity"
     assert not torch.equal(nan_u["b2"], before_u["b2"]), "its group's other tensor steps"
     assert torch.isfinite(fused[2][0]["b1"]).all(), "the step after trains normally"
-    assert_runs_equal(fused, per_tensor, shapes)
 
 
 def assert_runs_equal(runs, others, shapes):

@@ -276,7 +276,6 @@ def numpy_buckets(comm, names, steps: int) -> Dict[str, np.ndarray]:
             for tensor, g in bucket_gradients(comm.rank, step).items():
                 exchange.add(tensor, g)
             exchange.launch()
-            assert exchange.fused is not None, "a numpy bucket took the per-tensor path"
             out.update({f"{name}/{step}/{t}": np.asarray(v) for t, v in exchange.finish().items()})
     return out
 
