@@ -22,11 +22,11 @@ import math
 from typing import Any, Dict
 
 from hvd_compress import kernels
-from hvd_compress.compressors.sparse import DENSE_BELOW, Sparsifier
+from hvd_compress.compressors.sparse import DENSE_BELOW, LargestScores, Sparsifier
 from hvd_compress.compressors.validation import check_temperature, checked
 
 
-class RegTopK(Sparsifier):
+class RegTopK(LargestScores, Sparsifier):
     """RegTop-k with temperature ``mu`` (default 5; the reference's linear regression uses 4)."""
 
     mu = checked("mu", check_temperature, "Temperature of the scores, a number in float32's normal range.")

@@ -134,11 +134,25 @@ class Sparsifier(Compressor):
         return abs(a)
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
-        """A fused bucket's selection, ``(positions, probe)``: every row's ``k`` largest ``scores``
-        (``Rows.topk``: :mod:`~hvd_compress.kernels.torch_rows`, :mod:`~hvd_compress.kernels.reference_rows`),
-        and per row a value that is NaN or Inf exactly where the row holds NaN/Inf (its largest
-        score), so ``0 * probe`` is its flag."""
-        return rows.topk(scores)
+        """A fused bucket's selection, ``(positions, probe)``: per row (tensor) of the work buffer ``a``
+        what :meth:`_select` chooses on that row alone, ``k`` slots a row, as work positions (row
+        start + index), the rows visited in the order the tensors were added (``Rows.each``: random
+        draws come in the per-tensor compressor's and the Simulator's order); and per row a value
+        that is NaN or Inf exactly where the row holds NaN/Inf (its largest ``|a|``), so ``0 * probe``
+        is its flag. Top-k, Gaussian-k and RegTop-k override it with one selection of every row at
+        once (:class:`LargestScores`; :mod:`~hvd_compress.kernels.torch_rows`,
+        :mod:`~hvd_compress.kernels.reference_rows`)."""
+        chosen = {}
+        for (name, shape), row, k, first in rows.each(a):
+            indices = self._select(row, name, shape, ops)
+            if indices.shape[0] != k:
+                raise ValueError(
+                    f"hvd_compress: {type(self).__name__}._select chose {indices.shape[0]} entries of '{name}', "
+                    f"not k = {k}: a fused bucket sends k per tensor (a selection of another size overrides "
+                    "slots and bucket_select)"
+                )
+            chosen[first] = ops.cast(indices, ops.int64) + first
+        return ops.concat([chosen[first] for first in sorted(chosen)]), rows.largest(abs(a))
 
     def warn_dense(self, name: str, numel: int) -> None:
         if name not in self._warned_dense and self.dense_is_cheaper(numel):
@@ -239,3 +253,14 @@ class Sparsifier(Compressor):
             )
         total = ops.sparse_sum([p.indices for p in payloads], [p.values for p in payloads], numel)
         return total, payloads[0].values.dtype
+
+
+class LargestScores:
+    """Mixin of a :class:`Sparsifier` whose ``S`` is the ``k`` largest scores (``bucket_scores``):
+    a fused bucket selects every row at once."""
+
+    def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
+        """Every row's ``k`` largest ``scores``, ties to the lower index (``Rows.topk``:
+        :mod:`~hvd_compress.kernels.torch_rows`, :mod:`~hvd_compress.kernels.reference_rows`); the
+        probe is each row's largest score, NaN or Inf exactly where the row holds NaN/Inf."""
+        return rows.topk(scores)

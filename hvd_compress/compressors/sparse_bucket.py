@@ -48,7 +48,7 @@ class SparseBucketCodec:
         self.index_dtype = ops.index_dtype(bucket.n_compressed + 1)
         #: the selections of the compressed part; unused slots point at the spare entry
         self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, compressor.k(g.n), compressor.slots(g.n)) for g in groups],
-                                bucket.like, spare=bucket.n_compressed)
+                                bucket.like, spare=bucket.n_compressed, tensors=added_order(bucket))
         #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
         #: at the first work position of its tensor (the spare: its own)
         self.flag_count = sum(g.rows for g in groups) + self.spare
@@ -108,3 +108,10 @@ class SparseBucketCodec:
         if posterior is not None:
             bucket.posterior = posterior
         return total, bad
+
+
+def added_order(bucket: Any) -> List[Tuple[int, Tuple[str, tuple]]]:
+    """The compressed tensors in the order they were added, each as ``(its row in work order, (name, shape))``
+    (:func:`~hvd_compress.kernels.reference_rows.row_order`)."""
+    rows = {i: row for row, i in enumerate(bucket.compressed)}
+    return [(rows[i], (bucket.names[i], bucket.shapes[i])) for i in sorted(bucket.compressed)]

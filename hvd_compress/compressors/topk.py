@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_compress.compressors.sparse import Sparsifier
+from hvd_compress.compressors.sparse import LargestScores, Sparsifier
 
 
-class TopK(Sparsifier):
+class TopK(LargestScores, Sparsifier):
     """Exact Top-k: ``S`` = the ``k`` largest ``|a_j|`` (ties to the lower index)."""
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:

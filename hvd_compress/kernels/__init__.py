@@ -65,14 +65,15 @@ def in_form_of(result: Any, original: Any) -> Any:
 
 
 def bucket_rows(ops: ModuleType, groups: Sequence[Tuple[int, int, int, int, int]], like: Any,
-                spare: Optional[int] = None) -> Any:
+                spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> Any:
     """The row selections of a fused bucket of ``ops``'s arrays (``like``: one of them): the ``Rows``
     of the module ``ops`` names (``BUCKET_ROWS``: :class:`~hvd_compress.kernels.torch_rows.Rows`,
-    numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`)."""
+    numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`); ``tensors``: each row's label in
+    the order the tensors were added (:func:`~hvd_compress.kernels.reference_rows.row_order`)."""
     import importlib
 
     rows = importlib.import_module(ops.BUCKET_ROWS).Rows
-    return rows(groups, getattr(like, "device", None), spare=spare)
+    return rows(groups, getattr(like, "device", None), spare=spare, tensors=tensors)
 
 
 def module(name: str) -> ModuleType:

@@ -6,12 +6,14 @@ in one flat work buffer, those of equal size next to each other, and each row (t
 selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_select` selects
 on it alone, as work positions in a fixed number of slots per row. On the host nothing
 is to be saved by batching the rows: a loop over them calls the reference itself, so the
-selections are the per-tensor path's by construction.
+selections are the per-tensor path's by construction. A selection of another kind visits
+the rows one by one in the order their tensors were added (:meth:`Rows.each`,
+:func:`each_row`), so that random draws come in the per-tensor path's order.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -24,26 +26,33 @@ class Rows:
     ``groups`` lists ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work
     position ``start``, each selecting ``k`` entries into ``width`` slots (Top-k: ``k``;
     Gaussian-k: ``floor(4k/3)``), the groups' slots one after the other; unused slots hold
-    the work position ``spare``. ``device``: the host's (numpy has no other).
+    the work position ``spare``. ``device``: the host's (numpy has no other). ``tensors``
+    (see :func:`row_order`): each row's label, in the order the tensors were added.
     """
 
     def __init__(self, groups: Sequence[Tuple[int, int, int, int, int]], device: None = None,
-                 spare: Optional[int] = None) -> None:
+                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
         self.groups = [tuple(int(x) for x in g) for g in groups]
         self.spare = spare
         widths = [width for _, count, _, _, width in self.groups for _ in range(count)]
         self.width = sum(widths)
         #: each slot's row
         self.slot_row = np.repeat(np.arange(len(widths), dtype=np.int64), widths)
+        #: the rows in the order :meth:`each` visits them
+        self.order = row_order(self.groups, tensors)
+
+    def each(self, flat: np.ndarray) -> Iterator[Tuple[Any, np.ndarray, int, int]]:
+        """:func:`each_row` of ``flat`` (a work buffer)."""
+        return each_row(flat, self.order)
+
+    def largest(self, flat: np.ndarray) -> np.ndarray:
+        """Each row's largest entry (NaN where the row holds NaN), in work order."""
+        return np.array([np.max(row) for _, row, _, _ in self._rows(flat)], dtype=flat.dtype)
 
     def _rows(self, flat: np.ndarray) -> Iterator[Tuple[int, np.ndarray, int, int]]:
-        """Per row: its first work position, its entries of ``flat``, its ``k`` and its first slot."""
-        slot = 0
-        for start, count, n, k, width in self.groups:
-            for i in range(count):
-                first = start + i * n
-                yield first, flat[first : first + n], k, slot
-                slot += width
+        """Per row in work order: its first work position, its entries of ``flat``, its ``k`` and its first slot."""
+        for first, n, k, slot, _ in row_order(self.groups):
+            yield first, flat[first : first + n], k, slot
 
     def topk(self, scores: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """The ``k`` largest ``scores`` of every row, ties to the lower index: ``(positions, top)``,
@@ -68,3 +77,29 @@ class Rows:
             chosen = reference.gaussiank_from(size, first_thresholds[-1], k)
             positions[slot : slot + chosen.shape[0]] = chosen + first
         return positions, np.array(first_thresholds, dtype=np.float64)
+
+
+#: a row as :func:`each_row` visits it: ``(first work position, n, k, first slot, label)``
+Row = Tuple[int, int, int, int, Any]
+
+
+def row_order(groups: Sequence[Tuple[int, int, int, int, int]],
+              tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> List[Row]:
+    """The rows of ``groups`` (``(start, rows, n, k, width)``) in the order to visit them: ``tensors``
+    lists ``(row, label)``, a row by its place in work order and any label of its tensor (the
+    fused path: name and shape), in the order the tensors were added; default: work order, no labels."""
+    rows: List[Tuple[int, int, int, int]] = []
+    slot = 0
+    for start, count, n, k, width in groups:
+        for i in range(count):
+            rows.append((start + i * n, n, k, slot))
+            slot += width
+    visit = tensors if tensors is not None else [(row, None) for row in range(len(rows))]
+    return [rows[row] + (label,) for row, label in visit]
+
+
+def each_row(flat: Any, order: Sequence[Row]) -> Iterator[Tuple[Any, Any, int, int]]:
+    """Per row of ``order`` (:func:`row_order`): its label, its entries of ``flat`` (a view), its
+    ``k``, and the work position of its first entry; numpy arrays and torch tensors alike."""
+    for first, n, k, _, label in order:
+        yield label, flat[first : first + n], k, first

@@ -33,12 +33,13 @@ kernels' host shortcuts instead (numpy's selection, a loop over the rows), faste
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from hvd_compress.kernels import reference
+from hvd_compress.kernels.reference_rows import each_row, row_order
 from hvd_compress.kernels import torch_ops as ops
 
 #: The integers of each float dtype's width: same bits, same order for non-negative floats.
@@ -92,14 +93,18 @@ class Rows:
     ``groups`` lists ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work
     position ``start`` (row ``i`` at ``start + i n``), each selecting ``k`` entries into ``width``
     slots (Top-k: ``k``; Gaussian-k: ``floor(4k/3)``); the groups' slots follow each other in
-    order. ``spare`` is the work position unused slots hold (Gaussian-k). Built once per
-    layout: the index tensors the selections need are made here, on ``device``, and the
-    selections reuse one scratch buffer of marks.
+    order. ``spare`` is the work position unused slots hold (Gaussian-k). ``tensors``
+    (:func:`~hvd_compress.kernels.reference_rows.row_order`): each row's label, in the order the
+    tensors were added (:meth:`each`). Built once per layout: the index tensors the selections
+    need are made here, on ``device``, and the selections reuse one scratch buffer of marks.
     """
 
-    def __init__(self, groups: Sequence[Group], device, spare: Optional[int] = None) -> None:
+    def __init__(self, groups: Sequence[Group], device, spare: Optional[int] = None,
+                 tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
         self.groups = [tuple(int(x) for x in g) for g in groups]
         self.device, self.spare = torch.device(device), spare
+        #: the rows in the order :meth:`each` visits them
+        self.order = row_order(self.groups, tensors)
         self.row_ranges: List[Tuple[int, int]] = []
         self.slot_ranges: List[Tuple[int, int]] = []
         row_start: List[int] = []
@@ -149,6 +154,15 @@ class Rows:
         and its ranges of rows and of slots."""
         for (start, count, n, k, width), rows, slots in zip(self.groups, self.row_ranges, self.slot_ranges):
             yield start, flat[start : start + count * n].view(count, n), k, width, rows, slots
+
+    def each(self, flat: torch.Tensor) -> Iterator[Tuple[Any, torch.Tensor, int, int]]:
+        """Every row of ``flat`` (a work buffer) alone, in the order the tensors were added
+        (:func:`~hvd_compress.kernels.reference_rows.each_row`): a selection of another kind row by row."""
+        return each_row(flat, self.order)
+
+    def largest(self, flat: torch.Tensor) -> torch.Tensor:
+        """Each row's largest entry (NaN where the row holds NaN), in work order: one ``amax`` per group."""
+        return torch.cat([view.amax(dim=1) for _, view, *_ in self._views(flat)])
 
     # ------------------------------------------------------------------- Top-k
     def topk(self, scores: torch.Tensor, host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:

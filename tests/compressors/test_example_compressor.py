@@ -3,8 +3,8 @@
 Random-k: each rank sends ``k = ceil(ratio d)`` entries of ``a = g + r`` chosen
 uniformly at random from its own stream (a different choice per rank and step)
 and keeps the rest in its residual (error feedback). It is a ``Sparsifier`` that
-implements ``_select`` and nothing else but ``fused = False`` (its selection is not
-"the k largest scores", so torch buckets take the per-tensor exchange). The tests
+implements ``_select`` and nothing else: a fused bucket runs ``_select`` on each of its
+tensors alone, in the order they were added (``Sparsifier.bucket_select``). The tests
 run it through the conformance checks of ``tests/conformance.py``: Simulator,
 thread ranks through the real exchange, the drop-in torch optimizer, mass
 conservation, checkpoints, and ranks that disagree.
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import TopK
+from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.threads import run_ranks
 from hvd_compress.compressors.sparse import Sparsifier
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import SparsePayload
@@ -22,8 +24,6 @@ from tests import conformance
 
 class RandomK(Sparsifier):
     """Random-k sparsification with error feedback: ``S`` = ``k`` indices drawn without replacement."""
-
-    fused = False  # not a top-k of bucket scores: the per-tensor exchange runs it
 
     def _select(self, a, name, shape, ops):
         # the k largest of d uniform draws of this rank's stream: k distinct indices, uniformly chosen
@@ -132,3 +132,75 @@ def test_state_dict_round_trip_continues_exactly(framework):
 def test_ranks_running_another_compressor_fail_clearly():
     conformance.check_ranks_disagreeing_fail_clearly(make, lambda: TopK(0.1, dense_below=0))
     conformance.check_ranks_disagreeing_fail_clearly(make, lambda: RandomK(0.2, dense_below=0))
+
+
+# --------------------------------------------------------------------------- the fused bucket
+#: sizes interleaved: the bucket lays out "a", "c" (40 each), then "b"; the draws still come in the order a, b, c
+INTERLEAVED = {"a": (40,), "b": (8, 40), "c": (40,)}
+
+
+def interleaved(step, ranks, framework="numpy"):
+    rng = np.random.default_rng(700 + step)
+    grads = {name: [rng.standard_normal(shape).astype(np.float32) for _ in range(ranks)]
+             for name, shape in INTERLEAVED.items()}
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        grads = {name: [torch.from_numpy(g) for g in per_rank] for name, per_rank in grads.items()}
+    return grads
+
+
+def fused_steps(comm, compressor, grads_of, steps):
+    """This rank's averages of ``steps`` steps through one fused bucket (asserting it is fused)."""
+    out = []
+    for step in range(steps):
+        exchange = BucketExchange(compressor, comm, "bucket0")
+        for name, per_rank in grads_of(step, comm.size).items():
+            exchange.add(name, per_rank[comm.rank])
+        exchange.launch()
+        assert exchange.fused is not None, "the bucket took the per-tensor path"
+        out.append({name: conformance.as_numpy(v) for name, v in exchange.finish(average=True).items()})
+    return out
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_fused_bucket_selects_each_tensor_alone_in_the_order_they_were_added(framework):
+    ranks, steps = 3, 3
+    compressors = [make() for _ in range(ranks)]
+    grads_of = lambda step, size: interleaved(step, size, framework)  # noqa: E731
+    results = run_ranks(ranks, lambda comm: fused_steps(comm, compressors[comm.rank], grads_of, steps), timeout=30)
+    sim = Simulator(ranks, make())
+    expected = [sim.step(interleaved(step, ranks, framework)) for step in range(steps)]
+    for rank, (rank_result, compressor) in enumerate(zip(results, compressors)):
+        for got, want in zip(rank_result, expected):
+            for name in INTERLEAVED:
+                np.testing.assert_array_equal(got[name], conformance.as_numpy(want[name]), err_msg=name)
+        for name in INTERLEAVED:
+            np.testing.assert_array_equal(conformance.as_numpy(compressor.residual(name)),
+                                          conformance.as_numpy(sim.compressors[rank].residual(name)), err_msg=name)
+
+
+def test_a_nan_on_one_rank_is_nan_on_every_rank_and_no_state_moves():
+    compressors = [make() for _ in range(3)]
+
+    def poisoned(step, size):
+        grads = interleaved(step, size)
+        if step == 1:
+            grads["b"][1][3, 5] = np.inf
+        return grads
+
+    before = {}
+
+    def run(comm):
+        first = fused_steps(comm, compressors[comm.rank], poisoned, 1)
+        before[comm.rank] = compressors[comm.rank].residual("b").copy()
+        return first + fused_steps(comm, compressors[comm.rank], lambda step, size: poisoned(step + 1, size), 1)
+
+    results = run_ranks(3, run, timeout=30)
+    sim = Simulator(3, make())
+    sim.step(interleaved(0, 3))
+    want = sim.step({name: interleaved(1, 3)[name] for name in ("a", "c")})  # "b" draws after "a", before "c"
+    for rank, result in enumerate(results):
+        assert np.isnan(result[1]["b"]).any()  # non-finite, as a dense allreduce would give
+        np.testing.assert_array_equal(compressors[rank].residual("b"), before[rank])
+        np.testing.assert_array_equal(result[1]["a"], want["a"])
+        assert not np.array_equal(result[1]["c"], want["c"])  # "b"'s draws came before "c"'s

@@ -8,19 +8,23 @@ gradient and the aggregate is the sign of their sum::
 
 The sum an exchange returns (``finish(average=False)``) is ``N vote``, so the average is the
 vote. On the wire the ranks' signs are summed exactly: ``t + 1`` packed into int32 lanes of
-``ceil(log2(2N + 1))``-bit fields (``ops.pack_ternary``), one allreduce-Sum for the bucket
-(a tensor with NaN/Inf on some rank, flagged in the exchange's header, is NaN on every
-rank, as a dense allreduce would give). No format the library knows: the compressor
-brings its codec (``tensor_codec``), and the exchange runs its round without a line of
-``hvd_compress`` changed. ``Compression.register`` gives it a name: ``Compression.by_name``
-builds it, and a rank running another compressor is told which one each rank runs.
+``ceil(log2(2N + 1))``-bit fields (``ops.pack_ternary``), one allreduce-Sum for the bucket's
+compressed part, and beside it one allreduce-Sum of a flag per tensor (``0 * max|g|``: 0, or
+NaN where the tensor holds NaN/Inf on this rank), so a tensor with NaN/Inf on some rank is
+NaN on every rank, as a dense allreduce would give. No format the library knows: the
+compressor brings its fused bucket's codec (``bucket_codec``, written with the bucket's
+kernel functions only, ``bucket.ops``), and the exchange runs its round without a line of
+``hvd_compress`` changed. ``encode`` and ``_sum`` stay the algorithm's definition, one tensor
+at a time (the Simulator runs them). ``Compression.register`` gives it a name:
+``Compression.by_name`` builds it, and a rank running another compressor is told which one
+each rank runs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, Generator, List, Tuple
 
 import numpy as np
 import pytest
@@ -30,7 +34,6 @@ from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.comm.threads import run_ranks
 from hvd_compress.compressors.base import Compressor, dense_sum
 from hvd_compress.compressors.rounds import Send
-from hvd_compress.compressors.tensor_codec import TensorCodec, nan_result
 from hvd_compress.compressors.validation import check_count, checked
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import FIRST_FREE_NUMBER, DensePayload, header_config, register_algorithm, ternary_lanes
@@ -58,6 +61,7 @@ class MajorityVote(Compressor):
     """signSGD with majority vote (module docstring); tensors under ``dense_below`` elements go dense."""
 
     payload_kind = "sign"
+    fused = True
     dense_below = checked("dense_below", check_count, "Tensors below this many elements go dense (an int >= 0).")
 
     def __init__(self, dense_below: int = 0, seed: int = 0) -> None:
@@ -66,6 +70,9 @@ class MajorityVote(Compressor):
 
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "dense_below": self.dense_below}
+
+    def fused_kind(self, numel: int) -> str:
+        return "dense" if numel == 0 or numel < self.dense_below else self.payload_kind
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         if flat.shape[0] < self.dense_below:
@@ -78,8 +85,8 @@ class MajorityVote(Compressor):
         return majority(ops.sum_codes([p.values for p in payloads]), len(payloads), payloads[0].dtype, ops), \
             payloads[0].dtype
 
-    def tensor_codec(self, exchange: Any) -> "MajorityVoteCodec":
-        return MajorityVoteCodec(self, exchange)
+    def bucket_codec(self, bucket: Any) -> "MajorityVoteBucketCodec":
+        return MajorityVoteBucketCodec(bucket)
 
 
 def majority(sign_sum: Any, world: int, dtype: Any, ops: Any) -> Any:
@@ -89,46 +96,40 @@ def majority(sign_sum: Any, world: int, dtype: Any, ops: Any) -> Any:
     return ops.cast(vote, acc) * world
 
 
-class MajorityVoteCodec(TensorCodec):
-    """The exchange's side: one round, an allreduce-Sum of packed signs."""
+class MajorityVoteBucketCodec:
+    """The fused bucket's side: one round, the packed signs and a flag per tensor, both allreduce-Sum.
 
-    kind = "sign"
+    Written with the bucket's kernel functions (``bucket.ops``), slicing and arithmetic only,
+    each result a new array: the same code runs numpy arrays and torch tensors.
+    """
 
-    def add(self, name: str, tensor: Any) -> Any:
-        payload = self.compressor.encode(tensor, name)
-        if isinstance(payload, DensePayload):
-            return payload
-        self.names.append(name)
-        self.payloads.append(payload)
-        return None
+    rounds = 1
+    spare = 0  # no work entry beyond the compressed part
 
-    def add_nonfinite(self, name: str, tensor: Any) -> Any:
-        flat = self.ops.reshape(tensor, (-1,))
-        if flat.shape[0] < self.compressor.dense_below:
-            return super().add_nonfinite(name, tensor)
-        self.names.append(name)  # zero signs; its flag tells every rank
-        self.payloads.append(SignPayload(values=signs(self.ops.zeros_like(flat), self.ops), dtype=flat.dtype))
-        return None
+    def __init__(self, bucket: Any) -> None:
+        ops = bucket.ops
+        #: each work entry's tensor (its row), to spread a tensor's flag over its entries
+        self.row_of = ops.concat([ops.full(grp.n, row, bucket.like, ops.int64)
+                                  for grp in bucket.groups for row in range(grp.first, grp.last)])
 
-    def header(self) -> List[int]:
-        return []
+    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+        """``(bytes sent, values sent)`` of a step: the int32 lanes, and a flag per tensor."""
+        ops = bucket.ops
+        flag_size = ops.itemsize(ops.empty(0, bucket.acc, bucket.like))
+        return 4 * ternary_lanes(bucket.n_compressed, bucket.world) + len(bucket.compressed) * flag_size, \
+            bucket.n_compressed
 
-    def exchange(self, rows: Any):
-        ops, world = self.ops, self.bucket.world
-        lanes = ops.concat([ops.pack_ternary(p.values, world) for p in self.payloads])
-        received = yield [Send("signs", "sum", lanes)]
-        results, start = {}, 0
-        for name, payload in zip(self.names, self.payloads):
-            numel = int(payload.values.shape[0])
-            size = ternary_lanes(numel, world)
-            if name in self.bucket.flagged:  # NaN/Inf on some rank (the header's flags)
-                results[name] = nan_result(self.bucket, name, numel, dict(self.bucket.added)[name])
-            else:
-                total = majority(ops.unpack_ternary_sum(received["signs"][start : start + size], numel, world), world,
-                                 payload.dtype, ops)
-                results[name] = self.bucket.result(name, total, payload.dtype)
-            start += size
-        return results
+    def exchange(self, bucket: Any, g: Any, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+        """Signs and flags in one round; the decode: ``(N vote, NaN for a flagged tensor; the flags)``."""
+        ops, world = bucket.ops, bucket.world
+        largest, _ = ops.terngrad_bucket_scales(g, bucket.groups, None)  # max|g| of every tensor
+        flags = ops.cast(largest, bucket.acc) * 0  # 0, or NaN where the tensor holds NaN/Inf
+        received = yield [Send("signs", "sum", ops.pack_ternary(signs(g, ops), world)),
+                          Send("flags", "sum", flags)]
+        sign_sum = ops.unpack_ternary_sum(received["signs"], bucket.n_compressed, world)
+        flagged = received["flags"]  # NaN where some rank's tensor held NaN/Inf
+        total = majority(sign_sum, world, bucket.dtype, ops) + ops.take(flagged, self.row_of)
+        return total, ops.isnan(flagged)
 
 
 def make() -> MajorityVote:
@@ -179,13 +180,10 @@ def test_ranks_configured_differently_fail_clearly():
     conformance.check_ranks_disagreeing_fail_clearly(make, FP16)
 
 
-def vote_against_fp16(fuse: bool = False) -> None:
-    """Rank 0 votes, rank 1 runs FP16: the header check's error (thread ranks). FP16's bucket on the
-    per-tensor path, whose header has the vote's width; on the fused path (``fuse``), whose header
-    holds the two hashes only, the ranks' headers differ in width and the transport stops them."""
+def vote_against_fp16() -> None:
+    """Rank 0 votes, rank 1 runs FP16: the header check's error (thread ranks)."""
     compressors = [make(), FP16()]
-    run_ranks(2, lambda comm: conformance.exchange_steps(comm, compressors[comm.rank], 1, "numpy", fuse),
-              timeout=20)
+    run_ranks(2, lambda comm: conformance.exchange_steps(comm, compressors[comm.rank], 1, "numpy"), timeout=20)
 
 
 @pytest.fixture
@@ -204,8 +202,6 @@ def test_registered_by_name_and_named_in_the_disagreement_error(registered):
     assert number >= FIRST_FREE_NUMBER and header_config("TopK", 0) >> 32 == 3  # built-ins keep theirs
     with pytest.raises(ValueError, match="ranks run different compressors: rank 0 MajorityVote, rank 1 FP16"):
         vote_against_fp16()
-    with pytest.raises(ValueError, match="ranks disagree on the trailing shape of allgather 'bucket0.header'"):
-        vote_against_fp16(fuse=True)
     with pytest.raises(ValueError, match="is taken by MajorityVote"):
         Compression.register("majorityvote", FP16)
     with pytest.raises(ValueError, match="cannot number Other 3: TopK already has 3"):
@@ -220,19 +216,33 @@ def test_unregistered_it_is_another_compressor():
         vote_against_fp16()
 
 
-def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
-    def run(comm: Any) -> Dict[str, np.ndarray]:
-        exchange = BucketExchange(make(), comm, "bucket0")
-        for name, per_rank in conformance.gradients(0, comm.size).items():
-            grad = per_rank[comm.rank].copy()
-            if name == "layer.bias" and comm.rank == 1:
-                grad[3] = np.nan
-            exchange.add(name, grad)
-        exchange.launch()
-        return exchange.finish(average=True)
+def exchange_step(comm: Any, compressor: MajorityVote, poisoned: str = "") -> Dict[str, np.ndarray]:
+    """One step of this rank through one fused bucket (asserting it is fused); rank 1's ``poisoned`` holds a NaN."""
+    exchange = BucketExchange(compressor, comm, "bucket0")
+    for name, per_rank in conformance.gradients(0, comm.size).items():
+        grad = per_rank[comm.rank].copy()
+        if name == poisoned and comm.rank == 1:
+            grad[3] = np.nan
+        exchange.add(name, grad)
+    exchange.launch()
+    assert exchange.fused is not None, "the bucket took the per-tensor path"
+    return exchange.finish(average=True)
 
-    results = run_ranks(3, run, timeout=30)
+
+def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
+    results = run_ranks(3, lambda comm: exchange_step(comm, make(), "layer.bias"), timeout=30)
     want = Simulator(3, make()).step({"layer.weight": conformance.gradients(0, 3)["layer.weight"]})["layer.weight"]
     for result in results:
         assert np.isnan(result["layer.bias"]).all()
         np.testing.assert_array_equal(result["layer.weight"], want)
+
+
+def test_a_fused_step_sends_the_packed_signs_and_a_flag_per_tensor():
+    compressors = [MajorityVote(dense_below=100) for _ in range(3)]  # the bias (40) dense, the weight (320) voted
+    results = run_ranks(3, lambda comm: exchange_step(comm, compressors[comm.rank]), timeout=30)
+    want = Simulator(3, MajorityVote(dense_below=100)).step(conformance.gradients(0, 3))
+    header, dense, flag = 16, 40 * 4, 4  # [config hash, layout hash] once; float32 bias and flag
+    for compressor, result in zip(compressors, results):
+        assert compressor.stats.bytes_sent == header + dense + 4 * ternary_lanes(320, 3) + flag
+        for name in want:
+            np.testing.assert_array_equal(result[name], want[name], err_msg=name)
