@@ -217,7 +217,7 @@ def test_unregistered_it_is_another_compressor():
 
 
 def exchange_step(comm: Any, compressor: MajorityVote, poisoned: str = "") -> Dict[str, np.ndarray]:
-    """One step of this rank through one fused bucket (asserting it is fused); rank 1's ``poisoned`` holds a NaN."""
+    """One step of this rank through one bucket; rank 1's ``poisoned`` holds a NaN."""
     exchange = BucketExchange(compressor, comm, "bucket0")
     for name, per_rank in conformance.gradients(0, comm.size).items():
         grad = per_rank[comm.rank].copy()
@@ -225,7 +225,6 @@ def exchange_step(comm: Any, compressor: MajorityVote, poisoned: str = "") -> Di
             grad[3] = np.nan
         exchange.add(name, grad)
     exchange.launch()
-    assert exchange.fused is not None, "the bucket took the per-tensor path"
     return exchange.finish(average=True)
 
 
