@@ -1,7 +1,7 @@
 """Communication: how payloads travel between ranks.
 
-- :mod:`~hvd_compress.comm.exchange` (per-tensor path) and :mod:`~hvd_compress.comm.fused`
-  (torch buckets) move one bucket of gradients over a
+- :mod:`~hvd_compress.comm.exchange` (a bucket's front) and :mod:`~hvd_compress.comm.fused`
+  (its plan and steps, on every framework's kernels) move one bucket of gradients over a
   :class:`~hvd_compress.comm.communicator.Communicator`;
 - communicators: Horovod (torch and TensorFlow), mpi4py (:mod:`~hvd_compress.comm.mpi`),
   torch.distributed (:mod:`~hvd_compress.comm.torch_dist`) and thread ranks

@@ -70,8 +70,8 @@ class Compressor:
     not dense, ``_sum(payloads, numel)``.
 
     Capabilities the exchanges dispatch on (never on the class):
-    ``payload_kind`` (``"dense"``, ``"sparse"`` or ``"ternary"``), ``fused`` (the
-    bucket can take :mod:`hvd_compress.comm.fused`), ``dense_wire_dtype`` (the
+    ``payload_kind`` (``"dense"``, ``"sparse"`` or ``"ternary"``), ``fused`` (it has a bucket
+    codec, :meth:`bucket_codec`: the exchanges can run it), ``dense_wire_dtype`` (the
     dtype dense payloads travel in, ``None`` for the gradient's) and
     :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
 

@@ -1,7 +1,6 @@
 """What a codec asks the transport to move: rounds of collectives.
 
-A compressor's codec (the fused bucket's, :meth:`Compressor.bucket_codec`, and the
-per-tensor exchange's, :meth:`Compressor.tensor_codec`) encodes and decodes; the engine in
+A compressor's codec (a fused bucket's, :meth:`Compressor.bucket_codec`) encodes and decodes; the engine in
 :mod:`hvd_compress.comm` only starts collectives and hands their results back. A codec's
 ``exchange`` is a generator: each ``yield`` is one round, a list of :class:`Send`; the
 engine starts them, waits for their results when the next round (or the decode) needs
