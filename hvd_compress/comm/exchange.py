@@ -51,9 +51,9 @@ def unsupported(compressor: Any, name: str, tensor: Any) -> Optional[str]:
         return (f"{type(compressor).__name__} brings no bucket codec (set `fused = True` and give it "
                 "`bucket_codec`, or derive it from Sparsifier; see docs/adding_a_compressor.md)")
     if not ops_for(tensor, name).fusable([tensor]):
-        return (f"gradient '{name}' is a {type(tensor).__module__}.{type(tensor).__name__} of dtype "
-                f"{tensor.dtype}: exchanges take float16, bfloat16, float32 or float64 arrays and tensors"
-                " (TensorFlow's eagerly)")
+        return (f"gradient '{name}' ({type(tensor).__name__} of dtype {tensor.dtype}) cannot be exchanged: "
+                "exchanges take floating point arrays and tensors (float16, bfloat16, float32 or float64; "
+                "TensorFlow's eagerly)")
     return None
 
 
