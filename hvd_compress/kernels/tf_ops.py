@@ -52,6 +52,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 #: functions of the last section (tensors are immutable: each returns a new one)
 FUSES_BUCKETS = True
 
+#: the row selections of a fused bucket of TensorFlow tensors
+BUCKET_ROWS = "hvd_compress.kernels.tf_rows"
+
 #: every stream state (Philox key and counter) can be set on a host stream
 DEVICE_STREAM_STATE_BYTES = None
 
@@ -288,19 +291,28 @@ def gaussiank_threshold(a, ratio: float):
     return _python_or_tensor(_threshold(a, ratio), float)
 
 
+def gaussiank_first_threshold(a, ratio: float) -> tf.Tensor:
+    """:func:`gaussiank_threshold` as a float64 scalar tensor, also eagerly (read nothing back)."""
+    return _threshold(a, ratio)
+
+
 def gaussiank_select(a, ratio: float) -> tf.Tensor:
-    """:func:`reference.gaussiank_correct` unrolled: every round counts ``|a_j| > thr``
-    (``thr`` = the first threshold times the steps' product, in float64, rounded once to
-    ``a``'s dtype as numpy compares), scalar ``tf.where``s keep the round that settles;
-    one ``tf.where`` gathers the indices, and an overshooting superset keeps its first ``k``."""
-    numel = a.shape[0]
-    k = num_selected(numel, ratio)
-    magnitude = tf.abs(a)
+    """:func:`gaussiank_from` on ``|a|`` from :func:`gaussiank_threshold` (as the reference)."""
+    return gaussiank_from(tf.abs(a), _threshold(a, ratio), num_selected(a.shape[0], ratio))
+
+
+def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
+    """:func:`reference.gaussiank_correct` on ``|a|`` from a first ``threshold`` (float64 tensor or
+    number), unrolled: every round counts ``|a_j| > thr`` (``thr`` = the first threshold times the
+    steps' product, in float64, rounded once to ``a``'s dtype as numpy compares), scalar ``tf.where``s
+    keep the round that settles; one ``tf.where`` gathers the indices, and an overshooting superset
+    keeps its first ``k``."""
+    numel = magnitude.shape[0]
 
     def above(threshold):
         return magnitude > cast(threshold, magnitude.dtype)
 
-    first = chosen = last = superset = _threshold(a, ratio)
+    first = chosen = last = superset = _float64(threshold)
     factor = tf.constant(1.0, tf.float64)
     smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above 4k/3 seen so far
     done = tf.constant(False)

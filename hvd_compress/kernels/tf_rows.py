@@ -1,0 +1,92 @@
+"""Row selections of the fused path on TensorFlow: the TF kernels' selection of every row of a bucket.
+
+The TensorFlow counterpart of :class:`hvd_compress.kernels.reference_rows.Rows` (same layout,
+same results): a fused bucket (:mod:`hvd_compress.comm.fused`) lays its compressed tensors out
+in one flat work buffer, those of equal size next to each other, and each row (tensor) selects
+what :func:`tf_ops.topk_indices` or :func:`tf_ops.gaussiank_select` selects on it alone (which
+is :func:`reference.topk_indices`, and :func:`reference.gaussiank_select` from the kernels' own
+first threshold), as work positions in a fixed number of slots per row. A loop over the rows
+calls those per-tensor kernels, so the selections are the per-tensor path's by construction;
+TensorFlow's tensors are immutable, so the rows' positions (and the spare slots) are joined by
+one ``tf.concat``. Nothing is read back to the host: the loop runs eagerly or traces into a graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from hvd_compress.kernels import reference_rows
+from hvd_compress.kernels import tf_ops as ops
+
+
+def _on(device: Optional[str]):
+    """Create tensors on ``device`` (a TF device string; none given or empty: TensorFlow's placement)."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
+def _joined(parts: List[tf.Tensor], dtype: tf.DType, join=tf.concat) -> tf.Tensor:
+    """``parts`` concatenated (or stacked), none: an empty ``dtype`` tensor."""
+    return join(parts, axis=0) if parts else tf.zeros([0], dtype)
+
+
+class Rows(reference_rows.Rows):
+    """A flat work buffer's rows, grouped by length, and their selections (see
+    :class:`reference_rows.Rows`): ``groups`` lists ``(start, rows, n, k, width)``; unused slots
+    hold the work position ``spare``; ``device``: the work buffer's (a TF device string or None),
+    where :attr:`slot_row` is made and the selections create their tensors."""
+
+    def __init__(self, groups: Sequence[Tuple[int, int, int, int, int]], device: Optional[str] = None,
+                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
+        super().__init__(groups, spare=spare, tensors=tensors)
+        self.device = device
+        self.row_width = [width for _, count, _, _, width in self.groups for _ in range(count)]
+        with _on(device):
+            #: each slot's row
+            self.slot_row = tf.constant(self.slot_row, tf.int64)
+
+    def _slots(self, chosen: tf.Tensor, first: int, width: int, like: tf.Tensor) -> List[tf.Tensor]:
+        """A row's ``chosen`` entries as work positions, then ``spare`` in its other slots."""
+        positions = tf.cast(chosen, tf.int64) + first
+        if chosen.shape[0] == width:
+            return [positions]
+        return [positions, ops.full(width - tf.size(chosen), self.spare, like, tf.int64)]
+
+    def largest(self, flat: tf.Tensor) -> tf.Tensor:
+        """Each row's largest entry (NaN where the row holds NaN), in work order."""
+        with _on(self.device):
+            rows = [row for _, row, _, _ in self._rows(flat)]
+            top = [tf.where(tf.reduce_any(tf.math.is_nan(row)), tf.constant(np.nan, flat.dtype), tf.reduce_max(row))
+                   for row in rows]
+            return _joined(top, flat.dtype, tf.stack)
+
+    def topk(self, scores: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """The ``k`` largest ``scores`` of every row, ties to the lower index: ``(positions, top)``,
+        ``top`` each row's largest score (NaN or Inf exactly where the row holds NaN or Inf;
+        such a row selects any ``k`` of its entries, NaN ranked as +Inf)."""
+        with _on(self.device):
+            nan = tf.math.is_nan(scores)
+            key = tf.where(nan, tf.constant(np.inf, scores.dtype), scores)  # the identity without NaN
+            parts, top = [], []
+            for start, count, n, _, _ in self.groups:
+                block = [tf.reshape(x[start : start + count * n], [count, n]) for x in (key, nan)]
+                top.append(tf.where(tf.reduce_any(block[1], axis=1), tf.constant(np.nan, scores.dtype),
+                                    tf.reduce_max(block[0], axis=1)))
+            for (first, row, k, _), width in zip(self._rows(key), self.row_width):
+                parts += self._slots(ops.topk_indices(row, k), first, width, row)
+            return _joined(parts, tf.int64), _joined(top, scores.dtype)
+
+    def gaussiank(self, a: tf.Tensor, magnitude: tf.Tensor, ratio: float) -> Tuple[tf.Tensor, tf.Tensor]:
+        """:func:`tf_ops.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, first)``:
+        each row's selection in index order in its first slots, the others ``spare``, and each
+        row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
+        with _on(self.device):
+            parts, first_thresholds = [], []
+            for (first, row, k, _), (_, size, _, _), width in zip(self._rows(a), self._rows(magnitude),
+                                                                 self.row_width):
+                first_thresholds.append(ops.gaussiank_first_threshold(row, ratio))
+                parts += self._slots(ops.gaussiank_from(size, first_thresholds[-1], k), first, width, size)
+            return _joined(parts, tf.int64), _joined(first_thresholds, tf.float64, tf.stack)
