@@ -442,7 +442,9 @@ def maximum(a, b) -> tf.Tensor:
 
 
 def concat(arrays: Sequence, out=None) -> tf.Tensor:
-    """One tensor of ``arrays`` end to end (``out``, where numpy and torch write it, is not used)."""
+    """One tensor of ``arrays`` end to end, in ``out``'s dtype when given (numpy and torch write into ``out``)."""
+    if out is not None:
+        arrays = [tf.cast(a, out.dtype) for a in arrays]
     return tf.concat(list(arrays), axis=0)
 
 
@@ -598,7 +600,7 @@ def _rows(a, groups) -> list:
 def _per_entry(per_row, groups, numel: int):
     """A per-row vector repeated over each row's entries, then ``per_row``'s fill for entries after the rows."""
     lengths = [grp.n for grp in groups for _ in range(grp.rows)]
-    spread = tf.repeat(per_row, lengths)
+    spread = tf.repeat(per_row[: len(lengths)], lengths)  # entries of per_row past the rows (a spare's flag): unused
     tail = numel - sum(lengths)
     return spread if tail == 0 else tf.concat([spread, tf.zeros([tail], per_row.dtype)], 0)
 
