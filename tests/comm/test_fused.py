@@ -1,4 +1,4 @@
-"""The fused bucket path (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
+"""The fused bucket (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on buckets
 of several tensors (sizes repeated, so tensors share a top-k call; small ones
@@ -7,7 +7,8 @@ encodes tensor by tensor, over several steps, for every fused compressor and
 gradient dtype, on numpy arrays (``path="numpy"``: the selections of
 :mod:`~hvd_compress.kernels.reference_rows`) and on torch tensors, the CPU's way and the
 accelerator's (``accelerator_path``: the selections of :mod:`~hvd_compress.kernels.torch_rows`
-without host reads). Also: nothing
+without host reads), and on TensorFlow tensors with TensorFlow's kernels (``path="tensorflow"``:
+what a GPU runs, :mod:`~hvd_compress.kernels.tf_rows`). Also: nothing
 is lost (sent + residual == produced), a NaN on one rank makes that tensor
 non-finite on every rank and leaves every residual as it was, and a steady-state
 step reads no tensor back to the host.
@@ -44,18 +45,30 @@ COMPRESSORS = {
     "none": NoneCompressor,
 }
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays
-PATHS = ["host", "accelerator", "numpy"]
+#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays,
+#: TensorFlow tensors on TensorFlow's kernels
+PATHS = ["host", "accelerator", "numpy", "tensorflow"]
 NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
+@contextlib.contextmanager
 def way_of(way: str):
-    """The CPU's own way (numpy selections, host reads) or the accelerator's (for every rank thread)."""
-    return torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext()
+    """The CPU's own way (numpy selections, host reads) or the accelerator's (for every rank thread);
+    ``tensorflow``: TensorFlow's CPU tensors stay TensorFlow's (the kernels a GPU runs)."""
+    if way == "tensorflow":
+        from hvd_compress.kernels import tf_ops
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tf_ops, "host_array", lambda a: a)
+            yield
+        return
+    with torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext():
+        yield
 
 
-def gradients(rank: int, step: int, dtype, ties: bool = False, numpy: bool = False):
-    """Torch tensors of ``dtype``, or with ``numpy`` the same values as numpy arrays (of ``dtype``'s kind)."""
+def gradients(rank: int, step: int, dtype, ties: bool = False, numpy: bool = False, tensorflow: bool = False):
+    """Torch tensors of ``dtype``, or with ``numpy`` (``tensorflow``) the same values as numpy arrays
+    (TensorFlow tensors) of ``dtype``'s kind."""
     generator = torch.Generator().manual_seed(100 * rank + step)
     grads = {}
     for name, shape in SHAPES.items():
@@ -63,24 +76,30 @@ def gradients(rank: int, step: int, dtype, ties: bool = False, numpy: bool = Fal
         if ties:  # few distinct magnitudes: many ties at every k-th value
             g = torch.round(g * 2) / 2
         grads[name] = g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g.to(dtype)
+        if tensorflow:
+            tf = pytest.importorskip("tensorflow")
+            grads[name] = tf.cast(tf.constant(grads[name].float().numpy()), str(dtype).split(".")[1])
     return grads
 
 
 def as_float64(t) -> np.ndarray:
-    """A result or state (torch tensor or numpy array) as a float64 numpy array."""
+    """A result or state (torch or TensorFlow tensor, numpy array) as a float64 numpy array."""
     return t.double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t, dtype=np.float64)
 
 
 def copied(t):
-    return t.clone() if isinstance(t, torch.Tensor) else t.copy()
+    if isinstance(t, torch.Tensor):
+        return t.clone()
+    return t.copy() if isinstance(t, np.ndarray) else t  # TensorFlow's tensors are immutable
 
 
-def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan"), numpy=False):
+def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan"), numpy=False,
+                   tensorflow=False):
     compressor = make()
     out = []
     for step in range(steps):
         exchange = BucketExchange(compressor, comm, "bucket")
-        for name, g in gradients(comm.rank, step, dtype, ties, numpy).items():
+        for name, g in gradients(comm.rank, step, dtype, ties, numpy, tensorflow).items():
             if nan == (comm.rank, step, name):
                 g = copied(g)
                 g.reshape(-1)[3] = special
@@ -102,23 +121,24 @@ def test_fused_bucket_equals_simulator(kind, dtype, path):
         pytest.skip("dense: no selection")
     if path == "numpy" and dtype not in NUMPY_DTYPES:
         pytest.skip("numpy has no bfloat16")
-    ranks, steps, numpy = 3, 3, path == "numpy"
-
+    ranks, steps, numpy, tensorflow = 3, 3, path == "numpy", path == "tensorflow"
     with way_of(path):
         results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True,
-                                                               numpy=numpy))
-    sim = Simulator(ranks, COMPRESSORS[kind]())
+                                                               numpy=numpy, tensorflow=tensorflow), timeout=60)
+        sim, expected, residuals = Simulator(ranks, COMPRESSORS[kind]()), [], []
+        for step in range(steps):
+            per_rank = [gradients(r, step, dtype, True, numpy, tensorflow) for r in range(ranks)]
+            expected.append(sim.step({n: [g[n] for g in per_rank] for n in SHAPES}))
+            residuals.append([{n: sim.compressors[r].residual(n) for n in SHAPES} for r in range(ranks)])
     # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
     # tensors on torch, which may round differently from one tensor's std; all else is bit for bit
-    # (numpy's rows take the reference's std of each tensor: bit for bit too).
-    clipped = kind in ("terngrad", "terngrad-unshared") and not numpy
+    # (numpy's and TensorFlow's rows take each tensor's own std: bit for bit too).
+    clipped = kind in ("terngrad", "terngrad-unshared") and path in ("host", "accelerator")
     tolerance = 64 * torch.finfo(dtype).eps if clipped else 0
     for step in range(steps):
-        per_rank = [gradients(r, step, dtype, ties=True, numpy=numpy) for r in range(ranks)]
-        expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
         for rank, result in enumerate(results):
             for name in SHAPES:
-                got, want = result[step][name], expected[name]
+                got, want = result[step][name], expected[step][name]
                 assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, name
                 np.testing.assert_allclose(
                     as_float64(got),
@@ -127,7 +147,7 @@ def test_fused_bucket_equals_simulator(kind, dtype, path):
                     atol=tolerance * float(np.abs(as_float64(want)).max()),
                     err_msg=f"{kind} {dtype} step {step} {name}",
                 )
-                residual = sim.compressors[rank].residual(name)
+                residual = residuals[step][rank][name]
                 if residual is not None:
                     np.testing.assert_array_equal(as_float64(result[step]["residuals"][name]), as_float64(residual))
 
