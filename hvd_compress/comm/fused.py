@@ -1,14 +1,15 @@
-"""The fused bucket path: a few kernels per bucket, no host reads in a step.
+"""The fused bucket: the one exchange engine, a few kernels per bucket, no host reads in a step.
 
-:class:`~hvd_compress.comm.exchange.BucketExchange` hands a bucket here when its
-tensors are arrays of one kernel module that fuses buckets (``FUSES_BUCKETS``: numpy
-arrays, :mod:`hvd_compress.kernels.reference`; torch tensors,
-:mod:`hvd_compress.kernels.torch_ops`), of one dtype and device (``ops.fusable``),
-and the compressor offers a fused form (``compressor.fused``: None, FP16, Top-k,
-Gaussian-k, RegTop-k, TernGrad). The plan below is written once: every array
-operation goes through the bucket's kernel module (``bucket.ops``, the functions
-``reference.BUCKET_FUNCTIONS`` names), so torch launches the kernels a GPU runs and
-numpy runs the same steps on the host; nothing here imports a framework.
+:class:`~hvd_compress.comm.exchange.BucketExchange` hands every bucket here, as one fused
+bucket per dtype and device: arrays of one kernel module (numpy's
+:mod:`hvd_compress.kernels.reference`, :mod:`~hvd_compress.kernels.torch_ops`,
+:mod:`~hvd_compress.kernels.tf_ops`; ``ops.fusable``) and a compressor with a bucket codec
+(``compressor.fused``: None, FP16, Top-k, Gaussian-k, RegTop-k, TernGrad, every
+``Sparsifier``). The plan below is written once: every array operation goes through the
+bucket's kernel module (``bucket.ops``, the functions ``reference.BUCKET_FUNCTIONS`` names,
+each returning its result: numpy and torch write in place, TensorFlow's tensors are
+immutable), so torch launches the kernels a GPU runs, numpy runs the same steps on the host
+and TensorFlow on its own kernels; nothing here imports a framework.
 What a step of a bucket needs to know in advance is known in advance: a
 :class:`FusedBucket` is built once per layout (names, shapes, dtype, device,
 compressor configuration, world size) and holds

@@ -1,4 +1,4 @@
-"""What every exchange does the same way: start a codec's round of collectives, check the header.
+"""A codec's rounds of collectives started and waited for, and the header check of every bucket.
 
 A codec (:mod:`hvd_compress.compressors.rounds`) says what travels; :func:`start_round`
 starts it on a :class:`~hvd_compress.comm.communicator.Communicator` and :func:`wait_round`
@@ -42,7 +42,7 @@ def decode_rounds(comm: Any, key: str, steps: Any, names: Sequence[str], handles
 
 
 class Rounds:
-    """A codec's rounds of collectives for one bucket and one step, as both exchanges drive them.
+    """A codec's rounds of collectives for one bucket and one step.
 
     ``handles`` is the exchange's dict of collective handles (its header and dense sum go
     there too, so ``in_flight`` lists everything). :meth:`begin` starts the first of the
@@ -57,10 +57,6 @@ class Rounds:
         self.steps: Any = None  # the codec's generator, once begun
         self.names: List[str] = []  # the names of the round in flight
         self.left = 0  # rounds still to start
-
-    @property
-    def begun(self) -> bool:
-        return self.steps is not None
 
     def begin(self, steps: Any, count: int) -> None:
         """Start the first of ``count`` rounds of ``steps`` (nothing when ``count`` is 0)."""

@@ -26,10 +26,6 @@ from hvd_compress.wire import ternary_field_bits
 #: Wire dtype of ``FP16``; dtypes of the fused bucket path's buffers.
 float16, float32, int16, int64 = np.float16, np.float32, np.int16, np.int64
 
-#: Whether the exchanges may hand this module's tensors to the fused bucket path
-#: (``hvd_compress.comm.fused``, which needs :data:`BUCKET_FUNCTIONS` and :data:`BUCKET_ROWS` too).
-FUSES_BUCKETS = True
-
 #: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
 #: state of this module's streams can be set on a host stream, which is how checkpoints check it).
 DEVICE_STREAM_STATE_BYTES = None
@@ -528,8 +524,7 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 # --------------------------------------------------------------------------- #
 # Fused buckets (hvd_compress.comm.fused): buffers, and every tensor's step at once
 # --------------------------------------------------------------------------- #
-#: The functions the fused bucket path calls besides the ones above; a kernel module with
-#: ``FUSES_BUCKETS`` provides them all.
+#: The functions the fused bucket path calls besides the ones above (every kernel module has them).
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 #: Every one returns its result, which the fused path always uses: numpy and torch write in place

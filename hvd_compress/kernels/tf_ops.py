@@ -48,10 +48,6 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     num_selected,
 )
 
-#: eager TensorFlow tensors take the fused bucket path (``hvd_compress.comm.fused``) with the
-#: functions of the last section (tensors are immutable: each returns a new one)
-FUSES_BUCKETS = True
-
 #: the row selections of a fused bucket of TensorFlow tensors
 BUCKET_ROWS = "hvd_compress.kernels.tf_rows"
 

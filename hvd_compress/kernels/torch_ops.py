@@ -35,8 +35,6 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     num_selected,
 )
 
-#: torch tensors may take the fused bucket path (``hvd_compress.comm.fused``, ``kernels.torch_rows``)
-FUSES_BUCKETS = True
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.torch_rows"
 

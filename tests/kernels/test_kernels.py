@@ -66,17 +66,14 @@ world_sizes = st.integers(1, 16)
 # --------------------------------------------------------------------------- #
 def test_every_reference_function_has_a_twin(K):
     """The contract of the kernel interface: same public names (the constants and
-    framework-free helpers are re-exported); the fused bucket path's (``BUCKET_FUNCTIONS``) only
-    where the module fuses buckets (``FUSES_BUCKETS``: not TensorFlow's, whose tensors take the
-    per-tensor path)."""
+    framework-free helpers are re-exported), the fused bucket path's (``BUCKET_FUNCTIONS``) included."""
     functions = [
         name
         for name, f in vars(R).items()
         if inspect.isfunction(f) and f.__module__ == R.__name__ and not name.startswith("_")
-        and (K.ops.FUSES_BUCKETS or name not in R.BUCKET_FUNCTIONS)
     ]
     assert sorted(n for n in functions if not callable(getattr(K.ops, n, None))) == []
-    assert R.FUSES_BUCKETS and all(inspect.isfunction(getattr(R, n, None)) for n in R.BUCKET_FUNCTIONS)
+    assert all(inspect.isfunction(getattr(R, n, None)) for n in R.BUCKET_FUNCTIONS)
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
