@@ -29,6 +29,7 @@ immutable, so ``error_feedback_split(in_place=True)`` returns a new residual.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Sequence, Tuple
 
 import numpy as np
@@ -593,12 +594,23 @@ def _rows(a, groups) -> list:
     return [a[grp.start + i * grp.n : grp.start + (i + 1) * grp.n] for grp in groups for i in range(grp.rows)]
 
 
+@functools.lru_cache(maxsize=256)
+def _row_of_entry(layout: Tuple[Tuple[int, int], ...], numel: int, device: str) -> tf.Tensor:
+    """Each entry's row (int32) of a work buffer of ``numel`` entries whose rows are ``layout``'s
+    ``(rows, n)`` groups from entry 0; the entries after them: one past the last row. Made once per
+    layout and device (4 bytes an entry: a gather by it spreads a per-row vector in one op)."""
+    lengths = [n for rows, n in layout for _ in range(rows)]
+    index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    with tf.device(device) if device else contextlib.nullcontext():
+        return tf.constant(np.concatenate([index, np.full(numel - index.size, len(lengths), np.int32)]))
+
+
 def _per_entry(per_row, groups, numel: int):
-    """A per-row vector repeated over each row's entries, then ``per_row``'s fill for entries after the rows."""
-    lengths = [grp.n for grp in groups for _ in range(grp.rows)]
-    spread = tf.repeat(per_row[: len(lengths)], lengths)  # entries of per_row past the rows (a spare's flag): unused
-    tail = numel - sum(lengths)
-    return spread if tail == 0 else tf.concat([spread, tf.zeros([tail], per_row.dtype)], 0)
+    """A per-row vector spread over each row's entries (0 for entries after the rows; entries of
+    ``per_row`` past the rows, a spare's flag, unused)."""
+    count = sum(grp.rows for grp in groups)
+    index = _row_of_entry(tuple((grp.rows, grp.n) for grp in groups), numel, per_row.device)
+    return tf.gather(tf.concat([per_row[:count], tf.zeros([1], per_row.dtype)], 0), index)
 
 
 def keep_rows(groups, bad, old, new) -> tf.Tensor:

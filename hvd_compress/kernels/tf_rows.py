@@ -66,17 +66,22 @@ class Rows(reference_rows.Rows):
     def topk(self, scores: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         """The ``k`` largest ``scores`` of every row, ties to the lower index: ``(positions, top)``,
         ``top`` each row's largest score (NaN or Inf exactly where the row holds NaN or Inf;
-        such a row selects any ``k`` of its entries, NaN ranked as +Inf)."""
+        such a row selects any ``k`` of its entries, NaN ranked as +Inf). Per size group one
+        ``tf.math.top_k`` of its ``(rows, n)`` matrix, each row's positions sorted: what
+        :func:`tf_ops.topk_indices` gives each row alone (``top_k`` ranks ties lower index first)."""
         with _on(self.device):
             nan = tf.math.is_nan(scores)
             key = tf.where(nan, tf.constant(np.inf, scores.dtype), scores)  # the identity without NaN
             parts, top = [], []
-            for start, count, n, _, _ in self.groups:
-                block = [tf.reshape(x[start : start + count * n], [count, n]) for x in (key, nan)]
-                top.append(tf.where(tf.reduce_any(block[1], axis=1), tf.constant(np.nan, scores.dtype),
-                                    tf.reduce_max(block[0], axis=1)))
-            for (first, row, k, _), width in zip(self._rows(key), self.row_width):
-                parts += self._slots(ops.topk_indices(row, k), first, width, row)
+            for start, count, n, k, width in self.groups:
+                block, holes = (tf.reshape(x[start : start + count * n], [count, n]) for x in (key, nan))
+                top.append(tf.where(tf.reduce_any(holes, axis=1), tf.constant(np.nan, scores.dtype),
+                                    tf.reduce_max(block, axis=1)))
+                chosen = tf.sort(tf.cast(tf.math.top_k(block, min(k, n), sorted=True).indices, tf.int64), axis=1)
+                chosen += tf.constant(start + n * np.arange(count, dtype=np.int64))[:, None]
+                if width > chosen.shape[1]:
+                    chosen = tf.concat([chosen, tf.fill([count, width - chosen.shape[1]], np.int64(self.spare))], 1)
+                parts.append(tf.reshape(chosen, [-1]))
             return _joined(parts, tf.int64), _joined(top, scores.dtype)
 
     def gaussiank(self, a: tf.Tensor, magnitude: tf.Tensor, ratio: float) -> Tuple[tf.Tensor, tf.Tensor]:
