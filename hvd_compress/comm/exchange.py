@@ -66,14 +66,16 @@ class BucketExchange:
         self.run = compressor.state if run is None else run
         self.added: List[Tuple[str, Any]] = []
         self.caller: Any = None  # (kernel module, a tensor) of the caller's tensors, when computed in another form
+        self.converted: set = set()  # the names computed in another form (handed back converted)
         self.launched: List[Any] = []  # each fused bucket's step, once launched
 
     def add(self, name: str, tensor: Any) -> None:
         """Add one gradient of the bucket (encoded by ``launch``), in the form it is computed on
         (:func:`~hvd_compress.kernels.computed_form`: eager TensorFlow CPU tensors as numpy)."""
         computed = computed_form(tensor)
-        if computed is not tensor and self.caller is None:  # results go back as the caller's tensors
-            self.caller = (ops_for(tensor), tensor)
+        if computed is not tensor:  # its result goes back as the caller's tensor
+            self.converted.add(name)
+            self.caller = self.caller or (ops_for(tensor), tensor)
         why = unsupported(self.compressor, name, computed)
         if why is not None:
             raise TypeError(f"hvd_compress: {why}")
@@ -119,20 +121,24 @@ class BucketExchange:
     def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape, as
         ``{name: result}``; with ``order`` (names), the results flat and concatenated in that order."""
-        if len(self.launched) == 1:
+        if len(self.launched) == 1:  # every tensor in one form: converted back all or none
             results = self.launched[0].finish(self.comm, average, order)
-        else:
-            for step in self.launched:  # every rank starts every round before waiting for any
-                step.complete(self.comm)
-            results = {}
-            for step in self.launched:
-                results.update(step.finish(self.comm, average))
+            if self.caller is None:
+                return results
+            back, like = self.caller
             if order is not None:
-                ops = ops_for(self.added[0][1])
-                results = ops.concat([ops.reshape(results[name], (-1,)) for name in order])
-        if self.caller is None:
+                return back.from_host(results, like)
+            return {name: back.from_host(result, like) for name, result in results.items()}
+        for step in self.launched:  # every rank starts every round before waiting for any
+            step.complete(self.comm)
+        results = {}
+        for step in self.launched:
+            results.update(step.finish(self.comm, average))
+        if self.caller is not None:
+            back, like = self.caller
+            results = {name: back.from_host(result, like) if name in self.converted else result
+                       for name, result in results.items()}
+        if order is None:
             return results
-        back, like = self.caller
-        if order is not None:
-            return back.from_host(results, like)
-        return {name: back.from_host(result, like) for name, result in results.items()}
+        ops = ops_for(results[order[0]])
+        return ops.concat([ops.reshape(results[name], (-1,)) for name in order])

@@ -346,3 +346,41 @@ def test_cuda_steady_state_step_never_synchronizes(kind, dtype):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("framework", ["numpy", "tensorflow"])
+def test_a_bucket_of_several_dtypes_is_a_fused_bucket_per_dtype(framework):
+    """float32, float16 and float64 gradients in one bucket: each dtype its own fused bucket, the results
+    the Simulator's, each in its gradient's dtype and framework (TensorFlow: float32 and float64 computed
+    as numpy arrays, float16 on TensorFlow's kernels, all handed back as TensorFlow tensors)."""
+    dtypes = {"a": np.float32, "b": np.float16, "c": np.float64, "d": np.float32}
+
+    def grads(rank, step):
+        rng = np.random.default_rng(10 * rank + step)
+        out = {n: rng.standard_normal(300).astype(dtype) for n, dtype in dtypes.items()}
+        if framework == "tensorflow":
+            tf = pytest.importorskip("tensorflow")
+            out = {n: tf.constant(g) for n, g in out.items()}
+        return out
+
+    def steps(comm):
+        compressor, out = TopK(0.05, dense_below=0), []
+        for step in range(2):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, g in grads(comm.rank, step).items():
+                exchange.add(name, g)
+            exchange.launch()
+            assert len(exchange.launched) == 3
+            out.append(exchange.finish(average=True))
+        return out
+
+    results = run_ranks(2, steps, timeout=60)
+    sim = Simulator(2, TopK(0.05, dense_below=0))
+    for step in range(2):
+        expected = sim.step({n: [grads(r, step)[n] for r in range(2)] for n in dtypes})
+        for result in results:
+            for name, dtype in dtypes.items():
+                got = result[step][name]
+                assert type(got) is type(expected[name]) and np.dtype(got.dtype.name if framework == "tensorflow"
+                                                                      else got.dtype) == dtype, name
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(expected[name]), err_msg=f"{step} {name}")
