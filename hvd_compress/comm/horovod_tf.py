@@ -10,13 +10,24 @@ collectives are eager Horovod calls, those started together issued as one
 ops run in program order, so every rank issues its exchanges in the same
 order; no collective waits on a tensor another rank has not reached.
 
-Stock Horovod (``hvd.DistributedGradientTape(tape, compression=RegTopK(0.01))``)
-calls ``compress`` per gradient: it runs that gradient's whole exchange
-(:class:`~hvd_compress.comm.exchange.BucketExchange` of one tensor: header,
-sparse allgather or TernGrad's scale Max and packed code sum) and hands
-Horovod a one-element placeholder of ones. Horovod's reduction of the
-placeholder is the scaling it wants (1 for ``op=Average``, N for ``op=Sum``),
-so ``decompress`` returns the average times that.
+Stock Horovod (``hvd.DistributedGradientTape(tape, compression=RegTopK(0.01), groups=1)``)
+calls ``compress`` per gradient, then allreduces what it returned, then calls
+``decompress``: gradient by gradient (each in its own ``tf.cond``) without
+``groups=``; with ``groups=`` (and ``hvd.grouped_allreduce``) a group's
+``compress`` calls all come first, then one grouped allreduce, then its
+``decompress`` calls. ``compress`` records the gradient in the pending group of
+the graph being built (eagerly: outside any graph) and hands Horovod a
+one-element placeholder of ones; the group's first ``decompress`` runs one
+exchange of all its gradients (:class:`~hvd_compress.comm.exchange.BucketExchange`
+keyed by the first and last names and the count: header, sparse allgathers or
+TernGrad's scale Max and packed code sum, as one :func:`eagerly` op in that
+graph), and each ``decompress`` takes its gradient's average from it. So each
+Horovod group is one exchange, and without ``groups=`` each gradient is a group
+of its own. Horovod's reduction of the placeholder is the scaling it wants (1
+for ``op=Average``, N for ``op=Sum``), so ``decompress`` returns the average
+times that. Residuals are kept per tensor name, so a tensor's state follows it
+into whichever group holds it. An error while compressing drops the graph's
+pending group (no later exchange sends its tensors).
 
 A sparsifier's tensors under ``dense_below``, and None's gradients, go to
 Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
