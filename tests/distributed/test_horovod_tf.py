@@ -41,6 +41,7 @@ SCENARIOS = {
     "nan": ("tape-dropin", ["regtopk"], ["rank1-nan"]),
     "ratio-tape": ("tape", ["topk"], ["rank1-ratio=0.1"]),
     "ratio-keras-dropin": ("keras-dropin", ["topk"], ["rank1-ratio=0.1"]),
+    "ratio-tape-groups1": ("tape", ["topk"], ["rank1-ratio=0.1", "groups=1"]),
     "rank1-none": ("tape", ["topk"], ["rank1-compression=none"]),
     "rank1-fp16": ("tape", ["topk"], ["rank1-compression=fp16"]),
     "switch-tape": ("tape", ["topk"], ["switch"]),
@@ -176,7 +177,7 @@ def test_each_horovod_group_is_one_exchange(label, job):
         assert per_rank == [per_step * STEPS] * 2, (label, name, per_rank)
 
 
-@pytest.mark.parametrize("path", ["tape", "keras-dropin"])
+@pytest.mark.parametrize("path", ["tape", "keras-dropin", "tape-groups1"])
 def test_mismatched_ratio_fails_on_every_rank(path, job):
     assert_every_rank_says(job, f"ratio-{path}", "ranks disagree")
 
