@@ -14,6 +14,7 @@ Rows (:data:`ROWS`), every one on the same model, data and processes:
 - ``dense``: stock ``horovod.tensorflow.DistributedGradientTape``, no compression;
 - ``horovod-fp16``: stock, ``hvd.Compression.fp16`` (Horovod's own);
 - ``stock-<name>``: stock, ``compression=`` our Top-k 1%, RegTop-k 1% or TernGrad;
+- ``stock-grouped-<name>``: the same with ``groups=1`` (Horovod's one group: one exchange of every gradient);
 - ``dropin-<name>``: ``hvd_compress.tensorflow.DistributedGradientTape`` with the same.
 
 Clock: the wall time of one call of the step function until its loss is on the host.
@@ -46,13 +47,17 @@ MODULE = "benchmarks.tf_step"
 PROGRESS = "@progress "
 MODELS = ("mlp", "cnn")
 RATIO = 0.01
-#: row -> (route: "stock" or "dropin", compression: None, "fp16" (Horovod's) or one of ours by name)
+#: row -> (route: "stock", "stock-grouped" (``groups=1``) or "dropin", compression: None, "fp16" (Horovod's) or
+#: one of ours by name)
 ROWS = {
     "dense": ("stock", None),
     "horovod-fp16": ("stock", "fp16"),
     "stock-topk": ("stock", "topk"),
     "stock-regtopk": ("stock", "regtopk"),
     "stock-terngrad": ("stock", "terngrad"),
+    "stock-grouped-topk": ("stock-grouped", "topk"),
+    "stock-grouped-regtopk": ("stock-grouped", "regtopk"),
+    "stock-grouped-terngrad": ("stock-grouped", "terngrad"),
     "dropin-topk": ("dropin", "topk"),
     "dropin-regtopk": ("dropin", "regtopk"),
     "dropin-terngrad": ("dropin", "terngrad"),
@@ -105,6 +110,7 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
 
     route, name = ROWS[row.removesuffix(ONE_BY_ONE)]
     wrap = dropin.DistributedGradientTape if route == "dropin" else hvd.DistributedGradientTape
+    grouping = {"groups": 1} if route == "stock-grouped" else {}
     compression = make_compression(name)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = tf.keras.optimizers.SGD(lr)
@@ -113,7 +119,7 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
     def step(x: Any, y: Any) -> Any:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        grads = wrap(tape, compression=compression).gradient(loss, model.trainable_variables)
+        grads = wrap(tape, compression=compression, **grouping).gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 

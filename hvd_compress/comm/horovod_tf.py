@@ -10,13 +10,24 @@ collectives are eager Horovod calls, those started together issued as one
 ops run in program order, so every rank issues its exchanges in the same
 order; no collective waits on a tensor another rank has not reached.
 
-Stock Horovod (``hvd.DistributedGradientTape(tape, compression=RegTopK(0.01))``)
-calls ``compress`` per gradient: it runs that gradient's whole exchange
-(:class:`~hvd_compress.comm.exchange.BucketExchange` of one tensor: header,
-sparse allgather or TernGrad's scale Max and packed code sum) and hands
-Horovod a one-element placeholder of ones. Horovod's reduction of the
-placeholder is the scaling it wants (1 for ``op=Average``, N for ``op=Sum``),
-so ``decompress`` returns the average times that.
+Stock Horovod (``hvd.DistributedGradientTape(tape, compression=RegTopK(0.01), groups=1)``)
+calls ``compress`` per gradient, then allreduces what it returned, then calls
+``decompress``: gradient by gradient (each in its own ``tf.cond``) without
+``groups=``; with ``groups=`` (and ``hvd.grouped_allreduce``) a group's
+``compress`` calls all come first, then one grouped allreduce, then its
+``decompress`` calls. ``compress`` records the gradient in the pending group of
+the graph being built (eagerly: outside any graph) and hands Horovod a
+one-element placeholder of ones; the group's first ``decompress`` runs one
+exchange of all its gradients (:class:`~hvd_compress.comm.exchange.BucketExchange`
+keyed by the first and last names and the count: header, sparse allgathers or
+TernGrad's scale Max and packed code sum, as one :func:`eagerly` op in that
+graph), and each ``decompress`` takes its gradient's average from it. So each
+Horovod group is one exchange, and without ``groups=`` each gradient is a group
+of its own. Horovod's reduction of the placeholder is the scaling it wants (1
+for ``op=Average``, N for ``op=Sum``), so ``decompress`` returns the average
+times that. Residuals are kept per tensor name, so a tensor's state follows it
+into whichever group holds it. An error while compressing drops the graph's
+pending group (no later exchange sends its tensors).
 
 A sparsifier's tensors under ``dense_below``, and None's gradients, go to
 Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
@@ -48,7 +59,7 @@ import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import numpy as np
 import tensorflow as tf
@@ -225,10 +236,29 @@ def _communicator() -> HorovodTensorFlowCommunicator:
     return HorovodTensorFlowCommunicator()
 
 
+@dataclass(eq=False)
+class _Group:
+    """The gradients compressed in one graph (eagerly: outside any) since its last exchange, one
+    Horovod group's: ``named`` ``(name, tensor)`` in compression order; ``averages``, once
+    :func:`_exchanged`, each one's average over ranks, in that order."""
+
+    graph: Any
+    named: List[tuple] = field(default_factory=list)
+    averages: Optional[List[Any]] = None
+
+    @property
+    def key(self) -> str:
+        """The exchange's key, the same on every rank: a lone tensor's name (Horovod without
+        ``groups=``), else ``<first name>..<last name>.<count>``."""
+        first, last = self.named[0][0], self.named[-1][0]
+        return first if len(self.named) == 1 else f"{first}..{last}.{len(self.named)}"
+
+
 @dataclass
 class _Context:
     dtype: Any = None
-    average: Any = None  # the exchanged average, for compressors that exchange themselves
+    group: Optional[_Group] = None  # for compressors that exchange themselves: the tensor's group
+    index: int = 0  # and its place in it
 
 
 _names: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
@@ -255,6 +285,8 @@ class _Calls:
 
     eager: int = 0  # tensors compressed eagerly without a name since the last ``decompress``
     checked: Set[tuple] = field(default_factory=set)  # (name, shape, dtype) the ranks agreed on
+    #: per graph (None: eagerly), the group compressed there and not yet exchanged
+    pending: Dict[Any, _Group] = field(default_factory=dict)
 
 
 def _calls(compressor: Any) -> _Calls:
@@ -337,15 +369,39 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
     check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}")
 
 
+def _graph() -> Any:
+    """The graph being built (None eagerly): a group's tensors and its exchange op belong to it."""
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+def _exchanged(compressor: Any, group: _Group) -> List[Any]:
+    """``group``'s averages: at the first call, one exchange of all its tensors, as one :func:`eagerly` op."""
+    if group.averages is None:
+        pending = _calls(compressor).pending
+        if pending.get(group.graph) is group:  # later compressions open the next group
+            del pending[group.graph]
+        names, tensors = zip(*group.named)
+        key = group.key
+        run = lambda *ts: exchange(compressor, _communicator(), key, list(zip(names, ts)))  # noqa: E731
+        group.averages, group.named = eagerly(run, tensors), []
+    return group.averages
+
+
 # do_not_convert: Horovod calls these while Keras or the user's tf.function traces a step, and
 # AutoGraph converting this package (Python branches on static shapes and configuration only)
 # took seconds of the first step
 @tf.autograph.experimental.do_not_convert
 def compress(compressor: Any, tensor: Any):
-    """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``."""
-    name = _name(compressor, tensor)
-    compressor.route = "horovod.tensorflow"
-    check_agreement(compressor, name, tensor)
+    """Horovod ``Compressor.compress`` for TF tensors: ``(tensor for Horovod's allreduce, ctx)``;
+    a tensor we exchange joins its graph's pending group (exchanged by :func:`decompress`)."""
+    pending = _calls(compressor).pending
+    try:
+        name = _name(compressor, tensor)
+        compressor.route = "horovod.tensorflow"
+        check_agreement(compressor, name, tensor)
+    except BaseException:  # the group goes with the step: no later step exchanges its tensors
+        pending.pop(_graph(), None)
+        raise
     numel = tensor.shape.num_elements()
     if compressor.dense_only and compressor.dense_wire_dtype is None:  # None
         return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
@@ -355,16 +411,18 @@ def compress(compressor: Any, tensor: Any):
         return values, _Context(dtype=tensor.dtype)
     if numel < getattr(compressor, "dense_below", 0):
         return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
-    (average,) = eagerly(lambda t: exchange(compressor, _communicator(), name, [(name, t)]), [tensor])
+    group = pending.setdefault(_graph(), _Group(_graph()))
+    group.named.append((name, tensor))
     placeholder = _counted(compressor, tf.ones([1], dtype=tensor.dtype), tensor.dtype.size, 0)
-    return placeholder, _Context(tensor.dtype, average)
+    return placeholder, _Context(tensor.dtype, group, len(group.named) - 1)
 
 
 @tf.autograph.experimental.do_not_convert
 def decompress(compressor: Any, output: Any, ctx: _Context):
     """Horovod ``Compressor.decompress``: the dense average (``op=Average``) or sum (``op=Sum``)."""
     _calls(compressor).eager = 0
-    if ctx.average is None:
+    if ctx.group is None:
         return output if ctx.dtype is None else tf.cast(output, ctx.dtype)
+    average = _exchanged(compressor, ctx.group)[ctx.index]
     scaling = tf.reshape(output, [-1])[0]  # 1 for op=Average, N for op=Sum
-    return ctx.average * tf.cast(scaling, ctx.average.dtype)
+    return average * tf.cast(scaling, average.dtype)

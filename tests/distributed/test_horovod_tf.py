@@ -1,10 +1,11 @@
 """Our compressors in real 2-process Horovod TensorFlow runs: GradientTape and Keras ``fit``.
 
 Stock ``horovod.tensorflow`` / ``horovod.tensorflow.keras`` with
-``compression=`` one of ours, and the drop-in ``hvd_compress.tensorflow`` /
-``hvd_compress.keras``. The final weights must equal the in-process Simulator
-fed the same gradients (1e-6 absolute; FP16 1e-4, since Horovod sums float16 in
-float16), and the bytes handed to the collectives must be the compressed ones.
+``compression=`` one of ours (with and without Horovod's ``groups=``), and the drop-in
+``hvd_compress.tensorflow`` / ``hvd_compress.keras``. The final weights must equal the
+in-process Simulator fed the same gradients (1e-6 absolute; FP16 1e-4, since Horovod sums
+float16 in float16), the bytes handed to the collectives must be the compressed ones, and
+each of Horovod's groups must travel in one exchange.
 
 One ``horovodrun`` job (module fixture) runs every scenario below in turn, the
 misconfigured ones included (they must raise on every rank, and the job goes on);
@@ -34,16 +35,23 @@ SCENARIOS = {
     "keras-dropin": ("keras-dropin", KERAS, []),
     "eager": ("tape-dropin", ["gaussiank", "regtopk"], ["eager"]),
     "allreduce": ("tape", ["topk", "regtopk", "terngrad"], ["eager", "allreduce"]),
+    "tape-groups1": ("tape", ["topk", "regtopk", "terngrad", "none"], ["groups=1"]),
+    "keras-groups2": ("keras", ["topk", "terngrad"], ["groups=2"]),
+    "allreduce-grouped": ("tape", ["topk", "terngrad"], ["eager", "allreduce", "groups=1"]),
     "nan": ("tape-dropin", ["regtopk"], ["rank1-nan"]),
     "ratio-tape": ("tape", ["topk"], ["rank1-ratio=0.1"]),
     "ratio-keras-dropin": ("keras-dropin", ["topk"], ["rank1-ratio=0.1"]),
+    "ratio-tape-groups1": ("tape", ["topk"], ["rank1-ratio=0.1", "groups=1"]),
     "rank1-none": ("tape", ["topk"], ["rank1-compression=none"]),
     "rank1-fp16": ("tape", ["topk"], ["rank1-compression=fp16"]),
     "switch-tape": ("tape", ["topk"], ["switch"]),
     "switch-tape-dropin": ("tape-dropin", ["topk"], ["switch"]),
 }
 #: scenarios that train (the others must raise)
-TRAINED = ["tape", "tape-dropin", "keras", "keras-dropin", "eager", "allreduce", "nan", "switch-tape", "switch-tape-dropin"]
+TRAINED = ["tape", "tape-dropin", "keras", "keras-dropin", "eager", "allreduce", "tape-groups1", "keras-groups2",
+           "allreduce-grouped", "nan", "switch-tape", "switch-tape-dropin"]
+#: what the scenarios' results hold per name (``results(..., part=)``)
+PER_STEP, HANDED, EXCHANGED = 0, 1, 2
 
 #: Seconds the job may take (a hang, after a NaN gradient or an error on both ranks, fails every test)
 LIMIT = 300
@@ -70,10 +78,11 @@ def job(tmp_path_factory):
     return done, out
 
 
-def results(job, label, handed=False):
-    """Scenario ``label``'s weights (``NAME/wI``) and ``wire`` (bytes per step through our
-    communicator, per name and rank; ``handed``: ``[bytes handed to every collective, bytes
-    compressor.stats counted]`` over the run, per name and rank)."""
+def results(job, label, part=PER_STEP):
+    """Scenario ``label``'s weights (``NAME/wI``) and, per name and rank, ``part`` of what it measured:
+    ``PER_STEP``, the bytes per step through our communicator; ``HANDED``, ``[bytes handed to every
+    collective, bytes compressor.stats counted]`` over the run; ``EXCHANGED``, the number of tensors
+    of each exchange of the stock route over the run."""
     done, out = job
     assert done.returncode == 0, launch.output(done)
     for rank in (0, 1):
@@ -84,7 +93,7 @@ def results(job, label, handed=False):
     weights = {key[len(prefix):]: loaded[key] for key in loaded.files if key.startswith(prefix)}
     assert weights, f"{label}: no weights in {sorted(loaded.files)}"
     wire = json.loads(str(loaded["wire"]))[label]
-    return weights, {name: per_name[1 if handed else 0] for name, per_name in wire.items()}
+    return weights, {name: per_name[part] for name, per_name in wire.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,51 +107,77 @@ def assert_equals_simulator(result, names):
     launch.assert_equals_simulator(result, names, simulated)
 
 
-def topk_bytes(dropin):
-    """Bytes per step through our collectives with Top-k at 5% (eager CPU tensors ride the fused
-    numpy bucket): k int32 indices + k float32 values and a flag with its position per weight matrix;
-    per exchange, one per matrix (stock, where Horovod allreduces the biases itself) or one for the
-    bucket with the biases (drop-in), the layout check, the int64 pair [config, layout], once, spread
-    over the run's steps; stock: once per gradient, the int64 pair [config, layout] that checks the
-    ranks agree, spread over the run's steps too."""
+def sizes():
     from tests.distributed import tf_horovod as workload
 
-    shapes = [v.shape.num_elements() for v in workload.make_model().trainable_variables]
+    return [v.shape.num_elements() for v in workload.make_model().trainable_variables]
+
+
+def topk_bytes(label):
+    """Bytes per step through our collectives with Top-k at 5% (eager CPU tensors ride the fused
+    numpy bucket): k int32 indices + k float32 values and a flag with its position per weight matrix;
+    per exchange, one per matrix (stock, where Horovod allreduces the biases itself), one per Horovod
+    group (stock, ``groups=1``) or one for the bucket with the biases (drop-in), the layout check, the
+    int64 pair [config, layout], once, spread over the run's steps; stock: once per gradient, the
+    int64 pair [config, layout] that checks the ranks agree, spread over the run's steps too."""
+    from tests.distributed import tf_horovod as workload
+
+    shapes = sizes()
     matrices = [n for n in shapes if n >= 1024]
     sparse = sum(8 * int(np.ceil(workload.RATIO * n)) for n in matrices) + 8 * len(matrices)
-    if not dropin:
-        return sparse + 16 * len(matrices) // STEPS + 16 * len(shapes) // STEPS
-    return sparse + 16 // STEPS + 4 * sum(n for n in shapes if n < 1024)
+    if label == "tape-dropin":
+        return sparse + 16 // STEPS + 4 * sum(n for n in shapes if n < 1024)
+    exchanges = 1 if label == "tape-groups1" else len(matrices)
+    return sparse + (16 * exchanges + 16 * len(shapes)) // STEPS
 
 
-@pytest.mark.parametrize("path", ["tape", "tape-dropin"])
+@pytest.mark.parametrize("path", ["tape", "tape-dropin", "tape-groups1"])
 def test_gradient_tape_equals_simulator_and_sends_compressed_bytes(path, job):
     result, wire = results(job, path)
-    assert_equals_simulator(result, ALL)
-    assert wire["topk"] == [topk_bytes(path == "tape-dropin")] * 2
+    assert_equals_simulator(result, SCENARIOS[path][1])
+    assert wire["topk"] == [topk_bytes(path)] * 2
     from tests.distributed import tf_horovod as workload
 
     dense = 4 * sum(v.shape.num_elements() for v in workload.make_model().trainable_variables)
-    for name in ("gaussiank", "regtopk", "terngrad"):
+    for name in {"gaussiank", "regtopk", "terngrad"} & set(SCENARIOS[path][1]):
         assert max(wire[name]) < dense / 5, (name, wire[name], dense)
 
 
-@pytest.mark.parametrize("path", ["keras", "keras-dropin"])
+@pytest.mark.parametrize("path", ["keras", "keras-dropin", "keras-groups2"])
 def test_keras_fit_equals_simulator(path, job):
-    assert_equals_simulator(results(job, path)[0], KERAS)
+    assert_equals_simulator(results(job, path)[0], SCENARIOS[path][1])
 
 
 def test_dropin_tape_in_eager_mode_equals_simulator(job):
     assert_equals_simulator(results(job, "eager")[0], ["gaussiank", "regtopk"])
 
 
-def test_eager_hvd_allreduce_with_names_keeps_each_tensors_state(job):
-    """``hvd.allreduce(g, name=..., compression=...)`` eagerly: each gradient's residual and
-    random stream carry from step to step under its name, as in the Simulator."""
-    assert_equals_simulator(results(job, "allreduce")[0], ["topk", "regtopk", "terngrad"])
+@pytest.mark.parametrize("label", ["allreduce", "allreduce-grouped"])
+def test_eager_hvd_allreduce_with_names_keeps_each_tensors_state(label, job):
+    """``hvd.allreduce(g, name=..., compression=...)`` (or ``hvd.grouped_allreduce`` of all) eagerly:
+    each gradient's residual and random stream carry from step to step under its name, as in the Simulator."""
+    assert_equals_simulator(results(job, label)[0], SCENARIOS[label][1])
 
 
-@pytest.mark.parametrize("path", ["tape", "keras-dropin"])
+@pytest.mark.parametrize("label", ["tape", "allreduce", "tape-groups1", "keras-groups2", "allreduce-grouped"])
+def test_each_horovod_group_is_one_exchange(label, job):
+    """The stock route exchanges each of Horovod's groups at once: per step, one exchange per group
+    that holds a tensor we compress (not a dense compressor's, not one under ``dense_below``), of all
+    of them; without ``groups=`` each gradient is a group of its own. Groups as Horovod splits the
+    gradients (``horovod.common.util.split_list``: ``G`` runs of equal length, the first ones a tensor longer)."""
+    from tests.distributed import tf_horovod as workload
+
+    _, exchanged = results(job, label, part=EXCHANGED)
+    options = SCENARIOS[label][2]
+    groups = next((int(o.split("=")[1]) for o in options if o.startswith("groups=")), len(sizes()))
+    for name, per_rank in exchanged.items():
+        compressor = workload.compressor(name)
+        ours = [0 if compressor.dense_only else int(n >= compressor.dense_below) for n in sizes()]
+        per_step = [int(group.sum()) for group in np.array_split(np.array(ours), groups) if group.sum()]
+        assert per_rank == [per_step * STEPS] * 2, (label, name, per_rank)
+
+
+@pytest.mark.parametrize("path", ["tape", "keras-dropin", "tape-groups1"])
 def test_mismatched_ratio_fails_on_every_rank(path, job):
     assert_every_rank_says(job, f"ratio-{path}", "ranks disagree")
 
@@ -189,7 +224,7 @@ def test_statistics_count_every_byte_handed_to_the_collectives(label, job):
     """compressor.stats.bytes_sent == the bytes each rank handed to the collectives over the run:
     ours (payloads, headers, the check of agreement) and, on the stock route, Horovod's own
     allreduce of what we hand it (None's gradients, FP16's, small tensors, placeholders)."""
-    _, handed = results(job, label, handed=True)
+    _, handed = results(job, label, part=HANDED)
     for name, per_rank in handed.items():
         for rank, (total, counted) in enumerate(per_rank):
             assert counted == total, (label, name, rank, total, counted)

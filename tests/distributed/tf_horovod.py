@@ -11,11 +11,13 @@ AutoGraph's first conversion of the exchange cost more than the scenarios themse
 ``rank1-compression=NAME`` (rank 1 misconfigured: the scenario must raise on every rank),
 ``switch`` (tape paths: the dense-switch probe, :func:`train_switch`, instead of the model),
 ``allreduce`` (path ``tape``, with ``eager``: a plain tape, each gradient averaged by
-``hvd.allreduce(g, name=..., compression=...)``).
+``hvd.allreduce(g, name=..., compression=...)``; with ``groups=1`` too, all of them by one
+``hvd.grouped_allreduce(grads, name=..., compression=...)``), ``groups=G`` (stock paths: Horovod's
+``groups=G``, the gradients allreduced in ``G`` groups).
 
 Rank 0 writes the final weights (``LABEL/NAME/wI``), the bytes each rank handed to our
-collectives per step and, in all, to every collective next to what ``compressor.stats`` counted
-(``wire``: JSON, per label and name) to ``--out`` (an ``.npz``). A scenario
+collectives per step and, in all, to every collective next to what ``compressor.stats`` counted,
+and the stock route's exchanges (``wire``: JSON, per label and name) to ``--out`` (an ``.npz``). A scenario
 that raises ``ValueError`` or a TensorFlow ``OpError`` writes ``OUT.LABEL.error.RANK`` on each rank
 that raised, then the ranks meet at a barrier and go on with the next scenario; :func:`simulate`
 computes the same training in one process with the :class:`~hvd_compress.simulator.Simulator`.
@@ -48,6 +50,7 @@ def make_model() -> tf.keras.Model:
     model = tf.keras.Sequential(
         [
             tf.keras.layers.Dense(128, activation="relu", kernel_initializer=init(seed=1)),
+            tf.keras.layers.Dense(128, activation="relu", kernel_initializer=init(seed=3)),
             tf.keras.layers.Dense(10, kernel_initializer=init(seed=2)),
         ]
     )
@@ -96,19 +99,24 @@ def simulate(name: str, ranks: int, steps: int) -> Dict[str, np.ndarray]:
 class ByteCounter:
     """Sums the bytes our communicator hands to Horovod collectives (``bytes``) and, apart, those
     Horovod's own allreduce moves for the stock route (``horovod``: the gradients None, FP16 and
-    small tensors hand it, the placeholders), counted each time they run (in a graph: by an op)."""
+    small tensors hand it, the placeholders), counted each time they run (in a graph: by an op), and
+    the stock route's exchanges (``exchanged``: each one's number of tensors, in order)."""
 
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
+        from hvd_compress.comm import horovod_tf
         from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator as comm
 
         self.bytes = self.horovod = 0
+        self.exchanged: List[int] = []
+        horovod_tf.exchange = self._exchanges(horovod_tf.exchange)
         self.ours = False  # inside our communicator's call (which runs Horovod's allreduce itself)
         for attr in ("allreduce_async", "allgather_async"):
             setattr(comm, attr, self._counting(getattr(comm, attr)))
         comm.wait = self._ours(comm.wait)  # runs the collectives queued by the two above
         hvd._allreduce = self._counting_horovod(hvd._allreduce)
+        hvd._grouped_allreduce = self._counting_horovod(hvd._grouped_allreduce)  # Horovod's groups= (a list)
 
     def _counting(self, method):
         ours = self._ours(method)
@@ -119,6 +127,13 @@ class ByteCounter:
             else:  # static: AutoGraph may trace this
                 self.bytes += tensor.shape.num_elements() * tensor.dtype.size
             return ours(this, tensor, *args, **kwargs)
+
+        return wrapper
+
+    def _exchanges(self, function):
+        def wrapper(compressor, comm, key, named, *args, **kwargs):
+            self.exchanged.append(len(named))
+            return function(compressor, comm, key, named, *args, **kwargs)
 
         return wrapper
 
@@ -137,16 +152,16 @@ class ByteCounter:
             self.horovod += nbytes
             return 0
 
-        def wrapper(tensor, *args, **kwargs):
-            result = function(tensor, *args, **kwargs)
+        def wrapper(tensors, *args, **kwargs):
+            result = function(tensors, *args, **kwargs)
             if self.ours:
                 return result
-            nbytes = tensor.shape.num_elements() * tensor.dtype.size
+            nbytes = sum(t.shape.num_elements() * t.dtype.size for t in tf.nest.flatten(tensors))
             if tf.executing_eagerly():
                 add(nbytes)
                 return result
             with tf.control_dependencies([tf.py_function(lambda: add(nbytes), [], tf.int32)]):
-                return tf.identity(result)
+                return tf.nest.map_structure(tf.identity, result)
 
         return wrapper
 
@@ -189,14 +204,19 @@ def train_tape(compression, args: argparse.Namespace) -> tf.keras.Model:
         hvd_compress_tf.DistributedGradientTape if args.path == "tape-dropin" else hvd.DistributedGradientTape
     )
 
+    grouping = {} if args.groups is None else {"groups": args.groups}
+
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = LOSS(yb, model(xb, training=True))
-        if args.allreduce:  # each gradient by hand, named: its residual carries from call to call
+        if args.allreduce and args.groups:  # all by hand in one call, named: "grads.<i>" each
+            grads = hvd.grouped_allreduce(tape.gradient(loss, model.trainable_variables), name="grads",
+                                          compression=compression)
+        elif args.allreduce:  # each gradient by hand, named: its residual carries from call to call
             grads = [hvd.allreduce(g, name=f"grad{i}", compression=compression)
                      for i, g in enumerate(tape.gradient(loss, model.trainable_variables))]
         else:
-            grads = wrap(tape, compression=compression).gradient(loss, model.trainable_variables)
+            grads = wrap(tape, compression=compression, **grouping).gradient(loss, model.trainable_variables)
         for v, g in zip(model.trainable_variables, grads):
             v.assign_sub(LR * g)
 
@@ -215,8 +235,9 @@ def train_keras(compression, args: argparse.Namespace) -> tf.keras.Model:
         wrap = hvd_compress_keras.DistributedOptimizer
     else:
         wrap = hvd.DistributedOptimizer
+    grouping = {} if args.groups is None else {"groups": args.groups}
     model = make_model()
-    model.compile(optimizer=wrap(tf.keras.optimizers.SGD(LR), compression=compression), loss=LOSS)
+    model.compile(optimizer=wrap(tf.keras.optimizers.SGD(LR), compression=compression, **grouping), loss=LOSS)
     x, y = data(hvd.rank(), args.steps)
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     return model
@@ -233,7 +254,7 @@ def parse_scenario(text: str) -> argparse.Namespace:
         raise argparse.ArgumentTypeError(f"bad scenario {text!r}")
     run = argparse.Namespace(
         label=label, path=path, names=names.split(","), eager=False, rank1_nan=False,
-        rank1_ratio=None, rank1_compression=None, switch=False, allreduce=False,
+        rank1_ratio=None, rank1_compression=None, switch=False, allreduce=False, groups=None,
     )
     for option in options:
         key, _, value = option.partition("=")
@@ -247,6 +268,10 @@ def parse_scenario(text: str) -> argparse.Namespace:
             if path != "tape":
                 raise argparse.ArgumentTypeError(f"allreduce needs the tape path, in scenario {text!r}")
             run.allreduce = True
+        elif key == "groups":
+            if path not in ("tape", "keras"):
+                raise argparse.ArgumentTypeError(f"groups needs a stock path, in scenario {text!r}")
+            run.groups = int(value)
         elif key == "rank1-nan":
             run.rank1_nan = True
         elif key == "rank1-ratio":
@@ -261,7 +286,7 @@ def parse_scenario(text: str) -> argparse.Namespace:
 def run_scenario(run: argparse.Namespace, steps: int, counter: ByteCounter, hvd):
     """Trains each of ``run.names``; (final weights by ``NAME/wI`` or the probe's ``NAME/switch_error``,
     and by name: ``[bytes per step through our communicator, [bytes handed to the collectives in all,
-    bytes compressor.stats counted]]`` per rank)."""
+    bytes compressor.stats counted], the number of tensors of each exchange of the stock route]`` per rank)."""
     run.steps = steps
     arrays, wire = {}, {}
     for name in run.names:
@@ -269,6 +294,7 @@ def run_scenario(run: argparse.Namespace, steps: int, counter: ByteCounter, hvd)
         if hvd.rank() == 1 and run.rank1_ratio is not None:
             compression.ratio = run.rank1_ratio
         counter.bytes = counter.horovod = 0
+        counter.exchanged = []
         if run.switch:
             arrays[f"{name}/switch_error"] = np.float64(train_switch(compression, run, hvd))
         else:
@@ -276,7 +302,8 @@ def run_scenario(run: argparse.Namespace, steps: int, counter: ByteCounter, hvd)
             for key, value in weights(model).items():
                 arrays[f"{name}/{key}"] = value
         handed = [counter.bytes + counter.horovod, compression.stats.bytes_sent]
-        wire[name] = [hvd.allgather_object(counter.bytes // steps), hvd.allgather_object(handed)]
+        wire[name] = [hvd.allgather_object(counter.bytes // steps), hvd.allgather_object(handed),
+                      hvd.allgather_object(counter.exchanged)]
     return arrays, wire
 
 
