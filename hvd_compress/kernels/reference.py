@@ -675,20 +675,23 @@ def copy_into(out: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def joined(buffer: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
-    """``buffer``, whose consecutive slices ``parts`` were written into (``out=``, :func:`copy_into`)."""
+    """``buffer``, whose consecutive slices ``parts`` were written into (``out=``, :func:`copy_into`;
+    numpy's and torch's arrays alike)."""
     return buffer
 
 
 def sum_along(a: np.ndarray, axis: int) -> np.ndarray:
+    """The sums along ``axis`` (numpy's and torch's arrays alike)."""
     return a.sum(axis)
 
 
 def any_along(a: np.ndarray, axis: int) -> np.ndarray:
+    """Whether any is set along ``axis`` (numpy's and torch's arrays alike)."""
     return a.any(axis)
 
 
 def masked(a: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """The entries of ``a`` where ``mask``."""
+    """The entries of ``a`` where ``mask`` (numpy's and torch's arrays alike)."""
     return a[mask]
 
 

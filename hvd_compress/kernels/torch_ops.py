@@ -29,10 +29,14 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
+    any_along,
     gaussiank_correct,
     gaussiank_slots,
+    joined,
+    masked,
     normal_tail_quantile,
     num_selected,
+    sum_along,
 )
 
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
@@ -643,22 +647,6 @@ def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.copy_(values)
-
-
-def joined(buffer: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    return buffer
-
-
-def sum_along(a: torch.Tensor, axis: int) -> torch.Tensor:
-    return a.sum(axis)
-
-
-def any_along(a: torch.Tensor, axis: int) -> torch.Tensor:
-    return a.any(axis)
-
-
-def masked(a: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return a[mask]
 
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
