@@ -10,7 +10,10 @@ For its duration, :func:`count_host_reads` replaces ``torch.Tensor.item``,
 ``tolist``, ``__bool__``, ``__int__``, ``__float__``, ``__index__`` and
 ``numpy`` (and ``cpu``, counted only for a tensor on another device than the
 CPU) by wrappers that count each call, from any thread and any code (library
-code included), then call the original; on exit the originals are back. On a
+code included), then call the original; on exit the originals are back.
+``count_host_reads("tensorflow")`` does the same for TensorFlow's eager tensors
+(``numpy``, ``__bool__``, ``__int__``, ``__float__``, ``__index__``; ``np.asarray`` of one
+reads through the buffer protocol, unseen). On a
 GPU each of these reads waits for the device (a host synchronisation); on the
 CPU they are where a GPU run would wait, so the count is the CPU stand-in for
 ``torch.cuda.set_sync_debug_mode("warn")``.
@@ -38,6 +41,8 @@ from typing import Any, Callable, Dict, Iterator
 
 #: Methods replaced for the duration; ``cpu`` counts only for tensors not on the CPU.
 METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+#: TensorFlow's eager tensors' methods that read their values
+TF_METHODS = ("numpy", "__bool__", "__int__", "__float__", "__index__")
 _MISSING = object()
 
 
@@ -69,10 +74,16 @@ class HostReads:
         return f"HostReads(count={self.count}, by_kind={dict(self.by_kind)})"
 
 
-def _torch_dir() -> str:
+def _patched(framework: str) -> tuple:
+    """``(tensor class, its methods to count, the framework's folder)``."""
+    if framework == "tensorflow":
+        import tensorflow as tf
+        from tensorflow.python.framework.ops import EagerTensor
+
+        return EagerTensor, TF_METHODS, os.path.dirname(os.path.abspath(tf.__file__)) + os.sep
     import torch
 
-    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    return torch.Tensor, METHODS, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _caller_site(skip: tuple) -> str:
@@ -104,24 +115,23 @@ def _wrap(original: Callable, kind: str, reads: HostReads, skip: tuple) -> Calla
 
 
 @contextlib.contextmanager
-def count_host_reads() -> Iterator[HostReads]:
-    """Count host reads of tensor values (any thread) while the block runs; yields :class:`HostReads`."""
-    import torch
-
+def count_host_reads(framework: str = "torch") -> Iterator[HostReads]:
+    """Count host reads of ``framework``'s tensor values (any thread) while the block runs; yields
+    :class:`HostReads`."""
+    tensor, methods, folder = _patched(framework)
     reads = HostReads()
-    skip = (_torch_dir(),)
-    saved = {name: torch.Tensor.__dict__.get(name, _MISSING) for name in METHODS}
+    saved = {name: tensor.__dict__.get(name, _MISSING) for name in methods}
     try:
-        for name in METHODS:
-            setattr(torch.Tensor, name, _wrap(getattr(torch.Tensor, name), name, reads, skip))
+        for name in methods:
+            setattr(tensor, name, _wrap(getattr(tensor, name), name, reads, (folder,)))
         yield reads
     finally:
         for name, original in saved.items():
             if original is _MISSING:
-                if name in torch.Tensor.__dict__:
-                    delattr(torch.Tensor, name)
+                if name in tensor.__dict__:
+                    delattr(tensor, name)
             else:
-                setattr(torch.Tensor, name, original)
+                setattr(tensor, name, original)
 
 
-__all__ = ["count_host_reads", "HostReads", "METHODS"]
+__all__ = ["count_host_reads", "HostReads", "METHODS", "TF_METHODS"]

@@ -254,7 +254,7 @@ def topk_indices(scores, k: int) -> tf.Tensor:
     """``k`` largest scores, ascending indices, ties to the lower index (as the reference)."""
     numel = scores.shape[0]
     k = min(k, numel)
-    return tf.reshape(tf.cast(_topk_positions(scores, k), index_dtype(numel)), [k])
+    return tf.reshape(tf.cast(topk_positions(scores, k), index_dtype(numel)), [k])
 
 
 def host_array(a):
@@ -265,11 +265,14 @@ def host_array(a):
     return a.numpy() if on_host else a
 
 
-def _topk_positions(scores, k: int) -> tf.Tensor:
-    """int64 positions of the ``k`` largest scores (``k <= len(scores)``, which may be unknown
-    while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first, so its
-    first ``k`` are those above the k-th largest and then the lowest-indexed ties."""
-    return tf.sort(tf.cast(tf.math.top_k(scores, k, sorted=True).indices, tf.int64))
+def topk_positions(scores, k: int) -> tf.Tensor:
+    """int64 positions of the ``k`` largest scores along the last axis (``k <= len(scores)``, which
+    may be unknown while tracing), ascending: ``tf.math.top_k`` ranks equal scores lower index first,
+    so its first ``k`` are those above the k-th largest and then the lowest-indexed ties. The
+    positions are put in order by a second ``top_k`` of their negatives (``tf.sort`` costs four more
+    ops and reads the length back to the host)."""
+    positions = tf.math.top_k(scores, k, sorted=True).indices
+    return tf.cast(-tf.math.top_k(-positions, k, sorted=True).values, tf.int64)
 
 
 def topk_select(a, k: int) -> tf.Tensor:
@@ -300,14 +303,38 @@ def gaussiank_select(a, ratio: float) -> tf.Tensor:
 
 def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
     """:func:`reference.gaussiank_correct` on ``|a|`` from a first ``threshold`` (float64 tensor or
-    number), unrolled: every round counts ``|a_j| > thr`` (``thr`` = the first threshold times the
-    steps' product, in float64, rounded once to ``a``'s dtype as numpy compares), scalar ``tf.where``s
-    keep the round that settles; one ``tf.where`` gathers the indices, and an overshooting superset
-    keeps its first ``k``."""
+    number): :func:`_gaussiank_rule`'s threshold, one ``tf.where`` gathers the indices, and an
+    overshooting superset keeps its first ``k``."""
+    numel = magnitude.shape[0]
+    final, trim = _gaussiank_rule(magnitude, threshold, k)
+    selected = tf.where(magnitude > cast(final, magnitude.dtype))[:, 0]
+    selected = tf.cond(trim, lambda: selected[:k], lambda: selected)
+    return tf.cast(selected, index_dtype(numel))
+
+
+def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, offset: int = 0) -> tf.Tensor:
+    """:func:`gaussiank_from`'s indices plus ``offset`` (int64) in ``width`` slots (at least as many as
+    it selects: :func:`gaussiank_slots`), the unused ones ``spare``: no size depends on the data, so
+    nothing is read back to the host. A ``top_k`` of ``numel - j`` over the selected ``j`` puts them
+    in index order."""
+    numel = magnitude.shape[0]
+    final, trim = _gaussiank_rule(magnitude, threshold, k)
+    rank = tf.where(magnitude > cast(final, magnitude.dtype), numel - tf.range(numel), 0)
+    top = tf.math.top_k(rank, min(width, numel), sorted=True)
+    used = (top.values > 0) & (tf.range(min(width, numel)) < tf.where(trim, k, width))
+    positions = tf.where(used, tf.cast(top.indices, tf.int64) + offset, np.int64(spare))
+    return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0)
+
+
+def _gaussiank_rule(magnitude, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.gaussiank_correct` unrolled: ``(the threshold it selects by, whether it cuts
+    that set to its first k)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
+    the steps' product, in float64, rounded once to ``a``'s dtype as numpy compares); scalar
+    ``tf.where``s keep the round that settles."""
     numel = magnitude.shape[0]
 
-    def above(threshold):
-        return magnitude > cast(threshold, magnitude.dtype)
+    def count_above(threshold):
+        return tf.cast(tf.math.count_nonzero(magnitude > cast(threshold, magnitude.dtype)), tf.float64)
 
     first = chosen = last = superset = _float64(threshold)
     factor = tf.constant(1.0, tf.float64)
@@ -315,7 +342,7 @@ def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
     done = tf.constant(False)
     for _ in range(GAUSSIANK_ROUNDS):
         threshold = first * factor
-        count = tf.cast(tf.math.count_nonzero(above(threshold)), tf.float64)
+        count = count_above(threshold)
         low, high = count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
         settles = ~done & ~low & ~high
         chosen = tf.where(settles, threshold, chosen)
@@ -327,9 +354,7 @@ def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
         factor = tf.where(moves, factor * step, factor)
         done = done | settles
     trim = ~done & (smallest <= numel)
-    selected = tf.where(above(tf.where(done, chosen, tf.where(trim, superset, last))))[:, 0]
-    selected = tf.cond(trim, lambda: selected[:k], lambda: selected)
-    return tf.cast(selected, index_dtype(numel))
+    return tf.where(done, chosen, tf.where(trim, superset, last)), trim
 
 
 # -------------------------------------------------------------------- RegTop-k

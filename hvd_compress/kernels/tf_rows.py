@@ -48,13 +48,6 @@ class Rows(reference_rows.Rows):
             #: each slot's row
             self.slot_row = tf.constant(self.slot_row, tf.int64)
 
-    def _slots(self, chosen: tf.Tensor, first: int, width: int, like: tf.Tensor) -> List[tf.Tensor]:
-        """A row's ``chosen`` entries as work positions, then ``spare`` in its other slots."""
-        positions = tf.cast(chosen, tf.int64) + first
-        if chosen.shape[0] == width:
-            return [positions]
-        return [positions, ops.full(width - tf.size(chosen), self.spare, like, tf.int64)]
-
     def largest(self, flat: tf.Tensor) -> tf.Tensor:
         """Each row's largest entry (NaN where the row holds NaN), in work order."""
         with _on(self.device):
@@ -77,7 +70,7 @@ class Rows(reference_rows.Rows):
                 block, holes = (tf.reshape(x[start : start + count * n], [count, n]) for x in (key, nan))
                 top.append(tf.where(tf.reduce_any(holes, axis=1), tf.constant(np.nan, scores.dtype),
                                     tf.reduce_max(block, axis=1)))
-                chosen = tf.sort(tf.cast(tf.math.top_k(block, min(k, n), sorted=True).indices, tf.int64), axis=1)
+                chosen = ops.topk_positions(block, min(k, n))
                 chosen += tf.constant(start + n * np.arange(count, dtype=np.int64))[:, None]
                 if width > chosen.shape[1]:
                     chosen = tf.concat([chosen, tf.fill([count, width - chosen.shape[1]], np.int64(self.spare))], 1)
@@ -93,5 +86,5 @@ class Rows(reference_rows.Rows):
             for (first, row, k, _), (_, size, _, _), width in zip(self._rows(a), self._rows(magnitude),
                                                                  self.row_width):
                 first_thresholds.append(ops.gaussiank_first_threshold(row, ratio))
-                parts += self._slots(ops.gaussiank_from(size, first_thresholds[-1], k), first, width, size)
+                parts.append(ops.gaussiank_positions(size, first_thresholds[-1], k, width, self.spare, first))
             return _joined(parts, tf.int64), _joined(first_thresholds, tf.float64, tf.stack)

@@ -319,6 +319,29 @@ def test_steady_state_step_reads_nothing_back(kind):
     assert not syncing, f"{kind}: host reads in a steady-state step: {syncing} at {reads.sites.most_common(5)}"
 
 
+@pytest.mark.parametrize("kind", [k for k in COMPRESSORS if k != "fp16"] + ["fp16"])
+def test_tensorflow_steady_state_step_reads_nothing_back(kind):
+    """TensorFlow's kernels (a GPU's path): after the first step (the layout check), an exchange of
+    float32 and float16 buckets reads no tensor value back to the host, TensorFlow's own ops included."""
+    tf = pytest.importorskip("tensorflow")
+    grads = {f"{name}.{dtype}": tf.cast(tf.constant(g.numpy()), dtype)
+             for dtype in ("float32", "float16") for name, g in gradients(0, 0, torch.float32).items()}
+    compressor, comm = COMPRESSORS[kind](), SingleProcessCommunicator()
+
+    def step():
+        exchange = BucketExchange(compressor, comm, "bucket")
+        for name, g in grads.items():
+            exchange.add(name, g)
+        exchange.launch()
+        return exchange.finish(average=True)
+
+    with way_of("tensorflow"):
+        step()
+        with count_host_reads("tensorflow") as reads:
+            step()
+    assert reads.count == 0, f"{kind}: host reads in a steady-state step: {reads.as_dict()}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["topk", "gaussiank", "regtopk", "terngrad", "fp16", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)

@@ -86,3 +86,28 @@ def test_counts_reads_on_other_threads_and_from_autograd():
         (w * 2).sum().backward()
     assert reads.by_kind == {"item": 400, "__float__": 1}
     assert reads.count == 401
+
+
+TF_READS = {
+    "numpy": lambda t: t.numpy(),
+    "__bool__": lambda t: bool(t),
+    "__int__": lambda t: int(t),
+    "__float__": lambda t: float(t),
+    "__index__": lambda t: operator.index(t),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TF_READS))
+def test_tensorflow_reads_are_counted_and_originals_restored(kind):
+    tf = pytest.importorskip("tensorflow")
+    from tensorflow.python.framework.ops import EagerTensor
+
+    from hvd_compress.bench.host_reads import TF_METHODS
+
+    getters = {name: getattr(EagerTensor, name) for name in TF_METHODS}
+    t = tf.constant(3)
+    with count_host_reads("tensorflow") as reads:
+        TF_READS[kind](t)
+        tf.constant([1.0, 2.0]) * 2  # an op: no read
+    assert reads.by_kind == {kind: 1}
+    assert all(getattr(EagerTensor, name) is getters[name] for name in TF_METHODS)
