@@ -5,12 +5,14 @@ same results): a fused bucket (:mod:`hvd_compress.comm.fused`) lays its compress
 in one flat work buffer, those of equal size next to each other, and each row (tensor) selects
 what :func:`tf_ops.topk_indices` or :func:`tf_ops.gaussiank_select` selects on it alone (which
 is :func:`reference.topk_indices`, and :func:`reference.gaussiank_select` from the kernels' own
-first threshold), as work positions in a fixed number of slots per row. A loop over the rows
-calls those per-tensor kernels, so the selections are the per-tensor path's by construction;
-TensorFlow's tensors are immutable, so the rows' positions (and the spare slots) are joined by
-one ``tf.concat``. Nothing is read back to the host: the loop runs eagerly or traces into a graph.
+first threshold), as work positions in a fixed number of slots per row. Top-k runs one
+``tf.math.top_k`` per size group (:func:`tf_ops.topk_positions`: each row's positions in order,
+ties to the lower index, as one row alone); Gaussian-k runs each row's own threshold rule
+(:func:`tf_ops.gaussiank_positions`: its selection in fixed slots). TensorFlow's tensors are
+immutable, so the parts are joined by one ``tf.concat``. No size depends on the data and nothing
+is read back to the host: the selections run eagerly (a GPU never waits for Python) or trace
+into a graph.
 """
-
 from __future__ import annotations
 
 import contextlib
