@@ -58,8 +58,6 @@ from typing import Any, Dict, List, Optional, Tuple
 from hvd_compress.comm.exchange import BucketExchange, in_run_state
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.state import WireStats
-from hvd_compress.compressors.sparse import updated_velocity
-from hvd_compress.wire import DensePayload
 from hvd_compress.compressors.validation import check_count
 from hvd_compress.kernels import ops_for
 
@@ -178,22 +176,6 @@ class DenseView(InnerState):
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Dense", "of": repr(self.inner)}
-
-    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        memory = self.state.memory
-        if self.momentum:  # u = m u + g, sent with the residual left to flush
-            u = updated_velocity(memory, flat, name, shape, self.momentum, ops)
-            residual = memory.peek(name, "residual")
-            sent = u if residual is None else u + ops.cast(ops.reshape(residual, (-1,)), u.dtype)
-            memory.reset(name)
-            memory.track(name, shape)
-            memory.set(name, "velocity", u)
-            return DensePayload(values=ops.saturate(sent, flat.dtype), dtype=flat.dtype)
-        residual = memory.peek(name, "residual")
-        if residual is not None:
-            flat = flat + ops.cast(ops.reshape(residual, (-1,)), flat.dtype)
-        memory.reset(name)
-        return DensePayload(values=flat, dtype=flat.dtype)
 
 
 # ------------------------------------------------------------------ measuring
