@@ -12,7 +12,8 @@ dense allreduce is often faster. ``Auto`` decides per bucket, measured:
    - ``compressed_ms`` = encode + collectives (launch, then waiting for every
      handle) + decode (``finish``);
    - ``dense_ms`` = one extra allreduce-Sum of the bucket's concatenated
-     gradients over the same communicator (its result is discarded).
+     gradients over the same communicator (its result is discarded; one per
+     dtype and device of a bucket that mixes them, as its dense exchange sends).
 
    Clocks: CUDA events on CUDA tensors, ``time.perf_counter`` otherwise; the
    events are read only when deciding. Steady steps record nothing.
@@ -253,10 +254,11 @@ class AutoExchange:
         for handle in exchange.in_flight():
             comm.wait(handle)
         launched = mark()
-        ops = ops_for(exchange.added[0][1])
-        flat = ops.concat([ops.reshape(t, (-1,)) for _, t in exchange.added])  # in the exchange's form
-        comm.wait(comm.allreduce_async(flat, comm.SUM, f"{self.key}.auto.dense"))
-        self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
+        for key, _, tensors in exchange.parts():  # one allreduce per dtype and device, as a dense bucket sends
+            ops = ops_for(tensors[0])
+            flat = ops.concat([ops.reshape(t, (-1,)) for t in tensors])  # in the exchange's form
+            comm.wait(comm.allreduce_async(flat, comm.SUM, f"{key}.auto.dense"))
+            self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark()] if timed else []
 
     @in_run_state

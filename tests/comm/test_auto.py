@@ -209,29 +209,37 @@ def test_steady_steps_read_nothing_back(dense_ms, compressed_ms):
     assert run_ranks(2, work) == [{}, {}]
 
 
-def test_tensorflow_per_tensor_path_flushes_into_dense():
-    """TensorFlow tensors take the per-tensor path: going dense sends the residual with the gradient."""
+@pytest.mark.parametrize("dtypes", [("float64",), ("float64", "float16")], ids=["one-dtype", "two-dtypes"])
+def test_tensorflow_going_dense_flushes_the_residual(dtypes):
+    """TensorFlow tensors (float64 computed as numpy, float16 on TensorFlow's kernels: two fused buckets,
+    measured with a dense allreduce each): going dense sends the residual with the gradient, nothing lost.
+    Gradients in eighths: every sum is exact in float16 too."""
     tf = pytest.importorskip("tensorflow")
     import numpy as np
 
-    def grad(rank, step):
-        return np.random.default_rng(10 * step + rank).normal(size=(64, 32))
+    names = [f"w{i}" for i in range(len(dtypes))]
+
+    def grad(rank, step, i):
+        return np.round(np.random.default_rng(100 * i + 10 * step + rank).normal(size=(64, 32)) * 8) / 8
 
     def work(comm):
         auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
-        delivered = np.zeros((64, 32))
+        delivered = {name: np.zeros((64, 32)) for name in names}
         for step in range(7):
             exchange = open_exchange(auto, comm, "bucket")
-            exchange.add("w", tf.constant(grad(comm.rank, step)))
+            for i, (name, dtype) in enumerate(zip(names, dtypes)):
+                exchange.add(name, tf.constant(grad(comm.rank, step, i), dtype))
             exchange.launch()
-            delivered += exchange.finish(average=False)["w"].numpy()
-        return delivered, auto.residual("w"), auto.stats.decisions["bucket"]["choice"]
+            for name, total in exchange.finish(average=False).items():
+                delivered[name] += np.asarray(total, dtype=np.float64)
+        return delivered, [auto.residual(name) for name in names], auto.stats.decisions["bucket"]["choice"]
 
     results = run_ranks(2, work)
-    produced = sum(grad(r, s) for r in range(2) for s in range(7))
-    for delivered, residual, choice in results:
-        assert choice == "dense" and residual is None
-        np.testing.assert_allclose(delivered, produced, rtol=0, atol=1e-12)
+    for delivered, residuals, choice in results:
+        assert choice == "dense" and residuals == [None] * len(names)
+        for i, name in enumerate(names):
+            produced = sum(grad(r, s, i) for r in range(2) for s in range(7))
+            np.testing.assert_array_equal(delivered[name], produced, err_msg=name)
 
 
 def test_density_warmup_has_auto_measure_again_when_the_ramp_reaches_the_target(monkeypatch):
