@@ -93,6 +93,17 @@ def copied(t):
     return t.copy() if isinstance(t, np.ndarray) else t  # TensorFlow's tensors are immutable
 
 
+def with_entry(g, index: int, value: float):
+    """A copy of ``g`` (torch or TensorFlow tensor, numpy array) with its flat entry ``index`` set to ``value``."""
+    if isinstance(g, (torch.Tensor, np.ndarray)):
+        g = copied(g)
+        g.reshape(-1)[index] = value
+        return g
+    tf = pytest.importorskip("tensorflow")
+    flat = tf.tensor_scatter_nd_update(tf.reshape(g, [-1]), [[index]], tf.constant([value], g.dtype))
+    return tf.reshape(flat, g.shape)
+
+
 def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float("nan"), numpy=False,
                    tensorflow=False):
     compressor = make()
@@ -101,8 +112,7 @@ def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float
         exchange = BucketExchange(compressor, comm, "bucket")
         for name, g in gradients(comm.rank, step, dtype, ties, numpy, tensorflow).items():
             if nan == (comm.rank, step, name):
-                g = copied(g)
-                g.reshape(-1)[3] = special
+                g = with_entry(g, 3, special)
             exchange.add(name, g)
         exchange.launch()
         assert exchange.launched, "the bucket was not launched"
@@ -251,7 +261,8 @@ def test_nan_on_one_rank_is_nonfinite_everywhere_and_loses_nothing(kind, path, s
 
     with way_of(path):
         results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, 3, nan=(1, 1, "a"),
-                                                               special=special, numpy=path == "numpy"))
+                                                               special=special, numpy=path == "numpy",
+                                                               tensorflow=path == "tensorflow"))
     for result in results:
         assert not np.isfinite(as_float64(result[1]["a"])).all(), "tensor 'a' should be non-finite on every rank"
         assert all(np.isfinite(as_float64(result[s][n])).all() for s in range(3) for n in SHAPES if (s, n) != (1, "a"))

@@ -1,11 +1,11 @@
-"""Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors and numpy
-arrays) against the per-tensor compressors (the Simulator).
+"""Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors, numpy
+arrays and TensorFlow tensors) against the per-tensor compressors (the Simulator).
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
 holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
 one sent dense because ``N k >= d``; the results, residuals and velocities must be
-the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on numpy and
-on torch the CPU's way and the accelerator's. The dense tensors' averages differ only where a
+the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on numpy, on
+torch the CPU's way and the accelerator's, and on TensorFlow's kernels (what a GPU runs). The dense tensors' averages differ only where a
 half-precision wire rounds the sum (the Simulator sums in float32). Also: a NaN step
 leaves every residual and velocity as before (the other tensors step as the Simulator's),
 a change of density moves the velocities between the dense and compressed parts,
@@ -15,7 +15,6 @@ velocities, and a steady step reads nothing back to the host.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -30,6 +29,7 @@ from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
 from hvd_compress.comm.threads import run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
+from tests.comm.test_fused import way_of  # noqa: E402
 
 RANKS = 3
 #: "one" is under dense_below; "three": 3 ranks x k = 3 >= 3, sent dense; the rest compressed
@@ -43,13 +43,27 @@ COMPRESSORS = {
 }
 
 
-#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays
-PATHS = ["host", "accelerator", "numpy"]
+#: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays,
+#: TensorFlow tensors on TensorFlow's kernels
+PATHS = ["host", "accelerator", "numpy", "tensorflow"]
 NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
-def way_of(way: str):
-    return torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext()
+def in_form(g, way: str):
+    """A torch gradient as the path ``way`` takes it: a numpy array, a TensorFlow tensor, or as it is."""
+    if way == "numpy":
+        return g.numpy().astype(NUMPY_DTYPES[g.dtype])
+    if way == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        return tf.cast(tf.constant(g.float().numpy()), str(g.dtype).split(".")[1])
+    return g
+
+
+def as_torch(t):
+    """A result or state (torch or TensorFlow tensor, numpy array) as a torch tensor of its dtype."""
+    if type(t).__module__.startswith("tensorflow"):
+        return torch.from_numpy(t.numpy().astype(np.float64)).to(getattr(torch, t.dtype.name))
+    return torch.as_tensor(t).clone()
 
 
 def gradients(rank: int, step: int, dtype, nan=None):
@@ -69,19 +83,19 @@ def state_of_names(compressor, names):
     return {n: (compressor.residual(n), compressor.velocity(n)) for n in names}
 
 
-def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, numpy=False):
+def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, way="host"):
     """This rank's results and state after each step; ``ratios[step]`` sets the density before the step.
-    ``numpy``: the gradients as numpy arrays."""
+    ``way``: the gradients in that path's form (:func:`in_form`)."""
     out = []
     for step in range(steps):
         if ratios and step in ratios:
             compressor.ratio = ratios[step]
         exchange = BucketExchange(compressor, comm, "bucket")
         for name, g in gradients(comm.rank, step, dtype, nan).items():
-            exchange.add(name, g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g)
+            exchange.add(name, in_form(g, way))
         exchange.launch()
-        results = {n: torch.as_tensor(t).clone() for n, t in exchange.finish(average=True).items()}
-        out.append((results, {n: tuple(None if x is None else torch.as_tensor(x).clone() for x in pair)
+        results = {n: as_torch(t) for n, t in exchange.finish(average=True).items()}
+        out.append((results, {n: tuple(None if x is None else as_torch(x) for x in pair)
                               for n, pair in state_of(compressor).items()}))
     return out
 
@@ -98,26 +112,28 @@ def assert_state_equal(got, want, where, names=SHAPES):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("kind", COMPRESSORS)
 def test_fused_bucket_equals_simulator(kind, dtype, way):
-    steps, numpy = 3, way == "numpy"
-    if numpy and dtype not in NUMPY_DTYPES:
+    steps = 3
+    if way == "numpy" and dtype not in NUMPY_DTYPES:
         pytest.skip("numpy has no bfloat16")
     with way_of(way):
-        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps, numpy=numpy))
-    sim = Simulator(RANKS, COMPRESSORS[kind]())
+        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps, way=way))
+        sim, expected, states = Simulator(RANKS, COMPRESSORS[kind]()), [], []
+        for step in range(steps):  # TensorFlow's tensors: the Simulator on TensorFlow's kernels too
+            per_rank = [{n: in_form(g, way) for n, g in gradients(r, step, dtype).items()} for r in range(RANKS)]
+            expected.append(sim.step({n: [g[n] for g in per_rank] for n in SHAPES}))
+            states.append([{n: tuple(None if x is None else as_torch(x) for x in pair)
+                            for n, pair in state_of(c).items()} for c in sim.compressors])
     half = dtype in (torch.float16, torch.bfloat16)
     for step in range(steps):
-        per_rank = [{n: g.numpy().astype(NUMPY_DTYPES[dtype]) if numpy else g
-                     for n, g in gradients(r, step, dtype).items()} for r in range(RANKS)]
-        expected = sim.step({n: [g[n] for g in per_rank] for n in SHAPES})
         for rank, (got, state) in enumerate(r[step] for r in results):
             for name in SHAPES:
-                want = torch.as_tensor(expected[name])
+                want = as_torch(expected[step][name])
                 assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
                 # a half-precision wire rounds the dense sum before the division; the Simulator does not
                 tolerance = torch.finfo(dtype).eps * float(want.double().abs().max()) if half and name in DENSE else 0
                 np.testing.assert_allclose(got[name].double().numpy(), want.double().numpy(), rtol=0, atol=tolerance,
                                            err_msg=f"{kind} {dtype} step {step} {name}")
-            assert_state_equal(state, state_of(sim.compressors[rank]), f"{kind} {dtype} step {step} rank {rank}")
+            assert_state_equal(state, states[step][rank], f"{kind} {dtype} step {step} rank {rank}")
 
 
 @pytest.mark.parametrize("way", PATHS)
@@ -129,7 +145,7 @@ def test_nan_step_keeps_residuals_and_velocities_and_the_others_step(kind, way):
     nan = {(1, 1): ("a", "three")}
     with way_of(way):
         fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan,
-                                                             numpy=way == "numpy"))
+                                                             way=way))
     clean = [n for n in SHAPES if n not in nan[(1, 1)]]
     sim = Simulator(RANKS, COMPRESSORS[kind]())
     for step in range(3):
@@ -148,13 +164,14 @@ def test_nan_step_keeps_residuals_and_velocities_and_the_others_step(kind, way):
     assert all(torch.isfinite(t).all() for t in finite), "the step after the NaN trains normally"
 
 
-@pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])
-def test_density_change_moves_velocities_between_dense_and_compressed(numpy):
+@pytest.mark.parametrize("way", ["host", "numpy", "tensorflow"])
+def test_density_change_moves_velocities_between_dense_and_compressed(way):
     """A warm-up's last steps: at 40% every tensor is sent dense (N k >= d), then 5%: the velocities move
     from the bucket's dense part to its compressed part (and back), as the Simulator's per-tensor state."""
     ratios = {0: 0.4, 2: 0.05, 3: 0.4, 4: 0.05}
     make = COMPRESSORS["topk"]
-    results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios, numpy=numpy))
+    with way_of(way):
+        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios, way=way))
     sim = Simulator(RANKS, make())
     for step in range(6):
         for c in sim.compressors:
