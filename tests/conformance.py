@@ -47,7 +47,8 @@ PAYLOAD_TYPES = {"dense": DensePayload, "sparse": SparsePayload, "ternary": Tern
 
 def gradients(step: int, ranks: int, framework: str = "numpy", dtype: Any = np.float32) -> Dict[str, List[Any]]:
     """``{name: [gradient of rank 0, ..., rank N-1]}`` for ``step``, deterministic, scale drifting with the step,
-    as numpy arrays, torch or TensorFlow tensors (then that framework's kernels and random streams run)."""
+    as numpy arrays, torch or TensorFlow tensors (then that framework's kernels and random streams run; TensorFlow's
+    float32 CPU tensors are computed as numpy arrays, :func:`hvd_compress.kernels.computed_form`)."""
     rng = np.random.default_rng(500 + step)
     grads = {
         name: [(rng.standard_normal(shape) * (1 + 0.2 * step)).astype(dtype) for _ in range(ranks)]

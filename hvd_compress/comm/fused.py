@@ -51,7 +51,7 @@ keeps its values from before the step. Dense tensors carry NaN/Inf through the
 sum themselves.
 
 Results are those of the per-tensor compressors (and the Simulator) bit for
-bit, on numpy and on torch: same selection (ties to the lower index), same sums
+bit, on numpy, torch and TensorFlow: same selection (ties to the lower index), same sums
 in rank order, same draws (each tensor draws its own uniforms, in the order the
 tensors were added); TernGrad's clipping bound on torch comes from a row-wise
 std, which may round differently from one tensor's.
@@ -67,7 +67,7 @@ from hvd_compress import wire
 from hvd_compress.kernels import module, ops_for
 from hvd_compress.comm.rounds import Rounds, check_header
 
-#: an array of the bucket's kernel module (numpy array, torch tensor)
+#: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
 
 
@@ -111,7 +111,7 @@ class FusedBucket:
                  world: int) -> None:
         self.compressor, self.key, self.world = compressor, key, world
         self.names, self.shapes = list(names), [tuple(s) for s in shapes]
-        #: the kernel module of the bucket's arrays (``reference`` for numpy, ``torch_ops``)
+        #: the kernel module of the bucket's arrays (``reference`` for numpy, ``torch_ops``, ``tf_ops``)
         self.ops = ops = ops_for(like)
         self.dtype, self.device = like.dtype, getattr(like, "device", None)
         self.acc = ops.accumulation_dtype(self.dtype)

@@ -22,7 +22,8 @@ read back, at up to a third more (value, index) bytes than Top-k (the wire
 statistics count the slots). On an accelerator it counts the six thresholds a
 tensor can meet (``thr x {1/4, 1/2, 3/4, 1, 3/2, 9/4}``) in one pass and applies
 the rule to the counts (:meth:`hvd_compress.kernels.torch_rows.Rows.gaussiank`; numpy
-runs the reference on each row, :class:`hvd_compress.kernels.reference_rows.Rows`):
+runs the reference on each row, :class:`hvd_compress.kernels.reference_rows.Rows`, and TensorFlow
+each row's rule in fixed slots, :class:`hvd_compress.kernels.tf_rows.Rows`):
 a moments pass, a counting pass and a marking pass per size group, where Top-k runs
 one ``torch.topk`` (several passes inside) and a tie scan. The quantile is finite
 for ``ratio >= 1e-323`` (``ratio / 2`` must not round to 0); smaller ratios are
@@ -57,5 +58,5 @@ class GaussianK(Sparsifier):
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """Every row's Gaussian-k selection in its ``floor(4k/3)`` slots
         (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); the probe is each row's mean
-        (numpy: its first threshold), not finite where the row holds NaN/Inf."""
+        (numpy, TensorFlow: its first threshold), not finite where the row holds NaN/Inf."""
         return rows.gaussiank(a, scores, self.ratio)

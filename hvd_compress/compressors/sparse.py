@@ -141,7 +141,7 @@ class Sparsifier(Compressor):
         that is NaN or Inf exactly where the row holds NaN/Inf (its largest ``|a|``), so ``0 * probe``
         is its flag. Top-k, Gaussian-k and RegTop-k override it with one selection of every row at
         once (:class:`LargestScores`; :mod:`~hvd_compress.kernels.torch_rows`,
-        :mod:`~hvd_compress.kernels.reference_rows`)."""
+        :mod:`~hvd_compress.kernels.reference_rows`, :mod:`~hvd_compress.kernels.tf_rows`)."""
         chosen = {}
         for (name, shape), row, k, first in rows.each(a):
             indices = self._select(row, name, shape, ops)
@@ -261,6 +261,7 @@ class LargestScores:
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """Every row's ``k`` largest ``scores``, ties to the lower index (``Rows.topk``:
-        :mod:`~hvd_compress.kernels.torch_rows`, :mod:`~hvd_compress.kernels.reference_rows`); the
-        probe is each row's largest score, NaN or Inf exactly where the row holds NaN/Inf."""
+        :mod:`~hvd_compress.kernels.torch_rows`, :mod:`~hvd_compress.kernels.reference_rows`,
+        :mod:`~hvd_compress.kernels.tf_rows`); the probe is each row's largest score, NaN or Inf
+        exactly where the row holds NaN/Inf."""
         return rows.topk(scores)

@@ -1,4 +1,4 @@
-"""The sparsifiers' codec for a fused bucket (numpy, torch): one round of two fixed-size allgathers.
+"""The sparsifiers' codec for a fused bucket (numpy, torch, TensorFlow): one round of two fixed-size allgathers.
 
 Per bucket (the compressed part, laid out by size groups of ``(rows, n)`` matrices)::
 
@@ -9,7 +9,8 @@ Per bucket (the compressed part, laid out by size groups of ``(rows, n)`` matric
                                                 of kernels for the bucket
                                                 (:func:`~hvd_compress.kernels.bucket_rows`: torch's
                                                 :class:`~hvd_compress.kernels.torch_rows.Rows`, numpy's
-                                                :class:`~hvd_compress.kernels.reference_rows.Rows`)
+                                                :class:`~hvd_compress.kernels.reference_rows.Rows`,
+                                                :class:`~hvd_compress.kernels.tf_rows.Rows`)
     send a[S] ++ f, S ++ first entries          two allgathers of K + flags entries per rank
     r = a with a[S] set to 0                    (momentum: u[S] = 0)
     total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
@@ -30,7 +31,7 @@ from typing import Any, Dict, Generator, List, Tuple
 from hvd_compress.kernels import bucket_rows
 from hvd_compress.compressors.rounds import Send
 
-#: an array of the bucket's kernel module (numpy array, torch tensor)
+#: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
 
 

@@ -1,4 +1,5 @@
-"""TernGrad's codec for a fused bucket, numpy or torch (the algorithm: :mod:`hvd_compress.compressors.terngrad`).
+"""TernGrad's codec for a fused bucket, numpy, torch or TensorFlow (the algorithm:
+:mod:`hvd_compress.compressors.terngrad`).
 
 The kernel module's ``terngrad_bucket_*`` functions work on every row (tensor) at once; torch's
 run per size group one ``aminmax`` (and ``std`` when clipping), so the scales
@@ -19,7 +20,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 from hvd_compress import wire
 from hvd_compress.compressors.rounds import Send
 
-#: an array of the bucket's kernel module (numpy array, torch tensor)
+#: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
 
 

@@ -68,7 +68,8 @@ def bucket_rows(ops: ModuleType, groups: Sequence[Tuple[int, int, int, int, int]
                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> Any:
     """The row selections of a fused bucket of ``ops``'s arrays (``like``: one of them): the ``Rows``
     of the module ``ops`` names (``BUCKET_ROWS``: :class:`~hvd_compress.kernels.torch_rows.Rows`,
-    numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`); ``tensors``: each row's label in
+    numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`, :class:`~hvd_compress.kernels.tf_rows.Rows`);
+    ``tensors``: each row's label in
     the order the tensors were added (:func:`~hvd_compress.kernels.reference_rows.row_order`)."""
     import importlib
 

@@ -6,9 +6,9 @@ in one flat work buffer, those of equal size next to each other, and each row (t
 selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_select` selects
 on it alone, as work positions in a fixed number of slots per row. On the host nothing
 is to be saved by batching the rows: a loop over them calls the reference itself, so the
-selections are the per-tensor path's by construction. A selection of another kind visits
+selections are the per-tensor compressors' (the Simulator's) by construction. A selection of another kind visits
 the rows one by one in the order their tensors were added (:meth:`Rows.each`,
-:func:`each_row`), so that random draws come in the per-tensor path's order.
+:func:`each_row`), so that random draws come in the per-tensor compressors' order.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ transcription of the formula; dense tensors train as momentum SGD of the
 average gradient; the argument check; the refusal of an optimizer with its own
 momentum (drop-in and stock Horovod's bucket plan); checkpoints (velocity
 validated, a resume mid-training continues exactly); ``momentum=0`` is today's
-compressor; the per-tensor exchange keeps the velocity of a non-finite step.
+compressor; the exchange keeps the velocity of a non-finite step.
 """
 
 from __future__ import annotations
@@ -261,7 +261,8 @@ MOMENTUM = {
 @pytest.mark.parametrize("framework", ["numpy", "tensorflow"])
 @pytest.mark.parametrize("kind", sorted(MOMENTUM))
 def test_thread_ranks_equal_simulator(kind, framework):
-    """The per-tensor exchange (numpy, TensorFlow) over thread ranks; torch's fused path: tests/comm."""
+    """The exchange over thread ranks (TensorFlow's CPU float32 tensors computed as numpy arrays); torch, and
+    TensorFlow's kernels: tests/comm/test_fused_momentum.py."""
     if framework == "tensorflow":
         pytest.importorskip("tensorflow")
     conformance.check_thread_ranks_equal_simulator(MOMENTUM[kind], framework=framework, rtol=0)
@@ -279,7 +280,7 @@ def test_drop_in_optimizer_equals_simulator(kind):
     conformance.check_drop_in_optimizer_equals_simulator(lambda: SPARSE[kind](0.1, dense_below=30, momentum=0.9))
 
 
-def test_per_tensor_nonfinite_step_keeps_velocity_and_residual():
+def test_nonfinite_step_keeps_velocity_and_residual():
     """NaN in rank 1's gradients of step 1 (a sparse and a dense tensor): that step's results are NaN on
     every rank, and every rank's residual and velocity are those from before the step, bit for bit."""
     ranks, names = 2, ("w", "b")

@@ -100,7 +100,7 @@ class MajorityVoteBucketCodec:
     """The fused bucket's side: one round, the packed signs and a flag per tensor, both allreduce-Sum.
 
     Written with the bucket's kernel functions (``bucket.ops``), slicing and arithmetic only,
-    each result a new array: the same code runs numpy arrays and torch tensors.
+    each result a new array: the same code runs numpy arrays, torch tensors and TensorFlow's tensors.
     """
 
     rounds = 1
