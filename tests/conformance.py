@@ -27,6 +27,7 @@ Gradients are small (a few hundred elements): ``make`` should compress them
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 from typing import Any, Callable, Dict, List
@@ -61,6 +62,17 @@ def gradients(step: int, ranks: int, framework: str = "numpy", dtype: Any = np.f
         tf = pytest.importorskip("tensorflow")
         grads = {name: [tf.constant(g) for g in per_rank] for name, per_rank in grads.items()}
     return grads
+
+
+@contextlib.contextmanager
+def tensorflow_kernels():
+    """TensorFlow's CPU float32/float64 tensors kept on TensorFlow's kernels (what a GPU runs), not
+    computed as numpy arrays (:func:`hvd_compress.kernels.computed_form`), in every thread."""
+    from hvd_compress.kernels import tf_ops
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tf_ops, "host_array", lambda a: a)
+        yield
 
 
 def as_numpy(tensor: Any) -> np.ndarray:
@@ -157,11 +169,16 @@ def check_thread_ranks_equal_simulator(
 
     ``rtol``: 1e-6 is float32 rounding; a float16 wire (FP16) rounds the sum to float16
     as a real allreduce does, where the Simulator sums in float32: ``rtol=1e-3``.
+    ``framework="tensorflow-kernels"``: TensorFlow tensors on TensorFlow's kernels (:func:`tensorflow_kernels`).
     """
     compressors = [make() for _ in range(ranks)]
-    results = run_ranks(ranks, lambda comm: exchange_steps(comm, compressors[comm.rank], steps, framework), timeout=30)
-    sim = Simulator(ranks, make())
-    expected = [sim.step(gradients(step, ranks, framework)) for step in range(steps)]
+    kernels = framework == "tensorflow-kernels"
+    framework = "tensorflow" if kernels else framework
+    with tensorflow_kernels() if kernels else contextlib.nullcontext():
+        results = run_ranks(ranks, lambda comm: exchange_steps(comm, compressors[comm.rank], steps, framework),
+                            timeout=30)
+        sim = Simulator(ranks, make())
+        expected = [sim.step(gradients(step, ranks, framework)) for step in range(steps)]
     for rank_result in results:
         for step, (got, want) in enumerate(zip(rank_result, expected)):
             for name in SHAPES:

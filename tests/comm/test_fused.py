@@ -30,6 +30,7 @@ from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
 from hvd_compress.comm.threads import ThreadCommunicator, run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
+from tests import conformance  # noqa: E402
 
 SHAPES = {"a": (40, 50), "b": (7,), "c": (2000,), "d": (40, 50), "e": (2000,), "f": (33, 61)}
 COMPRESSORS = {
@@ -56,10 +57,7 @@ def way_of(way: str):
     """The CPU's own way (numpy selections, host reads) or the accelerator's (for every rank thread);
     ``tensorflow``: TensorFlow's CPU tensors stay TensorFlow's (the kernels a GPU runs)."""
     if way == "tensorflow":
-        from hvd_compress.kernels import tf_ops
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(tf_ops, "host_array", lambda a: a)
+        with conformance.tensorflow_kernels():
             yield
         return
     with torch_ops.accelerator_path() if way == "accelerator" else contextlib.nullcontext():

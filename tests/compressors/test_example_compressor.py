@@ -115,7 +115,7 @@ def test_simulator_bytes_are_k_values_and_indices():
     assert sim.bytes_sent == expected  # float32 values + int32 indices
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])
 def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
     conformance.check_thread_ranks_equal_simulator(make, framework=framework)
 

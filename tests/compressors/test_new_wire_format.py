@@ -161,7 +161,7 @@ def test_rejects_bad_gradients():
 
 
 # --------------------------------------------------------------------------- through the real exchange
-@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])
 def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
     conformance.check_thread_ranks_equal_simulator(make, ranks=3, framework=framework, rtol=0)
 
