@@ -22,8 +22,8 @@ parameters (:mod:`hvd_compress.comm.horovod_buckets`), cut as the drop-in
 optimizer cuts them and the same on every rank: ``compress`` records the
 gradient; a bucket whose gradients are all recorded is encoded and launched at
 once, while backward goes on; the step's first ``decompress`` launches the rest.
-A bucket is a :class:`~hvd_compress.comm.exchange.BucketExchange` (for torch
-tensors the fused path, :mod:`hvd_compress.comm.fused`: a header check at a
+A bucket is a :class:`~hvd_compress.comm.exchange.BucketExchange` (the
+engine of :mod:`hvd_compress.comm.fused`: a header check at a
 layout's first step, then an allgather of indices and of values of known size,
 or TernGrad's scale allreduce-Max and packed code sum, and one dense
 allreduce-Sum of the tensors sent dense, with a few kernels per bucket and
