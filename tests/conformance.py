@@ -67,7 +67,9 @@ def gradients(step: int, ranks: int, framework: str = "numpy", dtype: Any = np.f
 @contextlib.contextmanager
 def tensorflow_kernels():
     """TensorFlow's CPU float32/float64 tensors kept on TensorFlow's kernels (what a GPU runs), not
-    computed as numpy arrays (:func:`hvd_compress.kernels.computed_form`), in every thread."""
+    computed as numpy arrays (:func:`hvd_compress.kernels.computed_form`), in every thread (skips
+    without TensorFlow)."""
+    pytest.importorskip("tensorflow")
     from hvd_compress.kernels import tf_ops
 
     with pytest.MonkeyPatch.context() as patch:
