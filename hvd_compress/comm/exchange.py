@@ -121,14 +121,9 @@ class BucketExchange:
     def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape, as
         ``{name: result}``; with ``order`` (names), the results flat and concatenated in that order."""
-        if len(self.launched) == 1:  # every tensor in one form: converted back all or none
-            results = self.launched[0].finish(self.comm, average, order)
-            if self.caller is None:
-                return results
-            back, like = self.caller
-            if order is not None:
-                return back.from_host(results, like)
-            return {name: back.from_host(result, like) for name, result in results.items()}
+        if len(self.launched) == 1 and order is not None:  # one form: its flat result (a DDP hook's bucket)
+            flat = self.launched[0].finish(self.comm, average, order)
+            return flat if self.caller is None else self.caller[0].from_host(flat, self.caller[1])
         for step in self.launched:  # every rank starts every round before waiting for any
             step.complete(self.comm)
         results = {}
