@@ -524,9 +524,9 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 # --------------------------------------------------------------------------- #
 # Fused buckets (hvd_compress.comm.fused): buffers, and every tensor's step at once
 # --------------------------------------------------------------------------- #
-#: The functions the fused bucket path calls besides the ones above (every kernel module has them).
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
+#: The functions the fused bucket path calls besides the ones above (every kernel module has them).
 #: Every one returns its result, which the fused path always uses: numpy and torch write in place
 #: (into ``out=``, a slice, or the first argument), TensorFlow's tensors are immutable and its
 #: functions return new ones (``joined`` then concatenates the parts written "into" a buffer).

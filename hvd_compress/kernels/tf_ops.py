@@ -65,9 +65,15 @@ def index_dtype(numel: int) -> tf.DType:
     return tf.int32 if numel < 2**31 else tf.int64
 
 
+def on_device(device):
+    """Create tensors on ``device`` (a TF device string; none, or empty while tracing without
+    placement: TensorFlow's placement)."""
+    return tf.device(device) if device else contextlib.nullcontext()
+
+
 def _on(like):
-    """Create tensors on ``like``'s device (nothing to pin while tracing without placement)."""
-    return tf.device(like.device) if like.device else contextlib.nullcontext()
+    """Create tensors on ``like``'s device."""
+    return on_device(like.device)
 
 
 def _result_type(*dtypes) -> tf.DType:
@@ -386,10 +392,7 @@ def regtopk_expand(idx, values, numel: int) -> tf.Tensor:
 
 
 def regtopk_select_sparse(a, idx, values, mu: float, k: int) -> tf.Tensor:
-    dtype = accumulation_dtype(_result_type(a.dtype, values.dtype))
-    damped = tf.cast(regtopk_scores(tf.gather(a, idx), values, mu), dtype)
-    scores = tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
-    return topk_indices(scores, k)
+    return topk_indices(regtopk_sparse_scores(a, idx, values, mu), k)
 
 
 # -------------------------------------------------------------------- TernGrad
@@ -626,7 +629,7 @@ def _row_of_entry(layout: Tuple[Tuple[int, int], ...], numel: int, device: str) 
     layout and device (4 bytes an entry: a gather by it spreads a per-row vector in one op)."""
     lengths = [n for rows, n in layout for _ in range(rows)]
     index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-    with tf.device(device) if device else contextlib.nullcontext():
+    with on_device(device):
         return tf.constant(np.concatenate([index, np.full(numel - index.size, len(lengths), np.int32)]))
 
 

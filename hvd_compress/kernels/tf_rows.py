@@ -13,9 +13,9 @@ immutable, so the parts are joined by one ``tf.concat``. No size depends on the 
 is read back to the host: the selections run eagerly (a GPU never waits for Python) or trace
 into a graph.
 """
+
 from __future__ import annotations
 
-import contextlib
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,11 +23,6 @@ import tensorflow as tf
 
 from hvd_compress.kernels import reference_rows
 from hvd_compress.kernels import tf_ops as ops
-
-
-def _on(device: Optional[str]):
-    """Create tensors on ``device`` (a TF device string; none given or empty: TensorFlow's placement)."""
-    return tf.device(device) if device else contextlib.nullcontext()
 
 
 def _joined(parts: List[tf.Tensor], dtype: tf.DType, join=tf.concat) -> tf.Tensor:
@@ -46,13 +41,13 @@ class Rows(reference_rows.Rows):
         super().__init__(groups, spare=spare, tensors=tensors)
         self.device = device
         self.row_width = [width for _, count, _, _, width in self.groups for _ in range(count)]
-        with _on(device):
+        with ops.on_device(device):
             #: each slot's row
             self.slot_row = tf.constant(self.slot_row, tf.int64)
 
     def largest(self, flat: tf.Tensor) -> tf.Tensor:
         """Each row's largest entry (NaN where the row holds NaN), in work order."""
-        with _on(self.device):
+        with ops.on_device(self.device):
             rows = [row for _, row, _, _ in self._rows(flat)]
             top = [tf.where(tf.reduce_any(tf.math.is_nan(row)), tf.constant(np.nan, flat.dtype), tf.reduce_max(row))
                    for row in rows]
@@ -64,7 +59,7 @@ class Rows(reference_rows.Rows):
         such a row selects any ``k`` of its entries, NaN ranked as +Inf). Per size group one
         ``tf.math.top_k`` of its ``(rows, n)`` matrix, each row's positions sorted: what
         :func:`tf_ops.topk_indices` gives each row alone (``top_k`` ranks ties lower index first)."""
-        with _on(self.device):
+        with ops.on_device(self.device):
             nan = tf.math.is_nan(scores)
             key = tf.where(nan, tf.constant(np.inf, scores.dtype), scores)  # the identity without NaN
             parts, top = [], []
@@ -83,7 +78,7 @@ class Rows(reference_rows.Rows):
         """:func:`tf_ops.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, first)``:
         each row's selection in index order in its first slots, the others ``spare``, and each
         row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
-        with _on(self.device):
+        with ops.on_device(self.device):
             parts, first_thresholds = [], []
             for (first, row, k, _), (_, size, _, _), width in zip(self._rows(a), self._rows(magnitude),
                                                                  self.row_width):

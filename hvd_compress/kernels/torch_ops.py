@@ -392,10 +392,7 @@ def regtopk_expand(idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch
 def regtopk_select_sparse(
     a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float, k: int
 ) -> torch.Tensor:
-    scores = a.abs().to(accumulation_dtype(torch.promote_types(a.dtype, values.dtype)))
-    idx = idx.long()
-    scores[idx] = regtopk_scores(a[idx], values, mu)
-    return topk_indices(scores, k)
+    return topk_indices(regtopk_sparse_scores(a, idx.long(), values, mu), k)
 
 
 # -------------------------------------------------------------------- TernGrad
