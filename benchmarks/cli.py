@@ -9,7 +9,8 @@ python -m benchmarks gaussian [--ranks 4] [--epochs 5] [--ratio 0.01] [--layer f
 python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
-                                 [--variants plain,mc+warmup] [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
+                                 [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
+                                 [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
                                  [--train-size N] [--test-size N] [--quick] [--out results] [--name STEM]
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
@@ -149,6 +150,7 @@ def _convergence(args: argparse.Namespace) -> int:
         compressors=args.compressors,
         ratios=args.ratios,
         variants=args.variants,
+        indices=args.indices,
         seeds=args.seeds,
         target_gap=args.target_gap,
         out=args.out,
@@ -246,6 +248,9 @@ def _add_convergence(commands: Any) -> None:
                    help=f"sparsifier variants, of {','.join(VARIANTS)} (mc: momentum correction, the optimizer "
                         f"without momentum; default {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--warmup-start", type=float, default=0.25, help="warm-up start density (0.25)")
+    p.add_argument("--indices", type=_names, default=["gather"],
+                   help="sparsifier index modes, of gather,leader,aggregate (default gather: each rank its own, "
+                        "allgathered; leader, aggregate: one set shared by every rank, allreduced)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")

@@ -305,6 +305,10 @@ def train(
                 sums[key] += entry[key]
             per_layer[entry["name"]][0] += entry["values"]
             per_layer[entry["name"]][1] += entry["numel"]
+        if not log:  # the Simulator ran the bucket engine (a shared index set): its allreduces' bytes
+            sent = float(sum(sim.bytes_sent_per_rank))
+            sums["bytes"] += sent
+            sums["traffic"] += allreduce_traffic(sent, ranks)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.grad = averaged[name].reshape(p.shape)

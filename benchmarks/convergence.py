@@ -139,6 +139,8 @@ class Run:
     name: str
     ratio: Optional[float] = None
     variant: str = "plain"
+    #: a sparsifier's index mode (``indices=``): ``gather``, ``leader``, ``aggregate``
+    indices: str = "gather"
 
     @property
     def momentum_correction(self) -> bool:
@@ -151,7 +153,8 @@ class Run:
     @property
     def label(self) -> str:
         """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``terngrad``."""
-        return cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
+        label = cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
+        return label + (f" [{self.indices}]" if self.indices != "gather" else "")
 
     def compressor(self, momentum: float) -> Any:
         """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
@@ -159,15 +162,16 @@ class Run:
             return Compression.terngrad(error_feedback=True)
         if not self.ratio:
             return Compression.by_name(self.name)
-        return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0)
+        return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0,
+                                   indices=self.indices)
 
 
 def plan(
     models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
-    variants: Sequence[str] = DEFAULT_VARIANTS,
+    variants: Sequence[str] = DEFAULT_VARIANTS, indices: Sequence[str] = ("gather",),
 ) -> List[Run]:
-    """Every run, model by model: dense, the sparsifiers per density (each variant in the order given),
-    TernGrad."""
+    """Every run, model by model: dense, the sparsifiers per density (each variant, then each index mode,
+    in the order given), TernGrad."""
     unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
     unknown += [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -179,7 +183,8 @@ def plan(
     for model in dict.fromkeys(models):
         runs += [Run(model, "none")] if "none" in compressors else []
         for ratio in dict.fromkeys(float(r) for r in ratios):
-            runs += [Run(model, n, ratio, v) for n in cnn.SPARSE if n in compressors for v in dict.fromkeys(variants)]
+            runs += [Run(model, n, ratio, v, mode) for n in cnn.SPARSE if n in compressors
+                     for v in dict.fromkeys(variants) for mode in dict.fromkeys(indices)]
         runs += [Run(model, name) for name in ("terngrad", "terngrad-ef") if name in compressors]
     return runs
 
@@ -336,6 +341,7 @@ def study(
     compressors: Sequence[str] = DEFAULT_COMPRESSORS,
     ratios: Sequence[float] = DEFAULT_RATIOS,
     variants: Sequence[str] = DEFAULT_VARIANTS,
+    indices: Sequence[str] = ("gather",),
     seeds: Sequence[int] = (0, 1, 2),
     target_gap: float = 0.5,
     out: Optional[str] = None,
@@ -347,7 +353,7 @@ def study(
     """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
     (default :func:`file_stem`) to ``out`` when given, print the table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs = plan(models, compressors, ratios, variants)
+    runs = plan(models, compressors, ratios, variants, indices)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -359,6 +365,7 @@ def study(
         "settings": {
             **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
             "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
+            "indices": list(dict.fromkeys(indices)),
             "data": data.describe(), "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
             "optimizer": f"SGD, lr {setup.lr} ({setup.lr_schedule}), with momentum {setup.momentum} on the averaged gradient; "
                          f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "

@@ -13,6 +13,18 @@ per sequential message), for a gradient of ``d`` fp32 elements and density
 
       T_sparse = (N-1) alpha + (N-1) * 8k / B
 
+* shared index set (``indices="leader"``/``"aggregate"``, ``SharedIndexCodec``): the ``k`` values
+  at one index set common to every rank, summed by a ring allreduce; the leader's ``k`` int32
+  indices first, by an allreduce of their own (the other ranks add zeros)::
+
+      T_leader    = 4 (N-1) alpha + 2 (N-1)/N * 8k / B
+      T_aggregate = 2 (N-1) alpha + 2 (N-1)/N * 4k / B
+
+  independent of N in bytes, as the dense allreduce; against an fp16 dense allreduce
+  (``2 (N-1)/N 2d``) the bandwidth terms never cross while ``4k < d`` (leader) or ``2k < d``
+  (aggregate); only the leader's extra latency term can catch up, at
+  ``N - 1 = (2d - 8k) / (alpha B)`` (ring allreduce latency);
+
 * TernGrad with a shared scale: an allreduce-Max of the scale, then the codes
   as an allreduce of ``lanes = ceil(d / floor(32 / ceil(log2(2N+1))))`` int32
   lanes, or, where that moves fewer bytes (``wire.ternary_wire_format``:
@@ -70,9 +82,12 @@ DEFAULT_RANKS = (2, 4, 8)
 DEFAULT_RATES = ("1gbit", "10gbit")
 MAX_RANKS = 512
 #: Measured collectives, in order; the model's name for each.
-COLLECTIVES = ("latency allreduce", "latency allgather", "dense allreduce", "sparse allgather", "terngrad")
-CURVES = ("dense", "sparse", "terngrad")
+COLLECTIVES = ("latency allreduce", "latency allgather", "dense allreduce", "sparse allgather", "shared allreduce",
+               "terngrad")
+CURVES = ("dense", "dense fp16", "sparse", "shared leader", "shared aggregate", "terngrad")
 TABLE_RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: how far the break-even N against an fp16 dense allreduce is looked for
+BREAK_EVEN_MAX_N = 10_000
 
 
 # ===================================================================== model
@@ -83,8 +98,14 @@ def terms(collective: str, n: int, d: int, ratio: float) -> Tuple[float, float]:
     ring_ar = 2.0 * (n - 1) / n  # bytes sent per byte allreduced
     if collective in ("dense", "dense allreduce"):
         return 2.0 * (n - 1), ring_ar * 4 * d
+    if collective == "dense fp16":
+        return 2.0 * (n - 1), ring_ar * 2 * d
     if collective in ("sparse", "sparse allgather"):
         return float(n - 1), (n - 1) * 8.0 * num_selected(d, ratio)
+    if collective in ("shared leader", "shared allreduce"):
+        return 4.0 * (n - 1), ring_ar * 8.0 * num_selected(d, ratio)
+    if collective == "shared aggregate":
+        return 2.0 * (n - 1), ring_ar * 4.0 * num_selected(d, ratio)
     if collective == "terngrad":
         scale = 2.0 * (n - 1)  # allreduce-Max of the 4-byte scale: latency only
         if ternary_wire_format(d, n) == "allreduce":
@@ -104,11 +125,13 @@ def seconds(collective: str, n: int, d: int, ratio: float, alpha: float, bytes_p
 
 
 def crossover(
-    d: int, ratio: float, alpha: float, bytes_per_second: float, against: str = "dense", max_n: int = 100_000
+    d: int, ratio: float, alpha: float, bytes_per_second: float, against: str = "dense", max_n: int = 100_000,
+    sparse_kind: str = "sparse",
 ) -> Optional[int]:
-    """Smallest N >= 2 where sparse allgather takes at least as long as ``against``; None up to ``max_n``."""
+    """Smallest N >= 2 where ``sparse_kind`` (the allgather, or a shared index set) takes at least as long as
+    ``against``; None up to ``max_n``."""
     for n in range(2, max_n + 1):
-        sparse = seconds("sparse", n, d, ratio, alpha, bytes_per_second)
+        sparse = seconds(sparse_kind, n, d, ratio, alpha, bytes_per_second)
         if sparse >= (1 - 1e-12) * seconds(against, n, d, ratio, alpha, bytes_per_second):  # float ties count
             return n
     return None
@@ -186,6 +209,10 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
         for h in handles:
             wait(h)
 
+    def shared() -> None:  # the leader's indices, then the values at them (SharedIndexCodec's two rounds)
+        wait(comm.allreduce_async(indices if rank == 0 else torch.zeros_like(indices), comm.SUM, "leader"))
+        wait(comm.allreduce_async(values, comm.SUM, "values"))
+
     def terngrad() -> None:
         wait(comm.allreduce_async(scale, comm.MAX, "scales"))
         if payload.wire_format == "allreduce":
@@ -198,6 +225,7 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
         "latency allgather": lambda: wait(comm.allgather_async(probe, "probe", [1] * n)),
         "dense allreduce": lambda: wait(comm.allreduce_async(dense, comm.SUM, "dense")),
         "sparse allgather": sparse,
+        "shared allreduce": shared,
         "terngrad": terngrad,
     }
 
@@ -281,6 +309,11 @@ def _model_link(
         m["crossover_vs_dense"] = crossover(d, ratio, m["alpha_s"], m["bytes_per_second"])
         m["crossover_closed_form"] = crossover_closed_form(d, ratio, m["alpha_s"], m["bytes_per_second"])
         m["crossover_vs_terngrad"] = crossover(d, ratio, m["alpha_s"], m["bytes_per_second"], "terngrad")
+        m["break_even_vs_fp16"] = {
+            kind: crossover(d, ratio, m["alpha_s"], m["bytes_per_second"], "dense fp16", max_n=BREAK_EVEN_MAX_N,
+                            sparse_kind=kind)
+            for kind in ("sparse", "shared leader", "shared aggregate")
+        }
         m["curves"] = curves(d, ratio, m["alpha_s"], m["bytes_per_second"], max_n)
     return dict(lk, points=points, models=models, measured_speedups=_speedups(points))
 
@@ -292,6 +325,7 @@ def _speedups(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         {
             "ranks": n,
             "dense_over_sparse": by[(n, "dense allreduce")] / by[(n, "sparse allgather")],
+            "dense_over_shared": by[(n, "dense allreduce")] / by[(n, "shared allreduce")],
             "dense_over_terngrad": by[(n, "dense allreduce")] / by[(n, "terngrad")],
         }
         for n in sorted({p["ranks"] for p in points})
@@ -411,7 +445,11 @@ def _settings(
         "load_average_at_start": report.load_average(),
         "model": {
             "dense": "2(N-1) alpha + 2(N-1)/N * 4d / B",
+            "dense fp16": "2(N-1) alpha + 2(N-1)/N * 2d / B",
             "sparse": "(N-1) alpha + (N-1) * 8k / B   (two concurrent allgathers: k int32 + k fp32)",
+            "shared leader": "4(N-1) alpha + 2(N-1)/N * 8k / B   (allreduce of the leader's k int32 indices, then "
+                             "of the k fp32 values)",
+            "shared aggregate": "2(N-1) alpha + 2(N-1)/N * 4k / B   (allreduce of the k fp32 values)",
             "terngrad": "2(N-1) alpha [scale Max] + 2(N-1) alpha + 2(N-1)/N * 4 lanes / B   (packed allreduce), "
             "or + (N-1) alpha + (N-1) ceil(d/4) / B (2-bit allgather, where N ceil(d/4) < 8 lanes)",
             "lanes": "ceil(d / floor(32 / ceil(log2(2N+1))))",
@@ -460,10 +498,11 @@ def print_tables(results: Dict[str, Any], stdout: Any = None) -> None:
                 )
                 say(f"  {p['ranks']:>3} {p['collective']:<18} {_ms(p['seconds']):>11}{cells}")
             ratios = ", ".join(
-                f"N={r['ranks']}: {r['dense_over_sparse']:.1f}x / {r['dense_over_terngrad']:.1f}x"
+                f"N={r['ranks']}: {r['dense_over_sparse']:.1f}x / {r['dense_over_shared']:.1f}x / "
+                f"{r['dense_over_terngrad']:.1f}x"
                 for r in lk["measured_speedups"]
             )
-            say(f"  measured dense time / sparse, / TernGrad: {ratios}")
+            say(f"  measured dense time / sparse allgather, / shared allreduce, / TernGrad: {ratios}")
         _print_model_table(lk, stdout)
     rule = results["library_rule"]
     say(f"\nLibrary rule ({rule['rule']}): dense from N = {rule['crossover_n']}")
@@ -476,22 +515,26 @@ def _print_model_table(lk: Dict[str, Any], stdout: Any) -> None:
     c = m["curves"]
     say(f"  model ({key}) in ms:")
     ns = [n for n in TABLE_RANKS if n <= c["n"][-1]]
-    say(f"  {'N':>12}" + "".join(f"{n:>9}" for n in ns))
+    say(f"  {'N':>16}" + "".join(f"{n:>9}" for n in ns))
     for name in CURVES:
-        say(f"  {name:>12}" + "".join(f"{_ms(c[f'{name}_s'][n - 2]):>9}" for n in ns))
+        say(f"  {name:>16}" + "".join(f"{_ms(c[f'{name}_s'][n - 2]):>9}" for n in ns))
     say(
         f"  sparse allgather stops paying at N >= {m['crossover_vs_dense']} vs dense "
         f"(closed form {m['crossover_closed_form'] and round(m['crossover_closed_form'], 1)}), "
         f"N >= {m['crossover_vs_terngrad']} vs TernGrad"
     )
+    even = m["break_even_vs_fp16"]
+    say("  break-even N against an fp16 dense allreduce: " + ", ".join(
+        f"{kind} {even[kind] if even[kind] is not None else f'> {BREAK_EVEN_MAX_N:,}'}" for kind in even))
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:
     """One panel per link: model curves (log-log) and measured points; crossover marked."""
     links = results["links"]
     fig, axes = report.pyplot().subplots(1, len(links), figsize=(6 * len(links), 4.6), squeeze=False)
-    colors = dict(zip(CURVES, ("black", "tab:blue", "tab:orange")))
-    measured = {"dense": "dense allreduce", "sparse": "sparse allgather", "terngrad": "terngrad"}
+    colors = dict(zip(CURVES, ("black", "gray", "tab:blue", "tab:green", "tab:olive", "tab:orange")))
+    measured = {"dense": "dense allreduce", "sparse": "sparse allgather", "shared leader": "shared allreduce",
+                "terngrad": "terngrad"}
     for ax, lk in zip(axes[0], links):
         for key, m in lk["models"].items():
             style = "-" if key == "fit" or len(lk["models"]) == 1 else ":"
@@ -506,7 +549,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
                     linewidth=1.5 if style == "-" else 1,
                 )
         for name in CURVES:
-            pts = [p for p in lk["points"] if p["collective"] == measured[name]]
+            pts = [p for p in lk["points"] if p["collective"] == measured.get(name)]
             if pts:
                 ax.plot(
                     [p["ranks"] for p in pts],
@@ -538,7 +581,7 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
     axes[0][0].set_ylabel("communication time per step (ms)")
     s = results["settings"]
     fig.suptitle(
-        f"Dense allreduce vs sparse allgather vs TernGrad, d = {format_size(s['numel'])}, "
+        f"Dense allreduce vs sparse allgather vs shared index set vs TernGrad, d = {format_size(s['numel'])}, "
         f"ratio {s['ratio']:g}",
         fontsize="medium",
     )

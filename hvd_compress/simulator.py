@@ -28,7 +28,16 @@ from hvd_compress.compressors import Compressor, as_compressor
 from hvd_compress.kernels import in_form_of
 from hvd_compress.compressors.base import as_tensor
 from hvd_compress.compressors.checkpoint import writer
+from hvd_compress.comm.exchange import open_exchange
+from hvd_compress.comm.lockstep import LockstepGroup
 from hvd_compress.wire import array_nbytes
+
+
+def runs_engine(compressor: Compressor) -> bool:
+    """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): a sparsifier with
+    an index set shared by the ranks (``indices='leader'`` or ``'aggregate'``), which only the
+    engine's rounds of collectives can agree on."""
+    return bool(getattr(getattr(compressor, "inner", compressor), "shared", False))
 
 
 class Simulator:
@@ -75,6 +84,8 @@ class Simulator:
         """
         originals = {name: per_rank[0] for name, per_rank in grads.items()}
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
+        if runs_engine(self.compressors[0]):
+            return self._engine_step(grads, originals)
         shared = self.compressors[0].encode_options(self.compressors, grads)
         sent = [0] * self.n_ranks
         out: Dict[str, np.ndarray] = {}
@@ -89,6 +100,26 @@ class Simulator:
         self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1
         return out
+
+    def _engine_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
+        """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.comm.lockstep`):
+        the whole step is one bucket; every rank launches, then completes, then finishes it."""
+        group = LockstepGroup(self.n_ranks)
+        before = [c.stats.bytes_sent for c in self.compressors]
+        exchanges = []
+        for rank, compressor in enumerate(self.compressors):
+            exchange = open_exchange(compressor, group.rank(rank), "simulator")
+            for name, per_rank in grads.items():
+                exchange.add(name, per_rank[rank])
+            exchange.launch(complete=False)
+            exchanges.append(exchange)
+        for exchange in exchanges:
+            exchange.complete()
+        results = [exchange.finish(average=True) for exchange in exchanges]
+        self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, b in zip(self.compressors, before)]
+        self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
+        self.steps += 1
+        return {name: in_form_of(results[0][name], originals[name]) for name in grads}
 
     def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[Any]:
         if len(per_rank) != self.n_ranks:

@@ -15,16 +15,26 @@ dense allreduce is often faster. ``Auto`` decides per bucket, measured:
      gradients over the same communicator (its result is discarded; one per
      dtype and device of a bucket that mixes them, as its dense exchange sends).
 
+   A sparsifier has a second way to send sparse: its index mode switched between
+   each rank's own indices, allgathered (``indices="gather"``), and one index set
+   shared by every rank, allreduced (``"leader"``, ``"aggregate"``;
+   :mod:`~hvd_compress.compressors.shared_bucket`). ``Auto(..., indices=...)`` names the
+   mode tried besides the compressor's own (default ``"auto"``: ``"leader"`` for a
+   gathering compressor, ``"gather"`` for a sharing one; ``None``: none): the next
+   ``warmup + 1`` exchanges travel that way, timed alike (``alternative_ms``).
+
    Clocks: CUDA events on CUDA tensors, ``time.perf_counter`` otherwise; the
    events are read only when deciding. Steady steps record nothing.
 2. *decide* (the next exchange of the bucket): each rank's median of its
-   samples, reduced across ranks by an allreduce-Max of ``[dense, compressed]``
-   (one host read), so every rank holds the same two numbers and makes the same
-   choice::
+   samples, reduced across ranks by an allreduce-Max of ``[dense, compressed,
+   alternative]`` (one host read), so every rank holds the same numbers and makes the
+   same choice::
 
-       compressed  if  compressed_ms < (1 - margin) * dense_ms,  else dense
+       the faster sparse way  if  its ms < (1 - margin) * dense_ms,  else dense
 
-   (ties go dense: dense is exact). Rank 0 prints one line when a bucket's
+   (ties go dense: dense is exact; between the sparse ways, to the compressor's own).
+   The choices are ``"dense"``, ``"compressed"`` (the compressor as configured) and
+   ``"indices=<mode>"`` (the other index mode). Rank 0 prints one line when a bucket's
    choice is made or changes.
 3. *steady*: the bucket travels the chosen way; after ``decide_every`` more
    exchanges it is measured again (``0``: the choice is kept).
@@ -49,6 +59,7 @@ overrides ``decide_every``; :meth:`Auto.remeasure` measures every bucket again
 
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import sys
@@ -63,6 +74,8 @@ from hvd_compress.compressors.validation import check_count
 from hvd_compress.kernels import ops_for
 
 DENSE, COMPRESSED = "dense", "compressed"
+#: the index mode ``Auto`` tries besides a sparsifier's own, by default
+DEFAULT_ALTERNATIVE = {"gather": "leader", "leader": "gather", "aggregate": "gather"}
 PIN_ENV, DECIDE_EVERY_ENV = "HVD_COMPRESS_AUTO_PIN", "HVD_COMPRESS_AUTO_DECIDE_EVERY"
 
 
@@ -104,12 +117,13 @@ class BucketChoice:
     decided_at: int = 0
     measured: int = 0  # exchanges of the current measurement (the first is not timed)
     remeasure: bool = False  # measure again from the next exchange
-    samples: List[Tuple[Any, Any, Any, Any, Any, Any]] = field(default_factory=list)
+    samples: List[Tuple[Any, ...]] = field(default_factory=list)
+    alternative_ms: Optional[float] = None  # the other index mode's, where one is tried
 
     def decision(self) -> Dict[str, Any]:
         """The last decision: choice, the reduced timings and the exchange it was made at."""
         return {"choice": self.choice, "dense_ms": self.dense_ms, "compressed_ms": self.compressed_ms,
-                "decided_at": self.decided_at}
+                "alternative_ms": self.alternative_ms, "decided_at": self.decided_at}
 
     def public(self) -> Dict[str, Any]:
         return {**self.decision(), "exchanges": self.exchanges, "remeasure": self.remeasure}
@@ -129,7 +143,8 @@ class AutoStats(WireStats):
 
     @property
     def compressed_buckets(self) -> int:
-        return sum(d["choice"] == COMPRESSED for d in self.decisions.values())
+        """Buckets sent sparse (the compressor as configured, or its other index mode)."""
+        return sum(d["choice"] not in (None, DENSE) for d in self.decisions.values())
 
 
 # ---------------------------------------------------------------- dense view
@@ -229,9 +244,9 @@ class AutoExchange:
         if self.exchange is None:
             if self.mode == "decide":
                 self.mode = self.auto.settle(self.key, self.added, self.comm)
-            dense = self.mode == DENSE
-            self.exchange = BucketExchange(self.auto.dense if dense else self.auto.inner, self.comm,
-                                           self.key + ".dense" if dense else self.key, self.run)
+            way = self.auto.way_measured(self.state) if self.mode == "measure" else self.mode
+            compressor, suffix = self.auto.way(way)
+            self.exchange = BucketExchange(compressor, self.comm, self.key + suffix, self.run)
             for name, tensor in self.added:
                 self.exchange.add(name, tensor)
         return self.exchange
@@ -245,8 +260,9 @@ class AutoExchange:
         if self.mode != "measure":
             exchange.launch(complete)
             return
+        way = self.auto.way_measured(state)
         state.measured, state.remeasure = state.measured + 1, False
-        timed = state.measured > 1  # the first exchange of a measurement builds plans
+        timed = state.measured not in (1, self.auto.warmup + 2)  # the first exchange of each way builds plans
         clock, comm, like = self.auto.clock, self.comm, self.added[0][1]
         mark = (lambda: clock.mark(like)) if timed else (lambda: None)
         start = mark()
@@ -259,7 +275,7 @@ class AutoExchange:
             flat = ops.concat([ops.reshape(t, (-1,)) for t in tensors])  # in the exchange's form
             comm.wait(comm.allreduce_async(flat, comm.SUM, f"{key}.auto.dense"))
             self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
-        self.marks = [start, launched, launched, mark()] if timed else []
+        self.marks = [start, launched, launched, mark(), way] if timed else []
 
     @in_run_state
     def complete(self) -> None:
@@ -278,8 +294,8 @@ class AutoExchange:
             clock, like = self.auto.clock, self.added[0][1]
             before = clock.mark(like)
             results = exchange.finish(average, order)
-            start, launched, dense_start, dense_stop = self.marks
-            self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop))
+            start, launched, dense_start, dense_stop, way = self.marks
+            self.state.samples.append((start, launched, before, clock.mark(like), dense_start, dense_stop, way))
         if isinstance(self.comm, WaitOnce):
             self.comm.results.clear()  # the handles it kept hold the transport's connections
         return results
@@ -292,11 +308,14 @@ class Auto(InnerState):
     between measurements (0: decide once); ``margin``: how much faster compressed must be (0.05 =
     5%); ``pin``: ``"dense"`` or ``"compressed"`` to skip measuring; ``log``: print a line on rank 0
     per decision change (``True``), call ``log(line)``, or ``False``; ``clock``: an object with
-    ``mark(like)`` and ``elapsed_ms(start, stop)`` (default: CUDA events or ``perf_counter``).
+    ``mark(like)`` and ``elapsed_ms(start, stop)`` (default: CUDA events or ``perf_counter``);
+    ``indices``: the index mode of a sparsifier tried besides its own (``"auto"``, ``"gather"``,
+    ``"leader"``, ``"aggregate"``; ``None``: only dense and the compressor).
     """
 
     def __init__(self, compressor: Compressor, warmup: int = 3, decide_every: int = 0, margin: float = 0.0,
-                 pin: Optional[str] = None, log: Any = True, clock: Any = None) -> None:
+                 pin: Optional[str] = None, log: Any = True, clock: Any = None, indices: Optional[str] = "auto"
+                 ) -> None:
         if not isinstance(compressor, Compressor) or isinstance(compressor, Auto):
             raise TypeError(f"hvd_compress: Auto(compressor) needs an hvd_compress compressor such as "
                             f"RegTopK(0.01), got {compressor!r}")
@@ -314,6 +333,8 @@ class Auto(InnerState):
         self.pin = pin
         self.log = log
         self.clock = clock or WallClock()
+        #: the sparsifier with its other index mode (``None``: nothing else is tried), sharing its state
+        self.alternative = alternative_of(compressor, indices)
         if not isinstance(compressor.state.stats, AutoStats):
             compressor.state.stats = AutoStats(compressor.state.stats)
 
@@ -346,10 +367,33 @@ class Auto(InnerState):
     @ratio.setter
     def ratio(self, value: float) -> None:
         self.inner.ratio = value
+        if self.alternative is not None:
+            self.alternative.ratio = value
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Auto", "compressor": repr(self.inner), "warmup": self.warmup,
-                "decide_every": self.decide_every, "margin": self.margin, "pin": self.pin}
+                "decide_every": self.decide_every, "margin": self.margin, "pin": self.pin,
+                **({"indices": self.alternative.indices} if self.alternative is not None else {})}
+
+    def way(self, choice: str) -> Tuple[Compressor, str]:
+        """The compressor a bucket travels with for ``choice`` and the suffix of its plan's key."""
+        if choice == DENSE:
+            return self.dense, ".dense"
+        if choice == COMPRESSED or self.alternative is None:
+            return self.inner, ""
+        return self.alternative, ".indices"
+
+    @property
+    def alternative_choice(self) -> Optional[str]:
+        """The choice that sends with the other index mode (``"indices=leader"``...), ``None`` without one."""
+        return None if self.alternative is None else f"indices={self.alternative.indices}"
+
+    def way_measured(self, state: BucketChoice) -> str:
+        """How a measuring exchange travels: the compressor's own way for the first ``warmup + 1``
+        exchanges of a measurement, then its other index mode's."""
+        if self.alternative is None or state.measured < self.warmup + 1:
+            return COMPRESSED
+        return self.alternative_choice
 
     # Simulator and per-tensor use: the inner compressor's encode and decode
     def encode(self, tensor: Any, name: str, **options: Any) -> Any:
@@ -391,32 +435,41 @@ class Auto(InnerState):
             if not (due or state.remeasure):
                 return state.choice
             state.samples = []
-        return "decide" if len(state.samples) >= self.warmup else "measure"
+        ways = 1 if self.alternative is None else 2
+        return "decide" if len(state.samples) >= ways * self.warmup else "measure"
 
-    def medians(self, state: BucketChoice) -> Tuple[float, float]:
-        """This rank's median ``(dense_ms, compressed_ms)`` over the bucket's samples (reads the clocks)."""
+    def medians(self, state: BucketChoice) -> Tuple[float, ...]:
+        """This rank's median ``(dense_ms, compressed_ms[, alternative_ms])`` over the bucket's samples (reads
+        the clocks)."""
         elapsed = self.clock.elapsed_ms
         dense = statistics.median(elapsed(s[4], s[5]) for s in state.samples)
-        compressed = statistics.median(elapsed(s[0], s[1]) + elapsed(s[2], s[3]) for s in state.samples)
-        return dense, compressed
+        ways = [COMPRESSED] + ([] if self.alternative is None else [self.alternative_choice])
+        sparse = [statistics.median(elapsed(s[0], s[1]) + elapsed(s[2], s[3]) for s in state.samples if s[6] == way)
+                  for way in ways]
+        return (dense, *sparse)
 
     def settle(self, key: str, added: List[Tuple[str, Any]], comm: Any,
-               mine: Optional[Tuple[float, float]] = None) -> str:
-        """Reduce this rank's ``[dense_ms, compressed_ms]`` (default: :meth:`medians`) across ranks (max),
-        record the bucket's choice and return it; the same on every rank."""
+               mine: Optional[Tuple[float, ...]] = None) -> str:
+        """Reduce this rank's ``[dense_ms, compressed_ms(, alternative_ms)]`` (default: :meth:`medians`) across
+        ranks (max), record the bucket's choice and return it; the same on every rank."""
         state = self.choices.setdefault(key, BucketChoice())
         like = added[0][1]
         ops = ops_for(like)
         local = ops.as_float32(list(mine or self.medians(state)), like=like)
-        dense, compressed = ops.to_list(comm.wait(comm.allreduce_async(local, comm.MAX, f"{key}.auto")))
-        self.stats.add(8, 0, 0, 0)  # the two float32 timings
+        dense, compressed, *alternative = ops.to_list(comm.wait(comm.allreduce_async(local, comm.MAX, f"{key}.auto")))
+        self.stats.add(4 * (2 + len(alternative)), 0, 0, 0)  # the float32 timings
         choice = decide(dense, compressed, self.margin)
+        if alternative and alternative[0] < compressed:
+            other = decide(dense, alternative[0], self.margin)
+            choice = other if other == DENSE else self.alternative_choice
         previous = state.choice
         state.choice, state.dense_ms, state.compressed_ms = choice, float(dense), float(compressed)
+        state.alternative_ms = float(alternative[0]) if alternative else None
         state.decided_at, state.measured, state.samples = state.exchanges, 0, []
         self.stats.decisions[key] = state.decision()
         if choice != previous and comm.rank == 0 and self.log:
-            line = (f"hvd_compress: Auto: {key}: dense {dense:.2f} ms, {self.inner!r} {compressed:.2f} ms "
+            other = f", indices={self.alternative.indices} {alternative[0]:.2f} ms" if alternative else ""
+            line = (f"hvd_compress: Auto: {key}: dense {dense:.2f} ms, {self.inner!r} {compressed:.2f} ms{other} "
                     f"-> {choice}")
             self.log(line) if callable(self.log) else print(line, file=sys.stderr, flush=True)
         return choice
@@ -445,3 +498,16 @@ class Auto(InnerState):
 
     def __repr__(self) -> str:
         return f"Auto({self.inner!r}, warmup={self.warmup}, decide_every={self.decide_every})"
+
+
+def alternative_of(compressor: Compressor, indices: Optional[str]) -> Optional[Compressor]:
+    """``compressor`` with the index mode ``indices`` (``"auto"``: :data:`DEFAULT_ALTERNATIVE` of its own),
+    sharing its run state (a shallow copy), or ``None`` when ``indices`` is ``None``, is the compressor's own
+    mode, or the compressor has no index modes (not a sparsifier)."""
+    own = getattr(compressor, "indices", None)
+    if indices is None or own is None:
+        return None
+    mode = DEFAULT_ALTERNATIVE[own] if indices == "auto" else indices
+    other = copy.copy(compressor)
+    other.indices = mode  # checked: an unknown mode is the sparsifier's own error
+    return None if mode == own else other

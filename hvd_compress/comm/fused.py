@@ -124,6 +124,7 @@ class FusedBucket:
         self.compressed = [i for g in self.groups for i in g.members]  # work order
         self.n_compressed = self.groups[-1].stop if self.groups else 0
         self.offsets = _offsets(self.groups)  # tensor -> its first entry in the compressed part
+        self.signature = wire.header_hash((self.names, self.shapes, self.kinds, str(self.dtype)))
         #: the compressor's codec of the compressed part (what travels, how it decodes)
         self.codec = compressor.bucket_codec(self) if self.compressed else None
         #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
@@ -139,8 +140,6 @@ class FusedBucket:
         #: momentum correction's decay (0: off)
         self.momentum = float(getattr(compressor, "momentum", 0.0) or 0.0)
         self.step_stats = self._step_stats()
-        layout = (self.names, self.shapes, self.kinds, str(self.dtype))
-        self.signature = wire.header_hash(layout)
         # state
         self.residual: Optional[Array] = None
         self.velocity: Optional[Array] = None  # compressed part, the residual's layout
@@ -148,6 +147,8 @@ class FusedBucket:
         self.posterior: Optional[Tuple[Array, Array]] = None
         self.flush_into_dense: Dict[int, Array] = {}
         self.checked = False
+        #: steps this bucket's tensors have been exchanged (across plans; a shared index set's leader turn)
+        self.exchanges = 0
 
     def __getstate__(self) -> Dict[str, Any]:
         """A kernel module does not pickle (a route's state may be): its name does."""
@@ -309,6 +310,7 @@ class FusedBucket:
             g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
         self.compressor.stats.add(*self.step_stats)
+        self.exchanges += 1
         if complete:
             out.complete(comm)
         return out
@@ -438,10 +440,12 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
     if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
         return bucket
     fresh = FusedBucket(compressor, key, names, shapes, tensors[0], world)
+    fresh.exchanges = run.exchanges  # where the run stands (a checkpoint's count, once loaded)
     wanted = set(names)
     for other_key, other in list(run.buckets.items()):
         if other_key == key or wanted.intersection(other.names):
             other.flush(run.memory)
+            fresh.exchanges = max(fresh.exchanges, other.exchanges)
             del run.buckets[other_key]
     compressor.adopt_loaded_state(fresh.ops, tensors[0])
     fresh.adopt(run.memory)

@@ -61,21 +61,28 @@ class ThreadCommunicator(Communicator):
         return result
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        ops = ops_for(tensor)
-        if op == self.MAX:
-            return self._collective(tensor, lambda posts: functools.reduce(ops.maximum, posts))
-        if str(tensor.dtype).endswith("int32"):
-            return self._collective(tensor, ops.sum_int32_wrapping)
-        return self._collective(tensor, lambda posts: ops.cast(ops.dense_sum(posts), tensor.dtype))
+        return self._collective(tensor, lambda posts: reduced(op, posts))
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self._collective(tensor, lambda posts: _concatenated(posts, name))
+        return self._collective(tensor, lambda posts: concatenated(posts, name))
 
     def wait(self, handle: Any) -> Any:
         return handle
 
 
-def _concatenated(posts: List[Any], name: str) -> Any:
+def reduced(op: str, posts: List[Any]) -> Any:
+    """The allreduce of the ranks' tensors ``posts`` in rank order: ``Communicator.MAX`` elementwise, else
+    a sum (int32 wrapping as an int32 allreduce does; floats summed in at least float32, in rank order,
+    back in the tensors' dtype)."""
+    ops, first = ops_for(posts[0]), posts[0]
+    if op == Communicator.MAX:
+        return functools.reduce(ops.maximum, posts)
+    if str(first.dtype).endswith("int32"):
+        return ops.sum_int32_wrapping(posts)
+    return ops.cast(ops.dense_sum(posts), first.dtype)
+
+
+def concatenated(posts: List[Any], name: str) -> Any:
     """The ranks' tensors concatenated along dim 0; every rank raises the same error when their other
     dimensions differ (as ``MPICommunicator`` checks them)."""
     shapes = [tuple(p.shape[1:]) for p in posts]

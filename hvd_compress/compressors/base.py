@@ -324,6 +324,8 @@ class Compressor:
         self.state.flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
                  "world": self.size, "route": self.route}
+        if getattr(self, "shared", False):  # the leader's turn of a shared index set
+            state["exchanges"] = self.state.exchanged()
         state["generators"] = {
             **self.state.saved_generators,
             **{
@@ -351,6 +353,7 @@ class Compressor:
         run.generators = {}
         run.saved_generators = dict(state.get("generators", {}))
         run.loaded_route = writer(state)
+        run.exchanges = check_count(state.get("exchanges", 0), "checkpoint's exchanges")
         holds_state = bool(state["tensors"]) or bool(state.get("generators"))
         run.origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 

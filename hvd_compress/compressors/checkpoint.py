@@ -88,9 +88,10 @@ def _feed(digest: Any, value: Any) -> None:
 
 def state_checksum(state: Dict[str, Any]) -> str:
     """SHA-256 (hex) of a checkpoint's ``config``, ``tensors``, ``generators``, ``rank``, ``world`` and,
-    when it records one, ``route``."""
+    when it records them, ``route`` and ``exchanges`` (a shared index set's steps)."""
     digest = hashlib.sha256()
-    keys = ("config", "tensors", "generators", "rank", "world") + (("route",) if "route" in state else ())
+    keys = ("config", "tensors", "generators", "rank", "world") + tuple(
+        key for key in ("route", "exchanges") if key in state)
     _feed(digest, {key: state.get(key) for key in keys})
     return digest.hexdigest()
 

@@ -40,6 +40,7 @@ class RegTopK(LargestScores, Sparsifier):
         dense_when_cheaper: bool = True,
         seed: int = 0,
         momentum: float = 0.0,
+        indices: str = "gather",
     ) -> None:
         super().__init__(
             ratio,
@@ -48,6 +49,7 @@ class RegTopK(LargestScores, Sparsifier):
             dense_when_cheaper=dense_when_cheaper,
             seed=seed,
             momentum=momentum,
+            indices=indices,
         )
         self.mu = mu
 

@@ -33,7 +33,7 @@ from hvd_compress import kernels
 from hvd_compress.kernels import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
 from hvd_compress.wire import DensePayload, SparsePayload
-from hvd_compress.compressors.validation import check_bool, check_count, check_momentum, checked
+from hvd_compress.compressors.validation import check_bool, check_count, check_indices, check_momentum, checked
 
 #: Tensors below this many elements go dense by default.
 DENSE_BELOW = 1024
@@ -68,6 +68,12 @@ class Sparsifier(Compressor):
         "DGC's momentum correction: decay m of the velocity u = m u + g that error feedback accumulates, "
         "in [0, 1) (0: off). The optimizer then runs without momentum.",
     )
+    indices = checked(
+        "indices", check_indices,
+        "How the ranks choose what they send: 'gather' (each rank its own k indices, allgathered: (N-1) 8k "
+        "bytes received per rank), 'leader' or 'aggregate' (one index set shared by every rank, its values "
+        "allreduced: 2 (N-1)/N 4k bytes, independent of N; compressors.shared_bucket).",
+    )
 
     def __init__(
         self,
@@ -77,6 +83,7 @@ class Sparsifier(Compressor):
         dense_when_cheaper: bool = True,
         seed: int = 0,
         momentum: float = 0.0,
+        indices: str = "gather",
     ) -> None:
         super().__init__(seed=seed)
         self.ratio = ratio
@@ -84,6 +91,7 @@ class Sparsifier(Compressor):
         self.dense_below = dense_below
         self.dense_when_cheaper = dense_when_cheaper
         self.momentum = momentum
+        self.indices = indices
         self._warned_dense: set = set()
 
     @property
@@ -103,16 +111,27 @@ class Sparsifier(Compressor):
             "dense_below": self.dense_below,
             "dense_when_cheaper": self.dense_when_cheaper,
             **({"momentum": self.momentum} if self.momentum else {}),
+            **({"indices": self.indices} if self.shared else {}),
         }
+
+    @property
+    def shared(self) -> bool:
+        """Whether every rank sends at one shared index set (``indices`` ``leader`` or ``aggregate``)."""
+        return self.indices != "gather"
 
     def k(self, numel: int) -> int:
         """Entries sent for a tensor of ``numel`` elements."""
         return reference.num_selected(numel, self.ratio)
 
     def dense_is_cheaper(self, numel: int) -> bool:
-        """``N * k >= numel``: a ring allgather of every rank's ``k`` (value, index) pairs then
-        moves at least the bytes of a dense ring allreduce (``(N-1) 8k`` vs ``2 (N-1)/N 4 numel``)."""
-        return self.dense_when_cheaper and self.size > 1 and self.size * self.k(numel) >= numel
+        """Whether a dense ring allreduce (``2 (N-1)/N 4 numel`` bytes per rank) moves no more than the
+        sparse payload: ``N k >= numel`` for the allgather of every rank's ``k`` (value, index) pairs
+        (``(N-1) 8k``); with a shared index set, whose ``k`` values are allreduced too, ``2k >= numel``
+        for the leader's (its ``k`` indices are allreduced as well), ``k >= numel`` for ``aggregate``."""
+        if not self.dense_when_cheaper or self.size <= 1:
+            return False
+        sparse_words = {"gather": self.size, "leader": 2, "aggregate": 1}[self.indices] * self.k(numel)
+        return sparse_words >= numel
 
     def fused_kind(self, numel: int) -> str:
         if numel == 0 or numel < self.dense_below or self.dense_is_cheaper(numel):
@@ -124,7 +143,12 @@ class Sparsifier(Compressor):
         return self.k(numel)
 
     def bucket_codec(self, bucket: Any) -> Any:
-        """:class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec`."""
+        """:class:`~hvd_compress.compressors.sparse_bucket.SparseBucketCodec` (an allgather), or with a
+        shared index set :class:`~hvd_compress.compressors.shared_bucket.SharedIndexCodec` (an allreduce)."""
+        if self.shared:
+            from hvd_compress.compressors.shared_bucket import SharedIndexCodec
+
+            return SharedIndexCodec(self, bucket, self.indices)
         from hvd_compress.compressors.sparse_bucket import SparseBucketCodec
 
         return SparseBucketCodec(self, bucket)
@@ -158,11 +182,17 @@ class Sparsifier(Compressor):
         if name not in self._warned_dense and self.dense_is_cheaper(numel):
             self._warned_dense.add(name)
             warnings.warn(
-                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
-                f"k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
-                "payloads would move more bytes than a dense allreduce; its residual is sent with it",
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
+                "allreduce; its residual is sent with it",
                 stacklevel=4,
             )
+
+    def _dense_reason(self, numel: int) -> str:
+        if self.shared:
+            return (f"k = {self.k(numel)} of {numel} elements, where allreducing the shared index set's values"
+                    f"{' and indices' if self.indices == 'leader' else ''} would move no fewer bytes than")
+        return (f"{self.size} ranks x k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
+                "payloads would move more bytes than")
 
     def velocity(self, name: str) -> Optional[Any]:
         """Momentum-correction velocity ``u`` of ``name`` in the tensor's shape (``None`` if it has none)."""
@@ -174,6 +204,12 @@ class Sparsifier(Compressor):
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         numel = flat.shape[0]
+        if self.shared:
+            raise ValueError(
+                f"hvd_compress: {self!r} shares one index set between ranks, which takes the bucket engine's "
+                "rounds of collectives (the drop-in optimizers, the DDP hook, stock Horovod, the MPI optimizer, "
+                "thread ranks, the Simulator); a per-tensor encode cannot agree on it. Use indices='gather' here"
+            )
         if self.momentum:
             return self._encode_velocity(flat, name, shape, ops)
         if numel < self.dense_below:

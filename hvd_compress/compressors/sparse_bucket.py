@@ -40,15 +40,19 @@ class SparseBucketCodec:
 
     rounds = 1
 
-    def __init__(self, compressor: Any, bucket: Any) -> None:
+    def __init__(self, compressor: Any, bucket: Any, slots: Any = None) -> None:
+        """``slots(n)``: the slots of a row of ``n`` (default: the compressor's; a fixed ``k`` per row
+        where the selection is a plain Top-k of other scores)."""
         self.compressor, ops = compressor, bucket.ops
         groups = bucket.groups
+        own = slots is None
+        k, slots = (compressor.k, compressor.slots) if own else (slots, slots)
         #: slots may go unused (Gaussian-k): one spare work entry after the compressed part
-        self.spare = int(bool(getattr(compressor, "pads_slots", False)))
-        self.k_total = sum(g.rows * compressor.slots(g.n) for g in groups)
+        self.spare = int(own and bool(getattr(compressor, "pads_slots", False)))
+        self.k_total = sum(g.rows * slots(g.n) for g in groups)
         self.index_dtype = ops.index_dtype(bucket.n_compressed + 1)
         #: the selections of the compressed part; unused slots point at the spare entry
-        self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, compressor.k(g.n), compressor.slots(g.n)) for g in groups],
+        self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, k(g.n), slots(g.n)) for g in groups],
                                 bucket.like, spare=bucket.n_compressed, tensors=added_order(bucket))
         #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
         #: at the first work position of its tensor (the spare: its own)
@@ -71,25 +75,11 @@ class SparseBucketCodec:
 
     def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any]:
         comp, ops, K, count = self.compressor, bucket.ops, self.k_total, self.flag_count - self.spare
-        if bucket.momentum:  # u = m u + g; a = r + u
-            step.velocity = u = ops.momentum_update(bucket.velocity, g, bucket.momentum)
-            a = u if bucket.residual is None else u + bucket.residual
-        else:
-            a = bucket.compensated(g)
+        a = accumulated(bucket, g, step)
         scores = comp.bucket_scores(a, bucket.posterior, ops)
         idx, probe = comp.bucket_select(a, scores, self.rows, ops)
         message = ops.empty(K + self.flag_count, bucket.dtype, bucket.like)
-        if a.dtype != bucket.dtype and bucket.residual is not None:  # values saturate to the gradient's dtype,
-            values, step.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=bucket.dtype)
-            values = ops.copy_into(message[:K], values)  # the rest stays in the residual
-        elif a.dtype != bucket.dtype:  # the velocity without error feedback: its values saturate, the rest goes
-            values = ops.copy_into(message[:K], ops.saturate(ops.take(a, idx), bucket.dtype))
-        else:
-            values = ops.take(a, idx, out=message[:K])
-            if bucket.residual is not None:
-                step.residual = ops.zero_at(a, idx)
-        if bucket.momentum:  # u[S] = 0 (the spare entry's slots: it stays 0)
-            step.velocity = ops.momentum_mask(step.velocity, idx)
+        values = sent_part(bucket, a, idx, message[:K], step)
         parts = [values, ops.multiply(probe, 0, out=message[K : K + count])]  # the flags: 0, or NaN where non-finite
         if self.spare:
             parts.append(ops.fill_zero(message[K + count :]))
@@ -116,3 +106,31 @@ def added_order(bucket: Any) -> List[Tuple[int, Tuple[str, tuple]]]:
     (:func:`~hvd_compress.kernels.reference_rows.row_order`)."""
     rows = {i: row for row, i in enumerate(bucket.compressed)}
     return [(rows[i], (bucket.names[i], bucket.shapes[i])) for i in sorted(bucket.compressed)]
+
+
+def accumulated(bucket: Any, g: Array, step: Any) -> Array:
+    """What error feedback compresses: ``a = g + r``, or under momentum correction ``u = m u + g``
+    (this step's velocity, in ``step``) and ``a = r + u``."""
+    ops = bucket.ops
+    if bucket.momentum:
+        step.velocity = u = ops.momentum_update(bucket.velocity, g, bucket.momentum)
+        return u if bucket.residual is None else u + bucket.residual
+    return bucket.compensated(g)
+
+
+def sent_part(bucket: Any, a: Array, idx: Array, out: Array, step: Any) -> Array:
+    """``a[S]`` in the gradient's dtype, into ``out``; the step's residual is ``a`` with ``a[S]`` set to 0
+    (what the gradient's dtype cannot carry stays in it) and under momentum correction ``u[S] = 0``."""
+    ops = bucket.ops
+    if a.dtype != bucket.dtype and bucket.residual is not None:  # values saturate to the gradient's dtype,
+        values, step.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=bucket.dtype)
+        values = ops.copy_into(out, values)  # the rest stays in the residual
+    elif a.dtype != bucket.dtype:  # the velocity without error feedback: its values saturate, the rest goes
+        values = ops.copy_into(out, ops.saturate(ops.take(a, idx), bucket.dtype))
+    else:
+        values = ops.take(a, idx, out=out)
+        if bucket.residual is not None:
+            step.residual = ops.zero_at(a, idx)
+    if bucket.momentum:  # u[S] = 0 (the spare entry's slots: it stays 0)
+        step.velocity = ops.momentum_mask(step.velocity, idx)
+    return values

@@ -91,6 +91,12 @@ class CompressorState:
         #: what the steps handed the collectives (bytes sent against the dense gradients')
         self.stats = WireStats()
         self._route_data: Dict[str, Any] = {}
+        #: steps exchanged before the buckets now held (a checkpoint's ``exchanges``)
+        self.exchanges = 0
+
+    def exchanged(self) -> int:
+        """Steps this run has exchanged: the most any bucket has (a shared index set's leader turn)."""
+        return max([self.exchanges] + [bucket.exchanges for bucket in self.buckets.values()])
 
     def route_data(self, key: str, make: Callable[[], Any]) -> Any:
         """What the route ``key`` keeps for this compressor (made by ``make()`` on first use)."""

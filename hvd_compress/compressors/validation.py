@@ -153,6 +153,26 @@ def check_gaussiank_ratio(ratio: float) -> float:
     return ratio
 
 
+#: how a sparsifier's ranks choose what they send (the ``indices=`` option): ``gather`` each its own ``S``,
+#: allgathered; ``leader`` and ``aggregate`` one shared ``S``, allreduced
+#: (:mod:`~hvd_compress.compressors.shared_bucket`)
+INDEX_MODES = ("gather", "leader", "aggregate")
+
+
+def check_indices(value: Any, name: str) -> str:
+    """``value`` if it names one of :data:`INDEX_MODES`; ``TypeError`` for a non-string, ``ValueError``
+    for an unknown name."""
+    if not isinstance(value, str):
+        raise TypeError(f"hvd_compress: {name} must be one of {', '.join(map(repr, INDEX_MODES))}, got {_got(value)}")
+    if value not in INDEX_MODES:
+        raise ValueError(
+            f"hvd_compress: {name} must be one of {', '.join(map(repr, INDEX_MODES))} ('gather': each rank "
+            f"its own indices, allgathered; 'leader', 'aggregate': one index set shared by every rank, its "
+            f"values allreduced), got {value!r}"
+        )
+    return value
+
+
 def checked(attribute: str, check: Callable[[Any, str], Any], doc: str) -> property:
     """A property stored in ``_<attribute>`` whose every assignment passes through ``check``.
 

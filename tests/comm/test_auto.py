@@ -85,7 +85,7 @@ def test_measured_bucket_goes_the_cheaper_way_and_logs_once(dense_ms, compressed
     lines = []
 
     def work(comm):
-        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(dense_ms, compressed_ms),
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, indices=None, clock=FakeClock(dense_ms, compressed_ms),
                     log=lines.append)
         exchange_steps(auto, comm, range(STEPS))
         return auto.stats.decisions["bucket"]
@@ -104,7 +104,7 @@ def test_switching_loses_nothing(make):
     the first dense exchange flushes every residual."""
 
     def work(comm):
-        auto = Auto(make(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
+        auto = Auto(make(0.1, dense_below=16), warmup=2, indices=None, clock=FakeClock(1.0, 5.0), log=False)
         modes, residuals = [], []
 
         def watch(step, auto):
@@ -132,13 +132,74 @@ def test_switching_loses_nothing(make):
         torch.testing.assert_close(results[1][0][name], results[0][0][name], rtol=0, atol=0)
 
 
+class WayClock(FakeClock):
+    """:class:`FakeClock` whose compressed time depends on the way the timed exchange travels (the measuring
+    state of ``auto_of()`` says which): ``own_ms`` for the compressor's own index mode, ``other_ms`` for the other."""
+
+    def __init__(self, auto_of, dense_ms: float, own_ms: float, other_ms: float) -> None:
+        super().__init__(dense_ms, own_ms)
+        self.auto_of, self.own_ms, self.other_ms = auto_of, own_ms, other_ms
+
+    def mark(self, like):
+        auto = self.auto_of()
+        own = auto.choices["bucket"].measured <= auto.warmup + 1  # this exchange's place in the measurement
+        return super().mark(like), self.own_ms if own else self.other_ms
+
+    def elapsed_ms(self, start, stop):
+        self.compressed_ms = start[1]
+        return super().elapsed_ms(start[0], stop[0])
+
+
+@pytest.mark.parametrize("own, other, expected", [(3.0, 1.0, "indices=leader"), (1.0, 3.0, "compressed"),
+                                                   (2.0, 2.0, "compressed"), (9.0, 8.0, "dense")])
+def test_three_ways_measured_the_fastest_wins_and_nothing_is_lost(own, other, expected):
+    """A gathering Top-k also measures its shared-index (leader) way; the fastest of dense, gather and
+    leader is chosen on every rank (ties to the compressor's own way, then dense), and sent + residual
+    == produced across the ways."""
+
+    def work(comm):
+        holder = {}
+        auto = holder["auto"] = Auto(TopK(0.1, dense_below=16), warmup=2, log=False,
+                                     clock=WayClock(lambda: holder["auto"], 5.0, own, other))
+        modes = []
+
+        def watch(step, auto):
+            modes.append(auto.mode(auto.choices.setdefault("bucket", BucketChoice())))
+
+        delivered = exchange_steps(auto, comm, range(9), watch)
+        return delivered, {n: auto.residual(n) for n in SHAPES}, modes, auto.stats.decisions["bucket"]
+
+    results = run_ranks(2, work)
+    assert results[0][2] == results[1][2] == ["measure"] * 6 + ["decide"] + [expected] * 2
+    decision = results[0][3]
+    assert decision == results[1][3] and decision["choice"] == expected
+    assert (decision["dense_ms"], decision["compressed_ms"], decision["alternative_ms"]) == (5.0, own, other)
+    produced = {n: sum(gradient(r, s, n) for r in range(2) for s in range(9)) for n in SHAPES}
+    for name in SHAPES:
+        left = sum(res[1][name].reshape(SHAPES[name]) for res in results if res[1][name] is not None)
+        torch.testing.assert_close(results[0][0][name] + left, produced[name], rtol=0, atol=1e-10)
+
+
+def test_the_other_index_mode_is_the_leader_or_gather_and_can_be_turned_off():
+    assert Auto(TopK(0.1)).alternative.indices == "leader"
+    assert Auto(TopK(0.1, indices="aggregate")).alternative.indices == "gather"
+    assert Auto(TopK(0.1), indices="aggregate").alternative.indices == "aggregate"
+    assert Auto(TopK(0.1), indices=None).alternative is None
+    assert Auto(TernGrad()).alternative is None
+    with pytest.raises(ValueError, match="indices must be one of"):
+        Auto(TopK(0.1), indices="broadcast")
+    auto = Auto(TopK(0.1))
+    auto.ratio = 0.02  # a density schedule sets both ways
+    assert auto.inner.ratio == auto.alternative.ratio == 0.02
+
+
 # ----------------------------------------------------------------- checkpoints
 def test_checkpoint_carries_decisions_measurements_and_residuals():
     def work(comm):
-        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(5.0, 1.0), log=False)
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, indices=None, clock=FakeClock(5.0, 1.0), log=False)
         exchange_steps(auto, comm, range(5))
         state = auto.state_dict()
-        fresh = Auto(TopK(0.1, dense_below=16), warmup=2, log=False)
+        fresh = Auto(TopK(0.1, dense_below=16), warmup=2, indices=None, log=False)
         fresh.load_state_dict(state)
         return auto, fresh
 
@@ -199,7 +260,7 @@ def test_bad_arguments_are_clear_errors(monkeypatch):
 @pytest.mark.parametrize("dense_ms, compressed_ms", [(1.0, 5.0), (5.0, 1.0)])
 def test_steady_steps_read_nothing_back(dense_ms, compressed_ms):
     def work(comm):
-        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(dense_ms, compressed_ms), log=False)
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, indices=None, clock=FakeClock(dense_ms, compressed_ms), log=False)
         exchange_steps(auto, comm, range(6))
         with count_host_reads() as reads:
             exchange_steps(auto, comm, range(6, 9))
@@ -223,7 +284,7 @@ def test_tensorflow_going_dense_flushes_the_residual(dtypes):
         return np.round(np.random.default_rng(100 * i + 10 * step + rank).normal(size=(64, 32)) * 8) / 8
 
     def work(comm):
-        auto = Auto(TopK(0.1, dense_below=16), warmup=2, clock=FakeClock(1.0, 5.0), log=False)
+        auto = Auto(TopK(0.1, dense_below=16), warmup=2, indices=None, clock=FakeClock(1.0, 5.0), log=False)
         delivered = {name: np.zeros((64, 32)) for name in names}
         for step in range(7):
             exchange = open_exchange(auto, comm, "bucket")

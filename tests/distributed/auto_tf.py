@@ -27,7 +27,7 @@ class SkewedAuto(Auto):
 def train(route: str, steps: int, hvd):
     w = tf.Variable(tf.random.stateless_normal([64, 32], seed=[1, 2]))
     b = tf.Variable(tf.zeros([32]))
-    auto = SkewedAuto(TopK(0.05), warmup=2, decide_every=4, log=False)
+    auto = SkewedAuto(TopK(0.05), warmup=2, indices=None, decide_every=4, log=False)
     rng = np.random.default_rng(hvd.rank())
 
     @tf.function

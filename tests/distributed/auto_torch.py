@@ -70,7 +70,7 @@ def main() -> None:
         import horovod.torch as hvd
 
         hvd.init()
-    measured = SkewedAuto(compressor("topk"), warmup=2, decide_every=3, log=False)
+    measured = SkewedAuto(compressor("topk"), warmup=2, indices=None, decide_every=3, log=False)
     rank, trained = train(args.route, measured, args.steps)
     _, pinned = train(args.route, Auto(compressor(args.pinned), pin="compressed", log=False), args.steps)
     arrays = {f"measured/{n}": v for n, v in trained.items()}

@@ -127,3 +127,23 @@ def test_rejects_bad_options(tmp_path, capsys):
         main(["scaling", "--measure", "some", "--out", str(tmp_path)])
     assert main(["scaling", "--link", "none", "--ranks", "1", "--out", str(tmp_path)]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_shared_index_terms_do_not_grow_with_n():
+    # k = 100 values (and the leader's 100 int32 indices) through a ring allreduce: 2 (N-1)/N x each
+    for n in (2, 16, 1000):
+        ring = 2 * (n - 1) / n
+        assert scaling.terms("shared leader", n, D, 0.01) == (4.0 * (n - 1), pytest.approx(ring * 800.0))
+        assert scaling.terms("shared aggregate", n, D, 0.01) == (2.0 * (n - 1), pytest.approx(ring * 400.0))
+        assert scaling.terms("dense fp16", n, D, 0.01) == (2.0 * (n - 1), pytest.approx(ring * 2.0 * D))
+
+
+def test_break_even_against_fp16_by_hand():
+    # bandwidth alone: the allgather's (N-1) 8k reaches 2 (N-1)/N 2d at N k = d / 2: N = 50 at 1%
+    assert scaling.crossover(D, 0.01, 0.0, B, "dense fp16", sparse_kind="sparse") == 50
+    assert scaling.crossover(D, 0.01, 0.0, B, "dense fp16", max_n=5000, sparse_kind="shared leader") is None
+    # the leader's extra 2 (N-1) alpha catches up where 2 (N-1) alpha >= 2 (N-1)/N (2d - 8k) / B,
+    # N >= (2d - 8k) / (alpha B) = 19 200 / 100
+    alpha = 1e-6
+    assert scaling.crossover(D, 0.01, alpha, B, "dense fp16", sparse_kind="shared leader") == 192
+    assert scaling.crossover(D, 0.01, alpha, B, "dense fp16", max_n=5000, sparse_kind="shared aggregate") is None

@@ -1,0 +1,127 @@
+"""Shared index sets: every rank sends its values at one common set ``S``, summed by an allreduce.
+
+An allgather of every rank's own ``k`` pairs makes each rank receive ``(N-1) 8k`` bytes, which
+grows with the ranks; when every rank sends the values at the same ``S``, a plain allreduce-Sum
+adds them and a ring moves ``2 (N-1)/N 4k`` bytes per rank, which does not (Chen et al.,
+"ScaleCom: Scalable Sparsified Gradient Compression for Communication-Efficient Distributed
+Training", NeurIPS 2020, arXiv:2104.11125). Per bucket (the compressed part, in size groups of
+``(rows, n)`` matrices, as :mod:`~hvd_compress.compressors.sparse_bucket`)::
+
+    a = g + r                                    (momentum: u = m u + g;  a = r + u)
+    S, agreed by every rank, one of
+      leader     the cyclic leader L = t mod N (t: the steps the run has exchanged, the same for
+                 every bucket however the route cuts them; in checkpoints) selects S = select(a_L)
+                 with the compressor's own rule (Top-k, Gaussian-k's threshold in its fixed
+                 slots, RegTop-k's posterior scores); round 1: an int allreduce-Sum of S,
+                 every other rank adding zeros (ScaleCom's cyclic local top-k)
+      aggregate  no index traffic: S = per row the k largest  rate * age,  where every rank
+                 holds the same rate_j = |sum over ranks at j| / the steps j had accumulated
+                 when last sent, and age_j = steps since j was last sent, this one included
+                 (rate * age: what j is expected to have accumulated); the first step of a plan
+                 sends the whole part, which is how every rank learns every rate
+    send a[S] ++ f                               one allreduce-Sum of K values and the flags
+    r = a with a[S] set to 0                     (momentum: u[S] = 0)
+    total[S] = the sum; f at each tensor's first entry: NaN where any rank held NaN/Inf
+
+``f`` is ``0 *`` each row's largest ``|a|`` (the leader's: its selection's largest score),
+so a non-finite tensor on any rank is non-finite on every rank and keeps its state, as in the
+allgather codec. Per rank and step a ring moves ``2 (N-1)/N (K + T) s`` bytes of values (``T``
+tensors' flags, ``s`` the gradient's itemsize), plus ``2 (N-1)/N 4K`` of indices for the leader:
+independent of ``N``. ``aggregate`` ranks every tensor of the plan by the same rule, whatever
+the compressor's own scores (Top-k, Gaussian-k and RegTop-k choose alike), and ``k`` per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Generator, List, Tuple
+
+import numpy as np
+
+from hvd_compress.compressors.rounds import Send
+from hvd_compress.compressors.sparse_bucket import SparseBucketCodec, accumulated, sent_part
+
+#: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
+Array = Any
+
+#: how the ranks agree on ``S`` (the ``indices=`` option of the sparsifiers; ``gather``: no shared set)
+SHARED_RULES = ("leader", "aggregate")
+
+
+class SharedIndexCodec(SparseBucketCodec):
+    """Plan and state of a shared-index compressed part (see the module docstring)."""
+
+    def __init__(self, compressor: Any, bucket: Any, rule: str) -> None:
+        if rule not in SHARED_RULES:
+            raise ValueError(f"hvd_compress: no shared index rule {rule!r}; the rules are {SHARED_RULES}")
+        super().__init__(compressor, bucket, slots=None if rule == "leader" else compressor.k)
+        self.rule = rule
+        self.rounds = 2 if rule == "leader" else 1
+        #: the aggregate rule's state, the same on every rank (``None``: the next step sends all)
+        self.rate: Any = None
+        self.age: Any = None
+
+    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+        """``(bytes sent, values sent)`` of a steady step: ``K`` values and the flags (the leader's
+        ``K`` indices too); the ``aggregate`` rule's first step of a plan adds the rest of the part."""
+        index_size = bucket.ops.itemsize(bucket.ops.empty(0, self.index_dtype, bucket.like))
+        indices = self.k_total * index_size if self.rule == "leader" else 0
+        return (self.k_total + self.flag_count) * itemsize + indices, self.k_total
+
+    def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+        """The rounds of one step (the leader's indices, then the values), then the decode:
+        ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
+        ops = bucket.ops
+        a = accumulated(bucket, g, step)
+        if self.rule == "leader":
+            leader = bucket.exchanges % bucket.world
+            if self.compressor.rank == leader:
+                idx, probe = self.compressor.bucket_select(a, self.compressor.bucket_scores(a, bucket.posterior, ops),
+                                                           self.rows, ops)
+                chosen = ops.cast(idx, self.index_dtype)
+            else:
+                probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, bucket.like)
+            received = yield [Send("leader", "sum", chosen)]
+            idx = ops.cast(received["leader"], ops.int64)
+            age = None
+        elif self.rate is None:  # the plan's first step: the whole part, every rank learns every rate
+            idx, probe, age = ops.as_int64(np.arange(bucket.n_compressed), bucket.like), self.rows.largest(abs(a)), None
+            unsent = bucket.n_compressed - self.k_total  # beyond a steady step's statistics
+            bucket.compressor.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
+        else:
+            age = self.age + 1
+            idx, _ = self.rows.topk(self.rate * age)
+            probe = self.rows.largest(abs(a))
+        count = idx.shape[0]
+        message = ops.empty(count + self.flag_count, bucket.dtype, bucket.like)
+        values = sent_part(bucket, a, idx, message[:count], step)
+        parts = [values, ops.multiply(probe, 0, out=message[count : count + self.flag_count - self.spare])]
+        if self.spare:
+            parts.append(ops.fill_zero(message[count + self.flag_count - self.spare :]))
+        received = yield [Send("values", "sum", ops.joined(message, parts))]
+        return self._decoded(bucket, received["values"], idx, values, age)
+
+    def _decoded(self, bucket: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
+        ops, count = bucket.ops, idx.shape[0]
+        summed = ops.cast(summed, bucket.acc)
+        total = ops.index_add(ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like), idx, summed[:count])
+        flags = summed[count:]
+        total = ops.index_add(total, self.flag_positions, flags)
+        bad = ops.isnan(flags)
+        if self.rule == "aggregate":
+            self._learn(bucket, total, idx, age, bad)
+            return total, bad
+        posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
+        if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
+            bucket.posterior = posterior
+        return total, bad
+
+    def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
+        """``rate[S] = |total[S]| / age[S]``, ``age[S] = 0``; a flagged tensor keeps its rates and ages."""
+        ops = bucket.ops
+        if age is None:  # the whole part was sent, each entry's one step
+            self.rate, self.age = abs(total[: bucket.n_compressed]), ops.zeros(bucket.n_compressed, bucket.acc,
+                                                                              bucket.like)
+            return
+        rate = ops.index_add(ops.zero_at(ops.clone(self.rate), idx), idx, abs(ops.take(total, idx)) / ops.take(age, idx))
+        self.rate = ops.keep_rows(bucket.groups, bad, self.rate, rate)
+        self.age = ops.keep_rows(bucket.groups, bad, self.age, ops.zero_at(age, idx))
