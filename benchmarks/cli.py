@@ -19,6 +19,8 @@ python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
                           [--out results]
+python -m benchmarks traffic [--model resnet50|gpt2] [--compressor topk] [--ratio 0.01] [--ranks 2,...,1024]
+                             [--counted 16,64,256] [--out results]
 python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
                              [--out results]
 python -m benchmarks train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
@@ -371,12 +373,21 @@ def _bench_step(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_traffic(args: argparse.Namespace) -> int:
+    from benchmarks import traffic
+
+    traffic.run(model=args.model, compressor=args.compressor, ratio=args.ratio, ranks=args.ranks,
+                counted_ranks=args.counted, out=args.out, progress=not args.no_progress)
+    return _wrote(args.out, "traffic")
+
+
 def _bench_scaling(args: argparse.Namespace) -> int:
     from benchmarks import scaling
 
     measure = args.measure != "none"
     print(
-        f"Communication scaling: dense allreduce vs sparse allgather vs TernGrad, ratio {args.ratio}; "
+        f"Communication scaling: dense allreduce vs sparse allgather vs shared index set vs TernGrad, "
+        f"ratio {args.ratio}; "
         + (f"{_where(args)}, measured at N = {', '.join(map(str, args.ranks))}" if measure else "model only")
     )
     return _on_ranks(
@@ -608,6 +619,18 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")
     step.add_argument("--seed", type=int, default=0)
     _add_out(step, "step", _bench_step)
+
+    traffic = commands.add_parser(
+        "traffic", help="bytes per rank sent and received as N grows: dense, allgather and shared index sets"
+    )
+    traffic.add_argument("--model", choices=("resnet50", "gpt2"), default="resnet50", help="parameter shapes")
+    traffic.add_argument("--compressor", choices=("topk", "gaussiank", "regtopk"), default="topk")
+    _add_ratio(traffic)
+    traffic.add_argument("--ranks", type=_ints, default=[2, 4, 8, 16, 64, 256, 1024], help="world sizes")
+    traffic.add_argument("--counted", type=_ints, default=[],
+                         help="also count a Simulator's bytes at these N (a small model), e.g. 16,64,256")
+    traffic.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_out(traffic, "traffic", _bench_traffic)
 
     scaling = commands.add_parser(
         "scaling", help="communication time vs N and bandwidth: model and measured points"

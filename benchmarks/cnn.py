@@ -309,6 +309,8 @@ def train(
             sent = float(sum(sim.bytes_sent_per_rank))
             sums["bytes"] += sent
             sums["traffic"] += allreduce_traffic(sent, ranks)
+            sums["values"] += float(sum(sim.values_sent_per_rank))
+            sums["numel"] += float(sum(np.prod(shape) for shape in shapes.values())) * ranks
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.grad = averaged[name].reshape(p.shape)

@@ -105,7 +105,7 @@ class Simulator:
         """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.comm.lockstep`):
         the whole step is one bucket; every rank launches, then completes, then finishes it."""
         group = LockstepGroup(self.n_ranks)
-        before = [c.stats.bytes_sent for c in self.compressors]
+        before = [(c.stats.bytes_sent, c.stats.values_sent) for c in self.compressors]
         exchanges = []
         for rank, compressor in enumerate(self.compressors):
             exchange = open_exchange(compressor, group.rank(rank), "simulator")
@@ -116,7 +116,9 @@ class Simulator:
         for exchange in exchanges:
             exchange.complete()
         results = [exchange.finish(average=True) for exchange in exchanges]
-        self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, b in zip(self.compressors, before)]
+        self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, (b, _) in zip(self.compressors, before)]
+        #: values (entries) each rank sent in the last engine step
+        self.values_sent_per_rank = [c.stats.values_sent - v for c, (_, v) in zip(self.compressors, before)]
         self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1
         return {name: in_form_of(results[0][name], originals[name]) for name in grads}

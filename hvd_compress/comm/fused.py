@@ -247,6 +247,8 @@ class FusedBucket:
                 comp.warn_dense(name, self.numels[i])
             memory.discard(name, "residual")  # sent once (above); the velocity is the bucket's until flush();
             memory.discard(name, "velocity")  # a RegTop-k posterior stays for when the tensor is compressed again
+        if hasattr(self.codec, "adopt"):  # the codec's own per-tensor state (a shared index set's rates)
+            self.codec.adopt(self, memory)
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
 
@@ -278,6 +280,8 @@ class FusedBucket:
                 mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
                 memory.set(name, "posterior_indices", ops.cast(ops.masked(idx, mine) - start, ops.index_dtype(n)))
                 memory.set(name, "posterior_values", ops.masked(values, mine))
+        if hasattr(self.codec, "flush"):
+            self.codec.flush(self, memory)
         for i, r in self.flush_into_dense.items():
             memory.track(self.names[i], self.shapes[i])
             memory.set(self.names[i], "residual", ops.reshape(r, self.shapes[i]))

@@ -10,7 +10,7 @@ of it is used:
 - the structure (``config``, ``tensors``) and the algorithm it came from;
 - per tensor: the residual's and the momentum-correction velocity's size (any shape
   of the tensor's size: routes keep them flat or in the parameter's shape), a floating
-  dtype and finite values; RegTop-k's
+  dtype and finite values (so are a shared index set's ``index_rate`` and ``index_age``); RegTop-k's
   ``posterior_indices``/``sent_indices`` integers in ``[0, size)``, its
   ``posterior_values``/``sent_values`` finite floats of the same length;
 - every random stream's state, by setting it on a fresh stream of its framework;
@@ -50,6 +50,8 @@ ARRAYS = {
     "posterior_values": ("float", "posterior_indices"),
     "sent_indices": ("index", "sent_values"),
     "sent_values": ("float", "sent_indices"),
+    "index_rate": ("float", None),
+    "index_age": ("float", None),
 }
 
 

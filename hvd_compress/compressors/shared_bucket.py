@@ -17,8 +17,9 @@ Training", NeurIPS 2020, arXiv:2104.11125). Per bucket (the compressed part, in 
       aggregate  no index traffic: S = per row the k largest  rate * age,  where every rank
                  holds the same rate_j = |sum over ranks at j| / the steps j had accumulated
                  when last sent, and age_j = steps since j was last sent, this one included
-                 (rate * age: what j is expected to have accumulated); the first step of a plan
-                 sends the whole part, which is how every rank learns every rate
+                 (rate * age: what j is expected to have accumulated); kept per tensor across
+                 plans (a density change) and in checkpoints (``index_rate``, ``index_age``);
+                 the first step sends the whole part, which is how every rank learns every rate
     send a[S] ++ f                               one allreduce-Sum of K values and the flags
     r = a with a[S] set to 0                     (momentum: u[S] = 0)
     total[S] = the sum; f at each tensor's first entry: NaN where any rank held NaN/Inf
@@ -33,6 +34,7 @@ the compressor's own scores (Top-k, Gaussian-k and RegTop-k choose alike), and `
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Generator, List, Tuple
 
 import numpy as np
@@ -59,6 +61,30 @@ class SharedIndexCodec(SparseBucketCodec):
         #: the aggregate rule's state, the same on every rank (``None``: the next step sends all)
         self.rate: Any = None
         self.age: Any = None
+
+    def adopt(self, bucket: Any, memory: Any) -> None:
+        """The ``aggregate`` rule's rates and ages from each tensor's memory (``index_rate``, ``index_age``:
+        another plan's, after a density change, or a checkpoint's); a tensor without them makes the next
+        step send the whole part."""
+        if self.rule != "aggregate":
+            return
+        ops, parts = bucket.ops, {"index_rate": [], "index_age": []}
+        for i in bucket.compressed:
+            for key, arrays in parts.items():
+                value = memory.peek(bucket.names[i], key)
+                if value is None or math.prod(value.shape) != bucket.numels[i]:
+                    return
+                arrays.append(ops.cast(ops.reshape(value, (-1,)), bucket.acc))
+        self.rate, self.age = (ops.to_device(ops.concat(parts[key]), bucket.like) for key in parts)
+
+    def flush(self, bucket: Any, memory: Any) -> None:
+        """Each tensor's rates and ages into its memory (views of the plan's)."""
+        if self.rule != "aggregate" or self.rate is None:
+            return
+        for i in bucket.compressed:
+            start, n = bucket.offsets[i], bucket.numels[i]
+            memory.set(bucket.names[i], "index_rate", self.rate[start : start + n])
+            memory.set(bucket.names[i], "index_age", self.age[start : start + n])
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a steady step: ``K`` values and the flags (the leader's

@@ -50,7 +50,8 @@ from tests.distributed.faults_torch import Odd  # noqa: E402  (a sparse embeddin
 RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
 BUCKET = "ddp.bucket0"
 BUCKET_MB = 25  # the model (~38 KB) fits in one bucket
-VARIANTS = ["topk", "gaussiank", "regtopk", "terngrad", "terngrad_allreduce", "fp16", "none"]
+VARIANTS = ["topk", "gaussiank", "regtopk", "terngrad", "terngrad_allreduce", "fp16", "none", "topk_leader",
+            "regtopk_aggregate"]
 SHARED = ["regtopk", "terngrad"]  # two models on one compressor: residuals, posteriors, random streams
 RESUMED = [(v, how) for v in ("regtopk", "terngrad") for how in ("pickle", "state_dict")]
 
@@ -66,8 +67,10 @@ def batch(rank: int, step: int):
 
 
 def compressor(variant: str):
-    name = variant.split("_")[0]
-    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": 0}))
+    """``<name>[_terngrad wire format | _<shared index rule>]``."""
+    name, _, option = variant.partition("_")
+    indices = {"indices": option} if option in ("leader", "aggregate") else {}
+    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": 0}), **indices)
 
 
 @contextlib.contextmanager

@@ -29,10 +29,10 @@ STEPS = 4
 
 #: label -> (path, compressors, options): see tests/distributed/tf_horovod.py
 SCENARIOS = {
-    "tape": ("tape", ALL, []),
-    "tape-dropin": ("tape-dropin", ALL, []),
+    "tape": ("tape", ALL + ["topk-leader"], []),
+    "tape-dropin": ("tape-dropin", ALL + ["regtopk-aggregate"], []),
     "keras": ("keras", KERAS, []),
-    "keras-dropin": ("keras-dropin", KERAS, []),
+    "keras-dropin": ("keras-dropin", KERAS + ["gaussiank-leader"], []),
     "eager": ("tape-dropin", ["gaussiank", "regtopk"], ["eager"]),
     "allreduce": ("tape", ["topk", "regtopk", "terngrad"], ["eager", "allreduce"]),
     "tape-groups1": ("tape", ["topk", "regtopk", "terngrad", "none"], ["groups=1"]),

@@ -21,6 +21,8 @@ from tests.distributed import torch_horovod as workload
 
 SPARSE = ["topk", "gaussiank", "regtopk"]
 ALL = SPARSE + ["terngrad", "fp16", "none"]
+#: shared index sets (indices='leader' / 'aggregate'): values allreduced at one index set
+SHARED = ["regtopk-leader", "topk-aggregate"]
 STEPS = 4
 
 pytestmark = pytest.mark.timeout(600)
@@ -83,8 +85,8 @@ def first_step_check_bytes():
     "kind, path", [("horovodrun", "stock"), ("mpirun", "stock"), ("horovodrun", "dropin")]
 )
 def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_path):
-    result = run_workload(kind, 2, ALL, tmp_path, "--path", path)
-    assert_equals_simulator(result, ALL, 2)
+    result = run_workload(kind, 2, ALL + SHARED, tmp_path, "--path", path)
+    assert_equals_simulator(result, ALL + SHARED, 2)
     wire = json.loads(str(result["wire"]))
     dense = 4 * sum(p.numel() for p in workload.make_model().parameters())
     # the fused bucket's [config, layout] header, once; stock: with a placeholder per parameter
@@ -101,7 +103,7 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_pat
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])
 def test_four_ranks_mpirun_equal_simulator(path, tmp_path):
-    names = ["regtopk", "terngrad", "gaussiank", "topk-momentum"]
+    names = ["regtopk", "terngrad", "gaussiank", "topk-momentum", "topk-leader", "gaussiank-aggregate"]
     assert_equals_simulator(run_workload("mpirun", 4, names, tmp_path, "--path", path), names, 4)
 
 

@@ -22,7 +22,7 @@ from tests.distributed import launch  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 
 RANKS = 2
-NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "none"]
+NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "none", "regtopk-leader"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 

@@ -70,7 +70,9 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def compressor(name: str):
-    return Compression.by_name(name, RATIO)
+    """``topk``...; ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``)."""
+    base, _, indices = name.partition("-")
+    return Compression.by_name(base, RATIO, **({"indices": indices} if indices else {}))
 
 
 def weights(model: tf.keras.Model) -> Dict[str, np.ndarray]:

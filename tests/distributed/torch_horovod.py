@@ -46,9 +46,13 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 def compressor(name: str, seed: int = 0):
-    """``topk``, ``fp16``...; ``<sparsifier>-momentum``: with momentum correction (the optimizer is plain SGD)."""
+    """``topk``, ``fp16``...; ``<sparsifier>-momentum``: with momentum correction (the optimizer is plain SGD);
+    ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``)."""
     if name.endswith("-momentum"):
         return Compression.by_name(name[: -len("-momentum")], RATIO, seed=seed, momentum=0.9)
+    base, _, indices = name.partition("-")
+    if indices:
+        return Compression.by_name(base, RATIO, seed=seed, indices=indices)
     return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": seed}))
 
 
