@@ -592,6 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     step = commands.add_parser(
         "step", help="training-step time, dense vs compressors, N ranks on emulated links"
     )
+    shared = tuple(f"{name}-{mode}" for name in ("topk", "gaussiank", "regtopk") for mode in ("leader", "aggregate"))
     step.add_argument("--ranks", type=int, default=4, help="processes, one per network namespace (default 4)")
     _add_link(
         step,
@@ -612,8 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument(
         "--compression",
         action="append",
-        choices=Compression.names + tuple(f"auto-{name}" for name in Compression.names),
-        help="repeatable; auto-NAME: Auto(NAME), each bucket the cheaper way, measured; default all and "
+        choices=Compression.names + shared + tuple(f"auto-{name}" for name in Compression.names + shared),
+        help="repeatable; NAME-leader, NAME-aggregate: a sparsifier with that shared index set; auto-NAME: "
+        "Auto(NAME), each bucket the fastest way, measured; default all and "
         "auto-regtopk (dense always)",
     )
     step.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bytes per fused bucket (MB)")

@@ -84,7 +84,9 @@ ROWS = COMPRESSORS + ("auto-regtopk",)
 #: Steps ``Auto`` needs before its choice holds (one untimed and ``warmup`` timed measurements, then the
 #: decision); its rows get at least this many untimed steps.
 AUTO_WARMUP = 3
-AUTO_STEADY_AFTER = AUTO_WARMUP + 2
+AUTO_STEADY_AFTER = 2 * (AUTO_WARMUP + 1) + 1  # a sparsifier's Auto measures both index modes
+#: ``<sparsifier>-leader``, ``<sparsifier>-aggregate`` rows: the sparsifier with that shared index set
+SHARED_ROWS = tuple(f"{name}-{mode}" for name in SPARSE for mode in ("leader", "aggregate"))
 #: Auto's goals (issue 16), printed, never asserted: (rate, compared with, bound on Auto's step ratio).
 AUTO_GOALS = (("10gbit", "dense", 1.03), ("1gbit", "best fixed compressor", 1.05))
 MODULE = "benchmarks.step"
@@ -261,8 +263,9 @@ def make_compressor(name: str, ratio: float) -> Any:
     if name.startswith(AUTO_PREFIX):
         from hvd_compress import Auto
 
-        return Auto(Compression.by_name(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_WARMUP, log=False)
-    return Compression.by_name(name, ratio)
+        return Auto(make_compressor(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_WARMUP, log=False)
+    base, _, indices = name.partition("-")
+    return Compression.by_name(base, ratio, **({"indices": indices} if indices else {}))
 
 
 def _gradients(shapes, rank: int, seed: int) -> Dict[str, Any]:
@@ -391,7 +394,7 @@ def _rows(link: cluster.Link, names: Sequence[str], ranks: List[Dict[str, Any]],
                 "rate": link.rate or "none",
                 "bits_per_second": link.bits_per_second,
                 "compressor": name,
-                "ratio": ratio if name.replace(AUTO_PREFIX, "") in SPARSE else None,
+                "ratio": ratio if name.replace(AUTO_PREFIX, "").partition("-")[0] in SPARSE else None,
                 **_median_step(per_rank),
                 "payload_bytes": statistics.mean(c["payload_bytes"] for c in per_rank),
                 "traffic_bytes": statistics.mean(c["traffic_bytes"] for c in per_rank),
@@ -515,10 +518,10 @@ def _check(ranks, rates, steps, warmup, compute_ms, compressors, delay) -> List[
         if rate is not None:
             cluster.parse_rate(rate)
     cluster.parse_delay(delay)
-    unknown = [c for c in compressors if c.replace(AUTO_PREFIX, "", 1) not in COMPRESSORS]
+    unknown = [c for c in compressors if c.replace(AUTO_PREFIX, "", 1) not in COMPRESSORS + SHARED_ROWS]
     if unknown or not compressors:
         raise ValueError(
-            f"hvd_compress: compressors must be among {', '.join(COMPRESSORS)} or auto-<one of them>, "
+            f"hvd_compress: compressors must be among {', '.join(COMPRESSORS + SHARED_ROWS)} or auto-<one of them>, "
             f"got {compressors}"
         )
     names = list(dict.fromkeys(compressors))
