@@ -55,11 +55,6 @@ class LockstepGroup:
         result = self.results[key]
         return ops_for(result).clone(result)  # each rank its own, as each rank of a transport receives
 
-    def clear(self) -> None:
-        """Forget the posts and results of a finished step (every rank has finished it)."""
-        self.posts.clear()
-        self.results.clear()
-
 
 class LockstepCommunicator(Communicator):
     """Rank ``rank`` of a :class:`LockstepGroup`; name-matched, never blocks."""

@@ -99,24 +99,10 @@ class SharedIndexCodec(SparseBucketCodec):
         ops = bucket.ops
         a = accumulated(bucket, g, step)
         if self.rule == "leader":
-            leader = bucket.exchanges % bucket.world
-            if self.compressor.rank == leader:
-                idx, probe = self.compressor.bucket_select(a, self.compressor.bucket_scores(a, bucket.posterior, ops),
-                                                           self.rows, ops)
-                chosen = ops.cast(idx, self.index_dtype)
-            else:
-                probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, bucket.like)
-            received = yield [Send("leader", "sum", chosen)]
-            idx = ops.cast(received["leader"], ops.int64)
+            idx, probe = yield from self._leader_set(bucket, a)
             age = None
-        elif self.rate is None:  # the plan's first step: the whole part, every rank learns every rate
-            idx, probe, age = ops.as_int64(np.arange(bucket.n_compressed), bucket.like), self.rows.largest(abs(a)), None
-            unsent = bucket.n_compressed - self.k_total  # beyond a steady step's statistics
-            bucket.compressor.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
         else:
-            age = self.age + 1
-            idx, _ = self.rows.topk(self.rate * age)
-            probe = self.rows.largest(abs(a))
+            idx, probe, age = self._aggregate_set(bucket, a)
         count = idx.shape[0]
         message = ops.empty(count + self.flag_count, bucket.dtype, bucket.like)
         values = sent_part(bucket, a, idx, message[:count], step)
@@ -125,6 +111,29 @@ class SharedIndexCodec(SparseBucketCodec):
             parts.append(ops.fill_zero(message[count + self.flag_count - self.spare :]))
         received = yield [Send("values", "sum", ops.joined(message, parts))]
         return self._decoded(bucket, received["values"], idx, values, age)
+
+    def _leader_set(self, bucket: Any, a: Array) -> Generator[List[Send], Dict[str, Any], Tuple[Array, Array]]:
+        """Round 1: the leader's selection, allreduced (every other rank adds zeros); ``(S, probe)``."""
+        ops = bucket.ops
+        if self.compressor.rank == bucket.exchanges % bucket.world:
+            scores = self.compressor.bucket_scores(a, bucket.posterior, ops)
+            idx, probe = self.compressor.bucket_select(a, scores, self.rows, ops)
+            chosen = ops.cast(idx, self.index_dtype)
+        else:
+            probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, bucket.like)
+        received = yield [Send("leader", "sum", chosen)]
+        return ops.cast(received["leader"], ops.int64), probe
+
+    def _aggregate_set(self, bucket: Any, a: Array) -> Tuple[Array, Array, Any]:
+        """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
+        position (and ``None`` for the age)."""
+        ops, probe = bucket.ops, self.rows.largest(abs(a))
+        if self.rate is None:
+            unsent = bucket.n_compressed - self.k_total  # beyond a steady step's statistics
+            bucket.compressor.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
+            return ops.as_int64(np.arange(bucket.n_compressed), bucket.like), probe, None
+        age = self.age + 1
+        return self.rows.topk(self.rate * age)[0], probe, age
 
     def _decoded(self, bucket: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
         ops, count = bucket.ops, idx.shape[0]
