@@ -2,7 +2,8 @@
 # ci/setup.sh: create or refresh the project virtualenv (<repo>/.venv) with the full stack:
 # Open MPI + mpi4py (PyPI), torch (CPU), tensorflow-cpu + tf_keras, Horovod built from
 # source (ci/build_horovod.sh, wheel cached across runs), and hvd_compress itself
-# (editable, extras test,bench,mpi).
+# (editable, extras test,bench,mpi,examples: the last brings PyTorch Lightning and Hugging Face
+# Accelerate for examples/, installed beside the pinned torch, which they leave as it is).
 #
 # Idempotent: a step is skipped when its stamp (.venv/.stamps/<step>, holding the step's
 # inputs) matches and its packages are still installed. Step logs: .venv/logs/<step>.log
@@ -17,7 +18,7 @@ STAMPS="$VENV/.stamps"
 
 # shellcheck source=ci/versions.sh
 source "$ROOT/ci/versions.sh"
-EXTRAS=test,bench,mpi
+EXTRAS=test,bench,mpi,examples
 
 cd "$ROOT"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -55,8 +56,10 @@ install_horovod() { bash "$ROOT/ci/build_horovod.sh" "$VENV"; }
 check_horovod()   { has horovod "$HOROVOD_VERSION" && [[ -x "$VENV/bin/horovodrun" ]] &&
                     grep -qs 'hvd_compress: Open MPI 5' "$VENV"/lib/python3*/site-packages/horovod/runner/mpi_run.py; }
 
-install_package() { pip install -e ".[$EXTRAS]"; }
-check_package()   { has hvd_compress "" mpi4py 4 pytest ""; }
+# torch and TensorFlow named with their pins: what the extras pull in (Lightning, Accelerate) must
+# keep the builds Horovod was compiled against and their dependencies
+install_package() { pip install -e ".[$EXTRAS]" "torch==$TORCH_VERSION" "tensorflow-cpu==$TF_VERSION" "$TF_KERAS_SPEC"; }
+check_package()   { has hvd_compress "" mpi4py 4 pytest "" lightning "" accelerate "" torch "$TORCH_VERSION"; }
 
 STEPS=(venv openmpi torch tensorflow horovod package)
 declare -A TITLE=(
