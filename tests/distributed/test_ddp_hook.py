@@ -370,7 +370,7 @@ def _entry(rank: int, port: int, out: str) -> None:
         job(rank, Path(out))
 
 
-def spawn(out: Path, timeout: float = 60.0) -> None:
+def spawn(out: Path, timeout: float = 180.0) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
