@@ -16,6 +16,7 @@ python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ra
                                       [--out results] [--name STEM]
 python -m benchmarks select [--device cuda|cpu] [--sizes 25.6M,124M] [--ratios 0.01,0.001] [--repeats 20]
                            [--rows copy,torch.topk,topk,gaussiank] [--code-path route|accelerator] [--out results]
+                           [--name select]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
@@ -311,8 +312,8 @@ def _bench_select(args: argparse.Namespace) -> int:
         f"device {args.device or 'cuda when available'}"
     )
     select.run(device=args.device, sizes=args.sizes, ratios=args.ratios, repeats=args.repeats, rows=args.rows,
-               code_path=args.code_path, seed=args.seed, out=args.out)
-    return _wrote(args.out, "select")
+               code_path=args.code_path, seed=args.seed, out=args.out, name=args.name)
+    return _wrote(args.out, args.name)
 
 
 def _add_select(commands: Any) -> None:
@@ -331,7 +332,8 @@ def _add_select(commands: Any) -> None:
     p.add_argument("--code-path", choices=select.CODE_PATHS, default="route",
                    help="accelerator: on the CPU, the kernels a GPU runs (default: the routes' own way)")
     p.add_argument("--seed", type=int, default=0)
-    _add_out(p, "select", _bench_select)
+    p.add_argument("--name", default="select", help="stem of the written files (select)")
+    _add_out(p, "<name>", _bench_select)
 
 
 def _bench_wire(args: argparse.Namespace) -> int:

@@ -29,8 +29,9 @@ runs the library's rows on the CPU through
 the CPU takes the routes' CPU way, numpy's selection).
 
 A row is one entry of :data:`ROWS`: a name, what it measures, and a function of a
-:class:`Case` returning the call to time (set-up outside the call). Outputs: ``select.json``,
-``select.png`` (time over the copy floor, per row and case) and a table.
+:class:`Case` returning the call to time (set-up outside the call). Outputs: ``select.json`` and
+``select.png`` (``name``: another stem; the PNG shows the time over the copy floor per row and
+case) and a table.
 """
 
 from __future__ import annotations
@@ -178,11 +179,12 @@ def run(
     code_path: str = "route",
     seed: int = 0,
     out: Optional[str] = "results",
+    name: str = "select",
     plot: bool = True,
     progress: bool = True,
     stdout: Any = None,
 ) -> Dict[str, Any]:
-    """Time every row at every (size, density), write ``select.json`` and ``select.png`` to ``out``,
+    """Time every row at every (size, density), write ``<name>.json`` and ``<name>.png`` to ``out``,
     print the table; returns the results. ``device`` None: CUDA when available, else the CPU."""
     torch = require("torch", "torch")
     if plot and out:
@@ -204,10 +206,10 @@ def run(
         with torch.no_grad(), path():
             for n, ratio in cases:
                 case = Case(torch, device, n, ratio, seed)
-                for name in names:
-                    bar.set_postfix_str(f"{format_size(n)} {ratio:g} {name}")
-                    measured.append({"size": n, "ratio": ratio, "k": case.k, "row": name,
-                                     "ms": median_ms(ROWS[name][1](case), int(repeats), ms, sync)})
+                for row in names:
+                    bar.set_postfix_str(f"{format_size(n)} {ratio:g} {row}")
+                    measured.append({"size": n, "ratio": ratio, "k": case.k, "row": row,
+                                     "ms": median_ms(ROWS[row][1](case), int(repeats), ms, sync)})
                     bar.update()
                 case = None
                 if device == "cuda":
@@ -229,12 +231,12 @@ def run(
             "statistic": "median ms of one call",
             "gradient": "float32, benchmarks.compress.gradient (normal, 1e-3 heavy tail); "
             f"residual {RESIDUAL_SCALE:g} x another draw",
-            "rows": {name: ROWS[name][0] for name in names},
+            "rows": {row: ROWS[row][0] for row in names},
         },
         "wall_seconds": time.perf_counter() - started,
         "rows": measured,
     }
-    return publish(results, out, "select", write_plot if plot else None, print_table, stdout)
+    return publish(results, out, name, write_plot if plot else None, print_table, stdout)
 
 
 def _ratios(rows: List[Dict[str, Any]]) -> None:
