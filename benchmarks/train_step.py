@@ -61,7 +61,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from benchmarks.step_profile import METHOD
+from benchmarks.step_profile import METHOD, profile_step
 from hvd_compress.bench import report
 from hvd_compress.bench import routes as step_routes
 from hvd_compress.bench.host_reads import count_host_reads
@@ -273,8 +273,6 @@ def measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool, profi
         "host_reads": reads,
     }
     if profile:
-        from benchmarks.step_profile import profile_step
-
         measured["profile"] = profile_step(step, cuda)
     return measured
 
