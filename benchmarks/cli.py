@@ -15,6 +15,9 @@ python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] 
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
                                       [--out results] [--name STEM]
+python -m benchmarks select [--device cuda|cpu] [--sizes 25.6M,124M] [--ratios 0.01,0.001] [--repeats 20]
+                           [--rows copy,torch.topk,topk,gaussiank] [--code-path route|accelerator] [--out results]
+                           [--name select]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
@@ -24,8 +27,8 @@ python -m benchmarks traffic [--model resnet50|gpt2] [--compressor topk] [--rati
 python -m benchmarks scaling [--ranks 2,4,8] [--rates 1gbit,10gbit | --link none | --measure none] [--ratio 0.01]
                              [--out results]
 python -m benchmarks train-step [--model mlp] [--device cpu] [--steps 25] [--warmup 8] [--batch N]
-                                [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--json FILE]
-                                [--plot FILE]
+                                [--compressors none,fp16,...] [--ratio 0.01] [--routes ...] [--profile]
+                                [--json FILE] [--plot FILE]
 python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--one-by-one]
                              [--baseline JSON] [--out results]
 """
@@ -306,6 +309,40 @@ def _bench_compress(args: argparse.Namespace) -> int:
     return _wrote(args.out, "compress")
 
 
+def _bench_select(args: argparse.Namespace) -> int:
+    from benchmarks import select
+    from benchmarks.compress import format_size
+
+    print(
+        f"Selection microbenchmark: {', '.join(args.rows)} at {', '.join(map(format_size, args.sizes))} "
+        f"elements, densities {', '.join(f'{r:g}' for r in args.ratios)}, median of {args.repeats}, "
+        f"device {args.device or 'cuda when available'}"
+    )
+    select.run(device=args.device, sizes=args.sizes, ratios=args.ratios, repeats=args.repeats, rows=args.rows,
+               code_path=args.code_path, seed=args.seed, out=args.out, name=args.name)
+    return _wrote(args.out, args.name)
+
+
+def _add_select(commands: Any) -> None:
+    from benchmarks import select
+
+    p = commands.add_parser(
+        "select", help="selection microbenchmark: copy floor, torch.topk, our Top-k and Gaussian-k"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
+    p.add_argument("--sizes", type=_size, default=list(select.DEFAULT_SIZES),
+                   help="elements, e.g. 1M,4M (default 25.6M,124M)")
+    p.add_argument("--ratios", type=_floats, default=list(select.DEFAULT_RATIOS), help="densities (0.01,0.001)")
+    p.add_argument("--repeats", type=int, default=select.DEFAULT_REPEATS, help="timed calls per row (median)")
+    p.add_argument("--rows", type=_some_of(tuple(select.ROWS)), default=list(select.ROWS),
+                   help=f"default all: {','.join(select.ROWS)} (copy and torch.topk always run)")
+    p.add_argument("--code-path", choices=select.CODE_PATHS, default="route",
+                   help="accelerator: on the CPU, the kernels a GPU runs (default: the routes' own way)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="select", help="stem of the written files (select)")
+    _add_out(p, "<name>", _bench_select)
+
+
 def _bench_wire(args: argparse.Namespace) -> int:
     from benchmarks import wire
 
@@ -462,6 +499,7 @@ def _train_step(args: argparse.Namespace) -> int:
         seed=args.seed,
         json_path=args.json or None,
         plot_path=args.plot or None,
+        profile=args.profile,
     )
     return _wrote_json_and_plot(args)
 
@@ -497,6 +535,11 @@ def _add_train_step(commands: Any) -> None:
         help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
     )
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one steady step per row (torch.profiler): kernels and GPU ms (CPU: operator ms)",
+    )
     train.add_argument("--json", default="results/train_step.json", help="results file (default %(default)s)")
     train.add_argument(
         "--plot", default="results/train_step.png", help="bar chart of the ratios (default %(default)s)"
@@ -575,6 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=("cpu", "cuda", "all"), default="all", help="all: cpu, and cuda when available"
     )
     _add_out(compress, "compress", _bench_compress)
+
+    _add_select(commands)
 
     wire = commands.add_parser("wire", help="bytes per rank per step vs dense fp32, ResNet-18 shapes")
     wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")

@@ -30,6 +30,12 @@ host reads of :func:`hvd_compress.bench.host_reads.count_host_reads` (``item``,
 ``tolist``, ``bool(t)`` ...: the places a GPU run would wait). Every row also
 records that counter's reads by kind and their call sites.
 
+``--profile`` (``profile=True``): one more steady step per row under
+``torch.profiler`` (:mod:`benchmarks.step_profile`): ``profile`` holds its
+``kernels`` (CUDA: device events; CPU: innermost aten operator calls that launch
+a kernel) and ``device_ms`` (CUDA: the device events' time; CPU: the aten
+operators' self time), ``profile_added`` the same minus the ``local`` row's.
+
 ``peak_mem_mib``: CUDA, ``torch.cuda.max_memory_allocated()`` over the row
 (statistics reset first; model, optimizer state and activations); CPU, the
 growth of the process's peak RSS over the row (``VmHWM`` after resetting it
@@ -55,6 +61,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchmarks.step_profile import METHOD, profile_step
 from hvd_compress.bench import report
 from hvd_compress.bench import routes as step_routes
 from hvd_compress.bench.host_reads import count_host_reads
@@ -243,8 +250,9 @@ def _count_syncs(step: Callable[[], None], cuda: bool) -> Tuple[Optional[int], D
     return (syncs if cuda else reads.count), reads.as_dict()
 
 
-def measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> Dict[str, Any]:
-    """Median and minimum of ``steps`` timed steps after ``warmup``; host syncs of one more step."""
+def measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool, profile: bool = False) -> Dict[str, Any]:
+    """Median and minimum of ``steps`` timed steps after ``warmup``; host syncs of one more step; with
+    ``profile``, :func:`benchmarks.step_profile.profile_step` of one more."""
     import torch
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -258,15 +266,20 @@ def measure(step: Callable[[], None], steps: int, warmup: int, cuda: bool) -> Di
         sync()
         times.append(time.perf_counter() - started)
     syncs, reads = _count_syncs(step, cuda)
-    return {
+    measured = {
         "median_ms": 1e3 * statistics.median(times),
         "min_ms": 1e3 * min(times),
         "host_syncs_per_step": syncs,
         "host_reads": reads,
     }
+    if profile:
+        measured["profile"] = profile_step(step, cuda)
+    return measured
 
 
-def run_row(env: Environment, route: str, compressor: str, steps: int, warmup: int) -> Dict[str, Any]:
+def run_row(
+    env: Environment, route: str, compressor: str, steps: int, warmup: int, profile: bool = False
+) -> Dict[str, Any]:
     """One row; a failure is the row's ``error``, never an exception."""
     row: Dict[str, Any] = {
         "route": route,
@@ -286,7 +299,7 @@ def run_row(env: Environment, route: str, compressor: str, steps: int, warmup: i
         step, info = build_route(env, route, compressor)
         row["warmup"] = max(warmup, info.pop("min_warmup"))
         row.update(info)
-        row.update(measure(step, steps, row["warmup"], env.cuda))
+        row.update(measure(step, steps, row["warmup"], env.cuda, profile))
         row["peak_mem_mib"] = memory.mib()
     except Exception as error:  # noqa: BLE001  (a failing row must not stop the others)
         row["error"] = f"{type(error).__name__}: {error}"
@@ -343,8 +356,12 @@ def run(
     plot_path: Optional[str] = None,
     progress: bool = True,
     stdout: Any = None,
+    profile: bool = False,
 ) -> Dict[str, Any]:
-    """Time every row, write the JSON and the PNG (when given), print the table; returns the results."""
+    """Time every row, write the JSON and the PNG (when given), print the table; returns the results.
+
+    ``profile``: each row also records ``profile`` (kernels and device milliseconds of one more steady
+    step, :mod:`benchmarks.step_profile`) and ``profile_added`` (those minus the ``local`` row's)."""
     from hvd_compress.compressors.base import check_ratio
 
     report.require_packages(torch=True, plots=plot_path is not None)
@@ -358,8 +375,10 @@ def run(
     hvd, horovod_note, todo, skipped = rows_to_run(plan(routes, compressors), routes, dropin_comm)
 
     started = time.perf_counter()
-    rows, backend = _time_rows(Environment(load, ratio, hvd, dropin_comm), todo, steps, warmup, progress)
+    env = Environment(load, ratio, hvd, dropin_comm)
+    rows, backend = _time_rows(env, todo, steps, warmup, progress, profile)
     _ratios(rows)
+    _profile_added(rows)
 
     machine = report.machine(torch, [device])
     results = {
@@ -367,7 +386,7 @@ def run(
         "machine": machine,
         "settings": _settings(
             load, device, machine, backend, steps, warmup, ratio, compressors, routes, dropin_comm, hvd,
-            horovod_note,
+            horovod_note, profile,
         ),
         "wall_seconds": time.perf_counter() - started,
         "rows": rows,
@@ -379,7 +398,8 @@ def run(
 
 
 def _time_rows(
-    env: Environment, todo: Sequence[Tuple[str, str]], steps: int, warmup: int, progress: bool
+    env: Environment, todo: Sequence[Tuple[str, str]], steps: int, warmup: int, progress: bool,
+    profile: bool = False,
 ) -> Tuple[List[Dict[str, Any]], str]:
     """``(rows, backend)``: :func:`run_row` of every ``(route, compressor)`` in ``todo``, inside a one-rank
     :func:`process_group` on ``env``'s device, with a progress bar (``progress``)."""
@@ -388,7 +408,7 @@ def _time_rows(
     try:
         with process_group(env.cuda) as backend:
             for route, compressor in todo:
-                row = run_row(env, route, compressor, steps, warmup)
+                row = run_row(env, route, compressor, steps, warmup, profile)
                 rows.append(row)
                 if row["error"]:
                     report.say(bar, f"train-step: {route} {compressor} failed: {row['error']}")
@@ -414,6 +434,7 @@ def _settings(
     dropin_comm: str,
     hvd: Any,
     horovod_note: Optional[str],
+    profile: bool = False,
 ) -> Dict[str, Any]:
     """The results' ``settings``: what ran (model, device, options, Horovod) and how it was measured."""
     import torch
@@ -449,6 +470,7 @@ def _settings(
             else "host reads (count_host_reads: item, tolist, bool, int, float, index, numpy, "
             "cpu of device tensors) over one steady-state step"
         ),
+        "profile": None if not profile else METHOD[device] + "; profile_added: minus the local row's",
         "peak_mem": (
             "torch.cuda.max_memory_allocated() over the row, after reset_peak_memory_stats()"
             if cuda
@@ -469,6 +491,14 @@ def _ratios(rows: List[Dict[str, Any]]) -> None:
             row["overhead_ms"] = row["median_ms"] - base["median_ms"]
 
 
+def _profile_added(rows: List[Dict[str, Any]]) -> None:
+    """``profile_added`` of every profiled row: its kernels and device ms minus the ``local`` row's."""
+    local = next((r for r in rows if r["route"] == "local" and r.get("profile")), None)
+    for row in rows:
+        if local is not None and row.get("profile"):
+            row["profile_added"] = {key: row["profile"][key] - local["profile"][key] for key in local["profile"]}
+
+
 # ================================================================= output
 def _fmt(value: Optional[float], spec: str, width: int) -> str:
     return ("-" if value is None else format(value, spec)).rjust(width)
@@ -482,19 +512,29 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
         f"torch {s['torch_version']}; median of {s['steps']} steps after {s['warmup']}; "
         f"ratio {s['ratio']:g} for the sparsifiers"
     )
-    say(f"  {'route':<22} {'compressor':<12} {'median ms':>10} {'ratio':>7} {'overhead ms':>12} {'syncs':>6}")
+    profiled = bool(s.get("profile"))
+    device_ms = "GPU ms" if s["device"] == "cuda" else "op ms"
+    say(
+        f"  {'route':<22} {'compressor':<12} {'median ms':>10} {'ratio':>7} {'overhead ms':>12} {'syncs':>6}"
+        + (f" {'kernels':>8} {device_ms:>8}" if profiled else "")
+    )
     for r in results["rows"]:
         if r["error"]:
             say(f"  {r['route']:<22} {r['compressor']:<12} error: {r['error']}")
             continue
+        profile = r.get("profile") or {}
+        columns = f" {_fmt(profile.get('kernels'), 'd', 8)} {_fmt(profile.get('device_ms'), '.2f', 8)}"
         say(
             f"  {r['route']:<22} {r['compressor']:<12} {_fmt(r['median_ms'], '.2f', 10)} "
             f"{_fmt(r['ratio'], '.2f', 6)}x {_fmt(r['overhead_ms'], '+.2f', 12)} "
             f"{_fmt(r['host_syncs_per_step'], 'd', 6)}"
+            + (columns if profiled else "")
         )
     for skipped in results["skipped"]:
         say(f"  {skipped['route']:<22} {skipped['compressor']:<12} {skipped['note']}")
     say(f"  ratio: median / {BASELINE}'s; syncs per step: {s['host_syncs']}")
+    if profiled:
+        say(f"  kernels, {device_ms}: {s['profile']}")
 
 
 def write_plot(results: Dict[str, Any], path: Path) -> None:

@@ -65,33 +65,36 @@ class HandwrittenTopKState:
 def handwritten_topk_hook(state, bucket):  # no annotations: DDP checks them against dist.GradBucket
     """Top-k with error feedback on DDP's flat bucket, allgather of (values, indices): a DDP comm hook.
 
+    The best short hook a user would write: ``a = g + r``, one ``torch.topk(|a|, k)``,
+    ``r = a`` with the sent entries zeroed (``index_fill_``: a scalar argument, where
+    ``a[idx] = 0`` copies a host scalar to the device and waits), two fixed-size allgathers
+    (``all_gather_into_tensor``, ``k`` known from the bucket's size) and the average decoded in
+    the index allgather's future callback; nothing is read back to the host. On NCCL a
+    collective's future is done once queued and ``wait()`` makes the callback's stream wait;
+    on gloo the value allgather, queued first, is done or running on gloo's other thread.
     (After DDP rebuilds its buckets a residual may meet a reordered bucket; a hand-written hook
     typically ignores that, and so does this one, except for a size change.)
     """
     import torch
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    grad = bucket.buffer()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13's name
+    world, grad = dist.get_world_size(), bucket.buffer()
     residual = state.residuals.get(bucket.index())
     a = grad + residual if residual is not None and residual.shape == grad.shape else grad.clone()
     k = max(1, math.ceil(state.ratio * a.numel()))
     indices = torch.topk(a.abs(), k, sorted=False).indices
-    values = a[indices]
-    a[indices] = 0
-    state.residuals[bucket.index()] = a
-    all_values = [torch.empty_like(values) for _ in range(world)]
-    all_indices = [torch.empty_like(indices) for _ in range(world)]
-    futures = [
-        dist.all_gather(all_values, values, async_op=True).get_future(),
-        dist.all_gather(all_indices, indices, async_op=True).get_future(),
-    ]
+    values = a.index_select(0, indices)
+    state.residuals[bucket.index()] = a.index_fill_(0, indices, 0)
+    all_values, all_indices = values.new_empty(world * k), indices.new_empty(world * k)
+    values_sent = gather(all_values, values, async_op=True).get_future()
+    indices_sent = gather(all_indices, indices, async_op=True).get_future()
 
     def average(_: Any) -> Any:
-        dense = torch.zeros_like(grad).scatter_add_(0, torch.cat(all_indices), torch.cat(all_values))
-        return dense.div_(world)
+        values_sent.wait()
+        return torch.zeros_like(grad).scatter_add_(0, all_indices, all_values).div_(world)
 
-    return torch.futures.collect_all(futures).then(average)
+    return indices_sent.then(average)
 
 
 # ================================================================ workload

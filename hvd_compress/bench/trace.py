@@ -29,9 +29,13 @@ counts stand for its kernels even when the block runs on the CPU):
   ``repeat_interleave`` without ``output_size``, and an upload of host data:
   ``lift_fresh`` of a tensor built from Python data during the block
   (``torch.tensor([...])``; on the CPU one of >= 1 dimension: a 0-dim one is a
-  Python scalar, as in ``a[i] = 0``, which a device kernel takes as an argument)
-  and a copy between the CPU and another device (seen only when the block
-  runs on a device). ``tolist``/``numpy`` of a CPU
+  Python scalar, which a device kernel takes as an argument), a copy between
+  the CPU and another device (seen only when the block runs on a device), and
+  ``index_put_`` of a 0-dim CPU value (``a[idx] = 0``: the value is a Python
+  scalar lifted to a CPU tensor, which ``_index_put_impl_`` copies to the
+  device with a blocking ``to(device)``; counted where the value was lifted in
+  the block, or where the target is on a device). ``index_fill_(0, idx, 0)``
+  takes the scalar as an argument: no wait. ``tolist``/``numpy`` of a CPU
   tensor dispatch nothing; :func:`count_ops` adds them from
   :func:`~hvd_compress.bench.host_reads.count_host_reads` (``host_reads=True``).
 * **collective**: an operator of the ``c10d`` namespace (``all_reduce``,
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections import Counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -103,13 +108,29 @@ def _uploaded(lifted: torch.Tensor) -> bool:
     return lifted.device.type != "cpu" or lifted.dim() > 0
 
 
-def is_wait(func: Any, args: Tuple, kwargs: Dict, out: Any) -> bool:
-    """Whether the operator makes the host wait for the device on CUDA (module docstring)."""
+def _scalar_uploaded(target: Any, value: Any, lifted: Any) -> bool:
+    """An ``index_put`` value that CUDA copies to the device with a host wait: a 0-dim CPU tensor,
+    lifted from a Python scalar in the block (``lifted``: those seen) or written into a device tensor."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 0 or value.device.type != "cpu":
+        return False
+    seen = lifted.get(id(value)) if lifted else None
+    return (seen is not None and seen() is value) or (
+        isinstance(target, torch.Tensor) and target.device.type != "cpu"
+    )
+
+
+def is_wait(func: Any, args: Tuple, kwargs: Dict, out: Any, lifted: Optional[Dict[int, Any]] = None) -> bool:
+    """Whether the operator makes the host wait for the device on CUDA (module docstring); ``lifted``:
+    the 0-dim tensors lifted from Python scalars so far in the block (``id -> weakref``)."""
     name = func._overloadpacket.__name__
     if name in SYNCING or name.startswith(("unique", "_unique")):
         return True
     if name.startswith("lift_fresh"):
         return _uploaded(args[0])
+    if name in ("index_put_", "index_put", "_index_put_impl_"):
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        if _scalar_uploaded(args[0], value, lifted):
+            return True
     if name in ("index", "index_put_", "index_put", "_index_put_impl_"):
         return _bool_index(args[1] if len(args) > 1 else kwargs.get("indices"))
     if name == "repeat_interleave":
@@ -129,6 +150,8 @@ class OpCounts:
         self.by_op: Dict[str, List[int]] = {}
         self.waits_by_op: Counter = Counter()
         self.host_reads: Dict[str, int] = {}
+        #: 0-dim tensors lifted from Python scalars in the block, ``id -> weakref`` (identity, not ``==``)
+        self.lifted: Dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def add(self, func: Any, args: Tuple, kwargs: Dict, out: Any) -> None:
@@ -142,7 +165,10 @@ class OpCounts:
         if func.namespace != "aten":
             return
         name = str(func)[len("aten."):]
-        wait = is_wait(func, args, kwargs, out)
+        wait = is_wait(func, args, kwargs, out, self.lifted)
+        if name.startswith("lift_fresh") and isinstance(out, torch.Tensor) and out.dim() == 0:
+            with self._lock:
+                self.lifted[id(out)] = weakref.ref(out)
         kernel = is_kernel(func)
         moved = tensor_bytes((args, kwargs, out)) if kernel else 0
         with self._lock:

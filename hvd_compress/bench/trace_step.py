@@ -240,7 +240,7 @@ def _settings(v: Dict[str, Any], machine: Dict[str, Any], torch: Any, hvd: Any) 
             "numel*itemsize of every tensor argument and result of those; device waits = operators that "
             "synchronise the host on CUDA (_local_scalar_dense, nonzero, masked_select, unique*, equal, "
             "bool-mask indexing, repeat_interleave without output_size, uploads: lift_fresh of host data, "
-            "CPU<->device copies) plus tolist/numpy reads; c10d collectives counted apart; Horovod's "
+            "CPU<->device copies, index_put_ of a Python scalar) plus tolist/numpy reads; c10d collectives counted apart; Horovod's "
             "collectives (its C++ thread) not seen"
         ),
         "added": f"row minus the {LOCAL} row (no exchange)",

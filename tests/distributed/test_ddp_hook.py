@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import pickle
 import socket
 import time
@@ -164,6 +165,56 @@ def replicas_agree(model: torch.nn.Module) -> bool:
     others = [torch.empty_like(flat) for _ in range(RANKS)]
     dist.all_gather(others, flat)
     return all(torch.equal(other, flat) for other in others)
+
+
+class FlatBucket:
+    """What ``handwritten_topk_hook`` uses of ``dist.GradBucket``."""
+
+    def __init__(self, flat: torch.Tensor, index: int) -> None:
+        self.flat, self.i = flat, index
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def index(self) -> int:
+        return self.i
+
+
+HANDWRITTEN_SIZES = (300, 77)  # two buckets: k = 15 and 4 at RATIO
+
+
+def handwritten_gradient(rank: int, step: int, bucket: int) -> np.ndarray:
+    return np.random.default_rng([rank, step, bucket]).standard_normal(HANDWRITTEN_SIZES[bucket]).astype(np.float32)
+
+
+def handwritten_runs(rank: int) -> dict:
+    """The benchmarks' hand-written Top-k hook (``hvd_compress.bench.routes``): called on two buckets
+    for 3 steps (results and residuals), then in a DDP model of several buckets (replicas agree)."""
+    from hvd_compress.bench import routes
+
+    state, calls = routes.HandwrittenTopKState(RATIO), {}
+    for step in range(3):
+        for bucket in range(len(HANDWRITTEN_SIZES)):
+            grad = torch.from_numpy(handwritten_gradient(rank, step, bucket))
+            average = routes.handwritten_topk_hook(state, FlatBucket(grad, bucket)).wait()
+            calls[step, bucket] = (average.clone(), state.residuals[bucket].clone())
+    torch.manual_seed(0)  # 1.3M parameters: DDP's first bucket takes 1 MiB or more, the others 0.25 MB
+    module = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 256))
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.25)
+    buckets = set()
+
+    def hook(state, bucket):
+        buckets.add(bucket.index())
+        return routes.handwritten_topk_hook(state, bucket)
+
+    model.register_comm_hook(routes.HandwrittenTopKState(RATIO), hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(3):
+        optimizer.zero_grad()
+        x, y = batch(rank, step)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {"calls": calls, "ddp_agree": replicas_agree(model), "ddp_buckets": len(buckets)}
 
 
 def scaled_training(rank: int, compression, inject: int = 2, steps: int = 5) -> dict:
@@ -310,6 +361,7 @@ def job(rank: int, out: Path) -> None:
     wire.restore()
     result["shared"] = {variant: shared_training(rank, variant) for variant in SHARED}
     result["switch"] = switch_probe(rank)
+    result["handwritten"] = handwritten_runs(rank)
     result["checkpoints"] = checkpoints_between_routes(rank)
     for variant, how in RESUMED:
         params, state, _ = train(rank, variant, STEPS // 2)
@@ -449,6 +501,31 @@ def test_two_ranks_equal_simulator(trained, variant):
                 atol=tolerance,
                 err_msg=f"{variant} {key}: rank {rank} of the DDP run differs from the Simulator",
             )
+
+
+def test_handwritten_topk_hook_averages_each_ranks_top_k_with_error_feedback(trained):
+    """The benchmarks' peer on 2 gloo ranks: per bucket ``a_r = g_r + e_r``, each rank's ``k`` largest
+    ``|a_r|`` sent, ``e_r = a_r`` with those zeroed, the result ``(sum_r a_r[S_r] at S_r) / 2`` (two float32
+    terms: exact in either order); and in DDP over several buckets (their futures completed on gloo's two
+    threads) both replicas stay equal."""
+    residuals = [[np.zeros(n, np.float32) for n in HANDWRITTEN_SIZES] for _ in range(RANKS)]
+    for step in range(3):
+        for bucket, n in enumerate(HANDWRITTEN_SIZES):
+            k = math.ceil(RATIO * n)
+            total = np.zeros(n, np.float32)
+            for rank in range(RANKS):
+                a = handwritten_gradient(rank, step, bucket) + residuals[rank][bucket]
+                chosen = np.argsort(-np.abs(a))[:k]
+                total[chosen] += a[chosen]
+                residuals[rank][bucket] = a.copy()
+                residuals[rank][bucket][chosen] = 0
+            for rank, result in enumerate(trained):
+                average, residual = result["handwritten"]["calls"][step, bucket]
+                where = f"rank {rank}, step {step}, bucket {bucket}"
+                np.testing.assert_array_equal(average.numpy(), total / RANKS, err_msg=where)
+                np.testing.assert_array_equal(residual.numpy(), residuals[rank][bucket], err_msg=where)
+    for result in trained:
+        assert result["handwritten"]["ddp_agree"] and result["handwritten"]["ddp_buckets"] > 1, result["handwritten"]
 
 
 @pytest.mark.parametrize("variant", SHARED)

@@ -149,3 +149,39 @@ def test_resnet50_and_gpt2_inputs_with_stand_in_packages(monkeypatch):
         )
         (row,) = results["rows"]
         assert row["error"] is None and row["ratio"] == 1.0, row
+
+
+def test_profile_records_kernels_and_milliseconds_of_a_steady_step(tmp_path, capsys):
+    """``--profile`` on the CPU: operator calls and their time per row, and what each adds to ``local``."""
+    out = tmp_path / "ts.json"
+    argv = ["--routes", "local,ddp+handwritten-topk,ours-dropin", "--compressors", "topk", "--dropin-comm", "torch"]
+    assert main(["train-step", *TINY, *argv, "--profile", "--json", str(out), "--plot", ""]) == 0
+    results = json.loads(out.read_text())
+    assert "innermost aten operator calls" in results["settings"]["profile"]
+    rows = {(r["route"], r["compressor"]): r for r in results["rows"]}
+    for row in rows.values():
+        assert row["error"] is None, row
+        assert row["profile"]["kernels"] > 0 and row["profile"]["device_ms"] > 0, row
+    assert rows["local", "none"]["profile_added"] == {"kernels": 0, "device_ms": 0}
+    for route in ("ddp+handwritten-topk", "ours-dropin"):  # the exchange's selection and decode on top
+        assert rows[route, "topk"]["profile_added"]["kernels"] > 0, rows[route, "topk"]
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[-3:] == ["kernels", "op", "ms"] for line in lines), lines
+    dropin = next(line.split() for line in lines if line.split()[:2] == ["ours-dropin", "topk"])
+    assert int(dropin[-2]) == rows["ours-dropin", "topk"]["profile"]["kernels"]
+
+
+def test_profile_counts_innermost_kernels_on_the_cpu():
+    """The CPU's count: one per chain of operator calls that launches a kernel; views and allocations none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.step_profile import summarize
+
+    a, b = torch.randn(1000), torch.randn(1000)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.add(a, b)  # 1
+        a.view(10, 100), a.unsqueeze(0), torch.empty(5)  # 0: views, an allocation
+        a.abs().sum()  # abs (through its out variant) 1, sum 1
+        a.clone()  # the copy 1
+    summary = summarize(prof.events(), cuda=False)
+    assert summary["kernels"] == 4 and summary["device_ms"] > 0, summary

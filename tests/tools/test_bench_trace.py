@@ -94,13 +94,29 @@ def test_each_kind_of_device_wait_is_counted_once(name, read):
     assert counts.waits == 1 and dict(counts.waits_by_op) == {name: 1}, counts.as_dict()
 
 
+def test_a_python_scalar_written_at_indices_is_a_wait():
+    """``a[idx] = 0``: ``index_put_`` of a scalar lifted to a 0-dim CPU tensor, which CUDA copies to
+    the device with a blocking ``to(device)`` (a host wait per call)."""
+    x, idx = torch.randn(10), torch.tensor([1, 4])
+
+    def step():
+        y = x.clone()
+        y[idx] = 0
+        y[idx] = 2.5
+
+    counts = _count(step)
+    assert counts.waits == 2 and dict(counts.waits_by_op) == {"index_put_.default": 2}, counts.as_dict()
+
+
 def test_sizes_known_in_advance_and_scalars_are_no_waits():
     x = torch.randn(10)
     idx = torch.tensor([1, 4])
 
     def step():
         torch.repeat_interleave(torch.full((3,), 2), output_size=6)
-        x.clone()[idx] = 0  # a Python scalar is a kernel argument, not an upload
+        x.clone().index_fill_(0, idx, 0)  # a Python scalar is a kernel argument, not an upload
+        x.clone()[1:3] = 0  # a slice written with a scalar: fill_
+        x.clone().index_put_((idx,), x.sum())  # a 0-dim value computed here (on a device: there)
         x[idx]  # integer indexing: no count needed
         x.topk(3)
 

@@ -1,0 +1,64 @@
+"""``python -m benchmarks select`` on the CPU at a tiny size: every row, its ratios, the files (no timing
+assertions)."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks import select  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
+
+
+def test_cli_times_every_row_and_writes_json_and_png(tmp_path, capsys):
+    argv = ["select", "--device", "cpu", "--sizes", "20k", "--ratios", "0.01,0.001", "--repeats", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "select.json").read_text())
+    assert (tmp_path / "select.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    s = results["settings"]
+    assert (s["device"], s["sizes"], s["ratios"], s["repeats"]) == ("cpu", [20_000], [0.01, 0.001], 2)
+    assert list(s["rows"]) == list(select.ROWS)
+    rows = {(r["size"], r["ratio"], r["row"]): r for r in results["rows"]}
+    assert list(rows) == [(20_000, ratio, name) for ratio in (0.01, 0.001) for name in select.ROWS]
+    for (size, ratio, name), row in rows.items():
+        assert row["k"] == {0.01: 200, 0.001: 20}[ratio] and row["ms"] > 0, row
+        assert row["vs_copy"] == pytest.approx(row["ms"] / rows[size, ratio, "copy"]["ms"])
+        assert row["vs_topk"] == pytest.approx(row["ms"] / rows[size, ratio, "torch.topk"]["ms"])
+    assert rows[20_000, 0.01, "copy"]["vs_copy"] == 1.0
+    table = capsys.readouterr().out
+    for name in select.ROWS:
+        assert any(line.split()[3:4] == [name] for line in table.splitlines()), table
+
+
+def test_the_engine_rows_run_what_the_route_runs(monkeypatch):
+    """``topk``/``gaussiank`` time the fused bucket's launch of a one-tensor bucket holding a residual (the
+    accelerator's code path: the same calls)."""
+    from hvd_compress.comm import fused
+
+    launched = []
+    original = fused.FusedBucket.launch
+
+    def spy(bucket, tensors, comm, complete=True):
+        launched.append((type(bucket.compressor).__name__, bucket.residual is not None, tensors[0].numel()))
+        return original(bucket, tensors, comm, complete)
+
+    monkeypatch.setattr(fused.FusedBucket, "launch", spy)
+    results = select.run(device="cpu", sizes=[5000], ratios=[0.01], repeats=1, rows=["gaussiank"],
+                         code_path="accelerator", out=None, progress=False)
+    assert [r["row"] for r in results["rows"]] == ["copy", "torch.topk", "gaussiank"]
+    assert results["settings"]["code_path"] == "accelerator"
+    # the untimed first step, then the warm-up and timed calls, each on the residual that step left
+    assert launched == [("GaussianK", True, 5000)] * (1 + select.WARMUP_CALLS + 1)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="unknown row"):
+        select.run(device="cpu", sizes=[100], rows=["nope"], out=None, progress=False)
+    with pytest.raises(ValueError, match="sizes"):
+        select.run(device="cpu", sizes=[0], out=None, progress=False)
+    with pytest.raises(ValueError, match="repeats"):
+        select.run(device="cpu", sizes=[100], repeats=0, out=None, progress=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="is_available"):
+            select.run(device="cuda", sizes=[100], out=None, progress=False)
