@@ -76,6 +76,13 @@ get ``ranks disagree`` on every rank there too (not Horovod's shape or dtype
 mismatch), and hand Horovod the tensor afterwards; called by hand without a
 name (no Horovod call to check with), they return the tensor.
 
+Horovod 0.28.1 carries no bfloat16: bfloat16 gradients hand Horovod float32
+placeholders (None: the gradient itself as float32, cast back in ``decompress``), and
+our collectives go through :class:`~hvd_compress.comm.communicator.HorovodTorchCommunicator`,
+which sums them in float32 and gathers them as raw 16-bit words. ``decompress`` returns
+each result in its gradient's dtype and memory format (Horovod's optimizer sets
+``p.grad`` to it, strides included: a ``channels_last`` gradient stays so).
+
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
 """

@@ -215,7 +215,7 @@ def in_layout_of(result: Any, grad: Any) -> Any:
     """``result`` in ``grad``'s dtype and memory format (Horovod's optimizer sets ``p.grad`` to what
     ``decompress`` returns, strides included: a ``channels_last`` gradient stays ``channels_last``).
     The exchange's results are contiguous; a gradient of other strides gets a copy in its own."""
-    if result.stride() != grad.stride():
+    if result.stride() != grad.stride() and not grad.is_contiguous():
         import torch
 
         return torch.empty_like(grad).copy_(result)
