@@ -28,6 +28,8 @@ from tests.distributed import torch_horovod as workload  # noqa: E402
 
 RANKS = 2
 NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "none"]
+#: bfloat16 over gloo: a sparse, a ternary and a dense exchange (every compressor: the Horovod runs)
+BFLOAT16_NAMES = ["regtopk", "terngrad", "none"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -78,7 +80,7 @@ def job(rank, out):
             workload.loss_fn(model, x, y).backward()
             optimizer.step()
         result["params"][name] = {n: p.detach().tolist() for n, p in model.named_parameters()}
-    result["bfloat16"] = {name: bfloat16_training(rank, name, comm) for name in NAMES}
+    result["bfloat16"] = {name: bfloat16_training(rank, name, comm) for name in BFLOAT16_NAMES}
     result["amp"] = {route: plain_amp_recipe(rank, route, comm) for route in ("ddp", "dropin")}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -168,7 +170,7 @@ def test_drop_in_optimizer_over_gloo_equals_simulator(tmp_path):
         for param, value in ddp["params"].items():
             assert np.all(np.isfinite(value)), (rank, param)
             np.testing.assert_array_equal(dropin["params"][param], value, err_msg=f"AMP rank {rank} {param}")
-    for name in NAMES:  # bfloat16: the Simulator's training with torch.optim.SGD's update, bit for bit
+    for name in BFLOAT16_NAMES:  # bfloat16: the Simulator's training with torch.optim.SGD's update, bit for bit
         for param, value in workload.simulate(name, RANKS, workload_steps(), dtype=torch.bfloat16).items():
             for rank, result in enumerate(results):
                 got = np.array(result["bfloat16"][name][param], dtype=np.float32)

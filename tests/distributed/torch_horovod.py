@@ -63,7 +63,12 @@ def simulate(
     """
     model = make_model(dtype)
     sgd = torch.optim.SGD(model.parameters(), lr=LR) if dtype == torch.bfloat16 else None
-    simulate_steps(model, Simulator(ranks, compressor(name)), 0, steps, passes, optimizer=sgd)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: several threads only contend (5-20x slower on a busy machine)
+    try:
+        simulate_steps(model, Simulator(ranks, compressor(name)), 0, steps, passes, optimizer=sgd)
+    finally:
+        torch.set_num_threads(threads)
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
