@@ -160,4 +160,7 @@ class Simulator:
             )
         for compressor, rank_state in zip(self.compressors, state["ranks"]):
             compressor.load_state_dict(rank_state)
+        for compressor in self.compressors:  # each rank's own state, in rank order
+            if compressor.state_note():
+                raise ValueError(f"hvd_compress: the Simulator's states are not in rank order{compressor.state_note()}")
         self.steps = int(state.get("steps", 0))

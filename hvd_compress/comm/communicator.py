@@ -90,8 +90,49 @@ class HorovodCommunicator(Communicator):
         return self.hvd.size()
 
 
+class Converted:
+    """A Horovod handle whose result goes back to the caller's dtype (``back(result)``)."""
+
+    __slots__ = ("handle", "back")
+
+    def __init__(self, handle: Any, back: Any) -> None:
+        self.handle, self.back = handle, back
+
+
+def horovod_dtype(dtype: Any) -> Any:
+    """The dtype ``horovod.torch``'s allreduce carries a tensor of ``dtype`` as: ``dtype`` itself, or
+    float32 for bfloat16 (Horovod 0.28.1 has no ``horovod_torch_allreduce_async_torch_BFloat16Tensor``)."""
+    import torch
+
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
+def horovod_carried(tensor: Any) -> Any:
+    """``(tensor as Horovod's allreduce carries it, how a result goes back)`` (``back`` is ``None`` when
+    it travels as it is, :func:`horovod_dtype`). A bfloat16 tensor is summed (or its maximum taken) in
+    float32 and rounded back once: over 2 ranks exactly bfloat16's own sum (float32 has more than twice
+    bfloat16's 8 significant bits, so the double rounding is innocuous), over more the float32 sum
+    rounded once."""
+    dtype = horovod_dtype(tensor.dtype)
+    if dtype == tensor.dtype:
+        return tensor, None
+    original = tensor.dtype
+    return tensor.to(dtype), lambda result: result.to(original)
+
+
+def horovod_gathered(tensor: Any) -> Any:
+    """:func:`horovod_carried` for an allgather: a bfloat16 tensor travels as its raw 16 bits (int16),
+    exactly, and is viewed back."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16), lambda result: result.view(torch.bfloat16)
+    return tensor, None
+
+
 class HorovodTorchCommunicator(HorovodCommunicator):
-    """``horovod.torch`` collectives (Gloo, MPI or NCCL, as Horovod was started)."""
+    """``horovod.torch`` collectives (Gloo, MPI or NCCL, as Horovod was started); dtypes Horovod cannot
+    carry travel as one it can (:func:`horovod_carried`, :func:`horovod_gathered`)."""
 
     def __init__(self) -> None:
         import horovod.torch as hvd
@@ -99,12 +140,18 @@ class HorovodTorchCommunicator(HorovodCommunicator):
         super().__init__(hvd)
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        return self.hvd.allreduce_async(tensor, op=self._ops[op], name=name)
+        carried, back = horovod_carried(tensor)
+        handle = self.hvd.allreduce_async(carried, op=self._ops[op], name=name)
+        return handle if back is None else Converted(handle, back)
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self.hvd.allgather_async(tensor, name=name)
+        carried, back = horovod_gathered(tensor)
+        handle = self.hvd.allgather_async(carried, name=name)
+        return handle if back is None else Converted(handle, back)
 
     def wait(self, handle: Any) -> Any:
+        if isinstance(handle, Converted):
+            return handle.back(self.hvd.synchronize(handle.handle))
         return self.hvd.synchronize(handle)
 
     #: seconds a rank that found the ranks disagree waits for the others to find it too

@@ -76,6 +76,13 @@ get ``ranks disagree`` on every rank there too (not Horovod's shape or dtype
 mismatch), and hand Horovod the tensor afterwards; called by hand without a
 name (no Horovod call to check with), they return the tensor.
 
+Horovod 0.28.1 carries no bfloat16: bfloat16 gradients hand Horovod float32
+placeholders (None: the gradient itself as float32, cast back in ``decompress``), and
+our collectives go through :class:`~hvd_compress.comm.communicator.HorovodTorchCommunicator`,
+which sums them in float32 and gathers them as raw 16-bit words. ``decompress`` returns
+each result in its gradient's dtype and memory format (Horovod's optimizer sets
+``p.grad`` to it, strides included: a ``channels_last`` gradient stays so).
+
 TensorFlow tensors (``horovod.tensorflow``, ``horovod.tensorflow.keras``) go to
 :mod:`hvd_compress.comm.horovod_tf`, which runs each exchange as one graph op.
 """
@@ -88,9 +95,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from hvd_compress.comm.communicator import HorovodTorchCommunicator
+from hvd_compress.comm.communicator import HorovodTorchCommunicator, horovod_carried, horovod_dtype
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
-from hvd_compress.comm.horovod_buckets import Plan, Planned
+from hvd_compress.comm.horovod_buckets import Plan, Planned, in_layout_of
 from hvd_compress.comm.horovod_calls import allreduce_call
 
 
@@ -147,11 +154,14 @@ class _Calls:
 
 @dataclass
 class _Context:
+    #: the dtype of the result (``None``: that of Horovod's output)
     dtype: Any = None
     name: str = ""
     exchange: Optional[BucketExchange] = None
     #: None, FP16: the tensor's header check (Horovod's allreduce from the next step): drop its plan after
     check_only: bool = False
+    #: the tensor our exchange moves, whose memory format its result takes
+    grad: Any = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,15 +218,19 @@ def _calls(compressor: Any) -> _Calls:
 
 
 def _direct(compressor: Any, tensor: Any):
-    """None, FP16: the tensor (FP16: cast) for Horovod's own allreduce, counted in the statistics."""
+    """None, FP16: the tensor (FP16: cast; a dtype Horovod cannot carry: as the one it carries,
+    :func:`~hvd_compress.comm.communicator.horovod_carried`) for Horovod's own allreduce, counted in
+    the statistics."""
     wire = compressor.dense_wire_dtype
-    numel, itemsize = tensor.numel(), tensor.element_size()
-    compressor.stats.add(numel * (2 if wire else itemsize), numel * itemsize, numel, numel)
     if wire is None:
-        return tensor, _Context()
-    import torch
+        sent, back = horovod_carried(tensor)
+    else:
+        import torch
 
-    return tensor.to(getattr(torch, wire)), _Context(dtype=tensor.dtype)
+        sent, back = tensor.to(getattr(torch, wire)), True
+    numel = tensor.numel()
+    compressor.stats.add(numel * sent.element_size(), numel * tensor.element_size(), numel, numel)
+    return sent, _Context(dtype=None if back is None else tensor.dtype)
 
 
 def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
@@ -263,8 +277,9 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
     # process issued when it names an allreduce by order) would differ where ranks' compressors do
     exchange.launch(complete=in_order)
     calls.pending.append(exchange)
-    compressor.stats.add(tensor.element_size(), 0, 0, 0)  # the placeholder
-    return tensor.new_ones(1), _Context(tensor.dtype, name, exchange, check_only=dense)
+    placeholder = tensor.new_ones(1, dtype=horovod_dtype(tensor.dtype))
+    compressor.stats.add(placeholder.element_size(), 0, 0, 0)
+    return placeholder, _Context(tensor.dtype, name, exchange, check_only=dense, grad=tensor)
 
 
 def decompress(compressor: Any, output: Any, ctx: Any):
@@ -290,7 +305,8 @@ def decompress(compressor: Any, output: Any, ctx: Any):
     if divisor == world:
         result = ctx.exchange.finish(average=True)[ctx.name]
     else:
-        result = (ctx.exchange.finish(average=False)[ctx.name] / divisor).to(ctx.dtype)
+        result = ctx.exchange.finish(average=False)[ctx.name] / divisor
+    result = in_layout_of(result, ctx.grad)
     if ctx.check_only:  # None, FP16: checked; Horovod's allreduce moves the tensor from now on
         compressor.state.drop_bucket(f"hvd_compress.{ctx.name}")
         calls.agreed = True

@@ -53,6 +53,7 @@ import os
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
+from hvd_compress.comm.communicator import horovod_dtype
 from hvd_compress.comm.exchange import open_exchange
 from hvd_compress.compressors.checkpoint import check_names
 from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
@@ -137,15 +138,17 @@ class Plan:
         step.open[bucket][name] = tensor
         if len(step.open[bucket]) == len(self.buckets[bucket]):
             self._launch(compressor, comm, calls, step, bucket)
-        return self._placeholder(compressor, step, name, tensor), Planned(self, step, bucket, name, tensor.dtype)
+        return self._placeholder(compressor, step, name, tensor), Planned(self, step, bucket, name, tensor)
 
     def _placeholder(self, compressor: Any, step: "Step", name: str, tensor: Any) -> Any:
-        """One element of the step's buffer of ones for ``tensor``'s dtype and device (counted in stats)."""
-        key = (tensor.device, tensor.dtype)
+        """One element of the step's buffer of ones for ``tensor``'s device, in its dtype or, where
+        Horovod cannot carry that one, in the one it travels as
+        (:func:`~hvd_compress.comm.communicator.horovod_dtype`); counted in stats."""
+        key = (tensor.device, horovod_dtype(tensor.dtype))
         ones = step.placeholders.get(key)
         if ones is None:
-            ones = step.placeholders[key] = tensor.new_ones(len(self.position))
-        compressor.stats.add(tensor.element_size(), 0, 0, 0)
+            ones = step.placeholders[key] = tensor.new_ones(len(self.position), dtype=key[1])
+        compressor.stats.add(ones.element_size(), 0, 0, 0)
         i = self.position[name]
         return ones[i : i + 1]
 
@@ -183,7 +186,7 @@ class Plan:
         result = results.pop(ctx.name)
         if divisor not in (world, 1.0):
             result = result / divisor
-        return result if result.dtype == ctx.dtype else result.to(ctx.dtype)
+        return in_layout_of(result, ctx.grad)
 
 
 class Step:
@@ -199,9 +202,21 @@ class Step:
 
 
 class Planned:
-    """``decompress``'s context for a tensor recorded by a :class:`Plan`."""
+    """``decompress``'s context for a tensor recorded by a :class:`Plan` (``grad``: the tensor, whose
+    dtype and memory format its result takes)."""
 
-    __slots__ = ("plan", "step", "bucket", "name", "dtype")
+    __slots__ = ("plan", "step", "bucket", "name", "grad")
 
-    def __init__(self, plan: Plan, step: Step, bucket: int, name: str, dtype: Any) -> None:
-        self.plan, self.step, self.bucket, self.name, self.dtype = plan, step, bucket, name, dtype
+    def __init__(self, plan: Plan, step: Step, bucket: int, name: str, grad: Any) -> None:
+        self.plan, self.step, self.bucket, self.name, self.grad = plan, step, bucket, name, grad
+
+
+def in_layout_of(result: Any, grad: Any) -> Any:
+    """``result`` in ``grad``'s dtype and memory format (Horovod's optimizer sets ``p.grad`` to what
+    ``decompress`` returns, strides included: a ``channels_last`` gradient stays ``channels_last``).
+    The exchange's results are contiguous; a gradient of other strides gets a copy in its own."""
+    if result.stride() != grad.stride() and not grad.is_contiguous():
+        import torch
+
+        return torch.empty_like(grad).copy_(result)
+    return result if result.dtype == grad.dtype else result.to(grad.dtype)

@@ -182,8 +182,8 @@ class Compressor:
         rank, world = self.state.origin
         if rank == self.rank:
             return ""
-        return (
-            f"; its state was loaded from rank {rank}'s checkpoint (of {world} ranks): residuals are "
+        return (  # this rank's number in it: ranks that all hold one other rank's state differ too
+            f"; rank {self.rank}'s state was loaded from rank {rank}'s checkpoint (of {world} ranks): residuals are "
             f"per rank, so save compressor state on every rank and load each rank's own, or call "
             f"reset() after loading to start error feedback afresh"
         )

@@ -14,13 +14,19 @@ of it is used:
   ``posterior_indices``/``sent_indices`` integers in ``[0, size)``, its
   ``posterior_values``/``sent_values`` finite floats of the same length;
 - every random stream's state, by setting it on a fresh stream of its framework;
+- ``rank`` and ``world``, when present: integers with ``world >= 1`` and
+  ``0 <= rank < world`` (:func:`check_origin`; the error names the field);
 - last, the checksum, when present (checkpoints written before it existed have none),
   which catches what the checks above cannot see.
 
 A checkpoint records the route that wrote it (``route``: ``hvd_compress.torch.DistributedOptimizer``,
 ``horovod.torch.DistributedOptimizer``, ``hvd_compress.torch.ddp_hook``, ``Simulator``...).
 State moves between routes: each rank's state is the same dict whatever wrote it, residuals of any
-shape of the tensor's size, arrays of any framework (moved at the first step). What cannot move is
+shape of the tensor's size, arrays of any framework (moved at the first step). A rank's state belongs to
+that rank (``rank``): one holding another rank's is stopped, on every rank, by the exchanges' first
+cross-rank check (``Compressor.state_note``), the Simulator at its ``load_state_dict``; the number of
+ranks may change between save and resume (``world``: ranks no longer present leave their residuals
+behind). What cannot move is
 refused, naming the writer: a whole Simulator or optimizer checkpoint handed to a compressor
 (:func:`check_state` says where the compressor state sits in it), and state none of whose tensor
 names the reading route uses (:func:`check_names`: routes that are not told parameter names name
@@ -164,9 +170,28 @@ def check_state(state: Any, compressor: Any) -> None:
         raise _broken("'generators' is not a dict")
     for module, generator_state in generators.items():
         _check_generator(module, generator_state)
+    check_origin(state)
     if "checksum" in state and state["checksum"] != state_checksum(state):
         raise _broken("its checksum does not match its contents (bytes changed after state_dict() wrote it; "
                       "if you edited it on purpose, delete its 'checksum' entry)")
+
+
+def _integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (Python's or numpy's), not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_origin(state: Dict[str, Any]) -> None:
+    """The ``rank`` and ``world`` a checkpoint records (when it records them): ``world`` an integer
+    ``>= 1``, ``rank`` an integer in ``[0, world)``; ``ValueError`` naming the field otherwise."""
+    if "world" not in state and "rank" not in state:
+        return
+    world, rank = state.get("world"), state.get("rank")
+    if not _integer(world) or world < 1:
+        raise _broken(f"its 'world' (the number of ranks that saved it) is {world!r}, not an integer >= 1")
+    if not _integer(rank) or not 0 <= rank < world:
+        raise _broken(f"its 'rank' (the rank that saved it) is {rank!r}, not an integer in [0, {world}) "
+                      f"('world' is {world})")
 
 
 def _check_tensor(name: str, entry: Dict[str, Any]) -> None:

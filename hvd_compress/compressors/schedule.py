@@ -174,6 +174,7 @@ class DensityWarmup:
         density = self.density
         for compressor in self.compressors:
             compressor.ratio = density
+            compressor.target_ratio = self.target  # what messages show as configured (not the ramp's density)
         return density
 
     def state_dict(self) -> Dict[str, Any]:

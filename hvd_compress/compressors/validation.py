@@ -108,6 +108,18 @@ def param_group_momenta(param_groups: Any) -> list:
             for i, group in enumerate(param_groups)]
 
 
+def as_configured(compressor: Any) -> str:
+    """``repr(compressor)`` with the ratio the user configured: under a density schedule
+    (:class:`~hvd_compress.compressors.schedule.DensityWarmup`, which records its target as
+    ``compressor.target_ratio``) the ``ratio`` set now is the ramp's, not the one written."""
+    text = repr(compressor)
+    target, now = getattr(compressor, "target_ratio", None), getattr(compressor, "ratio", None)
+    if target is None or now is None or target == now:
+        return text
+    return (text.replace(f"ratio={now!r}", f"ratio={target!r}", 1)
+            + f" (its density warm-up is at {now:g} now)")
+
+
 def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
     """``ValueError`` when both ``compressor`` (momentum correction) and the wrapped optimizer apply
     momentum: the update would decay twice (``m`` on the compressor's velocity, then the optimizer's
@@ -119,7 +131,7 @@ def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
     for part, theirs in momenta:
         if isinstance(theirs, numbers.Real) and theirs:
             raise ValueError(
-                f"hvd_compress: {where}: the compressor applies momentum itself ({compressor!r}: momentum="
+                f"hvd_compress: {where}: the compressor applies momentum itself ({as_configured(compressor)}: momentum="
                 f"{own:g}, DGC's momentum correction) and the optimizer's {part} has momentum={theirs!r}: "
                 f"momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: the "
                 f"compressor owns the momentum), or the compressor momentum=0"

@@ -6,10 +6,15 @@ gradients; one dtype and device per bucket; at most ``bucket_cap_mb`` of
 gradients each), identical on every rank. A hook on each parameter counts its
 gradient in; when a bucket is complete its tensors are encoded and its fused
 collectives start (:class:`~hvd_compress.comm.exchange.BucketExchange`) while
-backward goes on. ``synchronize()`` (called by ``step()``) launches what is
-left, waits, and writes the averaged gradients back. Parameters that backward
-did not reach (unused layers, branches not taken, on some ranks or all) send
-zeros, as with Horovod. Buckets launch as soon as they are complete without
+backward goes on. ``synchronize()`` launches what is left, waits, and writes the
+averaged gradients back: at the end of the backward that completed every bucket
+(as DDP does, so that what reads ``p.grad`` after ``backward()``, such as
+``torch.amp.GradScaler``'s ``unscale_``, sees the exchanged gradients and every
+rank decides alike), else in ``step()``. Parameters that backward did not reach
+(unused layers, branches not taken, on some ranks or all) send zeros, as with
+Horovod; then ``step()`` synchronizes, and a gradient changed in place between
+its backward and ``step()`` (``GradScaler.unscale_``, clipping) is refused, since
+its exchange has already started. Buckets launch as soon as they are complete without
 waiting for other ranks (TernGrad's codes, which need the shared scale, are
 sent at ``synchronize()``); over transports that match collectives by order
 they launch in bucket order (a bucket waits for the buckets before it).
@@ -26,6 +31,7 @@ exactly.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional
@@ -35,6 +41,7 @@ import torch
 from hvd_compress.comm.exchange import BucketExchange, open_exchange
 from hvd_compress.comm.nonfinite import raise_if_nonfinite
 from hvd_compress.compressors import Compressor, as_compressor
+from hvd_compress.compressors.base import NonFiniteGradientError
 from hvd_compress.compressors.checkpoint import check_names, writer
 from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
 
@@ -119,7 +126,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ready: List[set] = [set() for _ in self._buckets]
         self._in_flight: Dict[int, BucketExchange] = {}
         self._delay = {n: self._passes for n in self._params}
-        self._synchronized = False
+        # _synchronized_by_backward: the end of a backward synchronized (not synchronize()), step() takes it
+        self._synchronized = self._synchronized_by_backward = self._end_queued = False
+        self._nonfinite_error: Optional[Exception] = None  # strict mode's, at the end of a backward: step() raises it
+        self._versions: Dict[str, tuple] = {}  # each counted-in gradient's (id, version) at its hook
         self._should_synchronize = True
         # Buckets go in bucket order when the transport matches collectives by order: a bucket
         # holding a gradient that backward did not produce on some rank (a branch not taken)
@@ -136,12 +146,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         name = self._names[id(p)]
         if self._synchronized:
             raise AssertionError(
-                "hvd_compress: gradients computed after synchronize() and before step(); "
-                "call step() inside optimizer.skip_synchronize() after an explicit synchronize()"
+                "hvd_compress: gradients computed after synchronize() and before step() (the exchange "
+                "of this step's gradients is done: after the backward that completed every bucket, or "
+                "an explicit synchronize()); call step() (or zero_grad() for a step not taken) before "
+                "the next backward, or accumulate with backward_passes_per_step="
             )
+        if not self._end_queued:  # once per backward: synchronize at its end if every bucket is out
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_weak_end_of_backward(self))
         self._delay[name] -= 1
         if self._delay[name] > 0:
             return
+        self._versions[name] = (id(p.grad), p.grad._version) if p.grad is not None else None
         bucket = self._bucket_of[name]
         self._ready[bucket].add(name)
         if not self._in_order:
@@ -176,9 +192,53 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         return grad.to_dense()
 
+    def _end_of_backward(self) -> None:
+        """After a backward: synchronize when every bucket has been launched (every parameter's
+        gradient counted in, the last of ``backward_passes_per_step`` passes), as DDP does at the end
+        of backward; otherwise ``step()`` will (parameters this backward did not reach)."""
+        self._end_queued = False
+        if not self._synchronized and len(self._in_flight) == len(self._buckets):
+            try:
+                self._synchronize()
+            except NonFiniteGradientError as error:  # strict mode raises it where it always has: in step()
+                self._nonfinite_error = error
+                return
+            self._synchronized_by_backward = True
+
+    def _raise_deferred(self) -> None:
+        """Raise strict mode's error of the last backward's exchange (``nonfinite="raise"``), once."""
+        error, self._nonfinite_error = self._nonfinite_error, None
+        if error is not None:
+            raise error
+
+    def _changed_since_backward(self) -> List[str]:
+        """The parameters whose gradient was replaced or changed in place after its hook counted it in."""
+        changed = []
+        for name, seen in self._versions.items():
+            grad = self._params[name].grad
+            if seen != ((id(grad), grad._version) if grad is not None else None):
+                changed.append(name)
+        return changed
+
     # ------------------------------------------------------------ public API
     def synchronize(self) -> None:
-        """Finish every bucket's exchange and write the averaged gradients into ``p.grad``."""
+        """Finish every bucket's exchange and write the averaged gradients into ``p.grad``.
+
+        After a backward that already did (every bucket complete: module docstring) it does
+        nothing, so ``synchronize()``, ``unscale_``, ``with skip_synchronize(): step()`` (Horovod's
+        recipe) works either way."""
+        self._raise_deferred()
+        if self._synchronized_by_backward:
+            self._synchronized_by_backward = False  # explicit from here: step() needs skip_synchronize()
+            return
+        changed = self._changed_since_backward()
+        if changed:
+            self._versions = {}
+            what = ", ".join(repr(n) for n in changed[:3]) + (" and others" if len(changed) > 3 else "")
+            raise RuntimeError(_read_too_early(f"the gradient of {what} changed after backward()"))
+        self._synchronize()
+
+    def _synchronize(self) -> None:
         for bucket in range(len(self._buckets)):
             if bucket not in self._in_flight:
                 self._launch(bucket)
@@ -200,6 +260,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(grads, results)  # one launch for all parameters
         self._ready = [set() for _ in self._buckets]
         self._delay = {n: self._passes for n in self._params}
+        self._versions = {}
         self._synchronized = True
         if self._compression.nonfinite == "raise":
             self._synchronized = False  # the step is not taken; the next backward starts afresh
@@ -216,25 +277,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
-        if self._should_synchronize:
+        self._raise_deferred()
+        if self._should_synchronize and not self._synchronized_by_backward:
             if self._synchronized:
                 raise AssertionError(
                     "hvd_compress: synchronize() was already called; use "
                     "`with optimizer.skip_synchronize(): optimizer.step()`"
                 )
+            if _called_by_grad_scaler():  # its unscale_ read (and changed) the gradients before their exchange
+                self._versions = {}
+                raise RuntimeError(_read_too_early("torch.amp.GradScaler.step() unscaled the gradients"))
             self.synchronize()
-        self._synchronized = False
+        self._synchronized = self._synchronized_by_backward = self._end_queued = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._in_flight:
+        if self._in_flight or self._versions:
             raise AssertionError(
-                "hvd_compress: zero_grad() while gradients are being exchanged; call step() or "
-                "synchronize() first"
+                "hvd_compress: zero_grad() while gradients are being exchanged (some parameters received "
+                "no gradient in this backward, so the exchange did not finish at its end); call step() or "
+                "synchronize() first. With torch.amp.GradScaler, synchronize before the scaler reads the "
+                "gradients: scaler.scale(loss).backward(); optimizer.synchronize(); "
+                "scaler.unscale_(optimizer); with optimizer.skip_synchronize(): scaler.step(optimizer); "
+                "scaler.update()"
             )
         # A step skipped after synchronize() (GradScaler on an overflow, a user's own check)
         # never calls step(): zero_grad() starts the next iteration all the same.
-        self._synchronized = False
+        self._synchronized = self._synchronized_by_backward = self._end_queued = False
+        self._nonfinite_error = None
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -271,6 +341,52 @@ def _weak_hook(optimizer: _DistributedOptimizer) -> Any:
             live._hook(p)
 
     return hook
+
+
+#: the module of ``torch.amp.GradScaler``, whose ``step`` calls ``optimizer.step()``
+GRAD_SCALER_MODULE = "torch.amp.grad_scaler"
+
+
+def _called_by_grad_scaler(depth: int = 4) -> bool:
+    """Whether ``step()`` was called by ``torch.amp.GradScaler.step`` (its ``_maybe_opt_step``)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == GRAD_SCALER_MODULE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _read_too_early(what: str) -> str:
+    """The error for gradients read or changed (GradScaler's ``unscale_``, clipping) before their exchange
+    finished: a backward that left parameters without a gradient does not finish it at its end."""
+    return (
+        f"hvd_compress: {what} before the exchange of this step's gradients finished: it started during "
+        "backward, with the gradients as they were then. Some parameters received no gradient in this "
+        "backward (an unused layer, a branch not taken), so the exchange could not finish at its end, as it "
+        "does otherwise; finish it yourself before torch.amp.GradScaler (or clipping) reads the gradients:\n"
+        "    scaler.scale(loss).backward()\n"
+        "    optimizer.synchronize()\n"
+        "    scaler.unscale_(optimizer)          # optional: clip here\n"
+        "    with optimizer.skip_synchronize():\n"
+        "        scaler.step(optimizer)\n"
+        "    scaler.update()"
+    )
+
+
+def _weak_end_of_backward(optimizer: _DistributedOptimizer) -> Any:
+    """:meth:`_DistributedOptimizer._end_of_backward` for autograd's ``queue_callback``, holding the
+    optimizer weakly (as :func:`_weak_hook`)."""
+    ref = weakref.ref(optimizer)
+
+    def end_of_backward() -> None:
+        live = ref()
+        if live is not None:
+            live._end_of_backward()
+
+    return end_of_backward
 
 
 def DistributedOptimizer(

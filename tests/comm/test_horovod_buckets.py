@@ -125,3 +125,97 @@ def test_checkpoint_mid_training_resumes_exactly_and_saving_changes_nothing():
             torch.testing.assert_close(observed[step][name], straight[step][name], rtol=0, atol=0)
             if step:
                 torch.testing.assert_close(continued[step - 1][name], straight[step][name], rtol=0, atol=0)
+
+
+class NoBfloat16Horovod:
+    """``horovod.torch`` of one rank as 0.28.1 behaves: its collectives refuse bfloat16 tensors."""
+
+    Sum, Max = "sum", "max"
+
+    def __init__(self):
+        self.dtypes = []
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def _take(self, tensor):
+        if tensor.dtype == torch.bfloat16:
+            raise TypeError("Unsupported data type torch.BFloat16Tensor")  # what Horovod raises
+        self.dtypes.append(tensor.dtype)
+        return tensor.clone()
+
+    allreduce_async = allgather_async = lambda self, tensor, **kwargs: self._take(tensor)
+
+    def synchronize(self, handle):
+        return handle
+
+
+def horovod_of_one_rank():
+    from hvd_compress.comm.communicator import HorovodCommunicator, HorovodTorchCommunicator
+
+    comm = HorovodTorchCommunicator.__new__(HorovodTorchCommunicator)
+    HorovodCommunicator.__init__(comm, NoBfloat16Horovod())
+    return comm
+
+
+def test_horovod_communicator_sums_bfloat16_in_float32_and_gathers_its_raw_bits():
+    comm = horovod_of_one_rank()
+    values = torch.randn(7).to(torch.bfloat16)
+    summed = comm.wait(comm.allreduce_async(values, comm.SUM, "s"))
+    gathered = comm.wait(comm.allgather_async(values, "g"))
+    assert comm.hvd.dtypes == [torch.float32, torch.int16]
+    for result in (summed, gathered):
+        assert result.dtype == torch.bfloat16 and torch.equal(result.view(torch.int16), values.view(torch.int16))
+    assert comm.wait(comm.allreduce_async(torch.ones(2), comm.MAX, "m")).dtype == torch.float32  # as it was
+
+
+@pytest.mark.parametrize("compression", ["none", "topk", "terngrad"])
+def test_bfloat16_gradients_reach_horovod_only_as_dtypes_it_carries(compression):
+    """Stock steps of bfloat16 gradients: placeholders and our exchange's collectives, and for None,
+    from its second step, Horovod's own allreduce of the gradient (``_direct``). Nothing bfloat16
+    reaches Horovod; the results are bfloat16 and equal the Simulator's bit for bit."""
+    from hvd_compress import Compression
+    from hvd_compress.comm import horovod
+
+    def make():
+        return Compression.by_name(compression, 0.25, **({} if compression == "none" else {"dense_below": 10}))
+
+    named = params((64,), (3,), (32, 4), dtype=torch.bfloat16)
+    comm = horovod_of_one_rank()
+    compressor, sim = make(), Simulator(1, make())
+    plan, calls = Plan(FakeHorovodOptimizer(named), compressor), horovod._calls(compressor)
+    for step in range(2):
+        grads = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(torch.bfloat16)
+                 for i, (n, p) in enumerate(named)}
+        expected = sim.step({n: [grads[n]] for n in reversed(grads)})  # plan order: each tensor's draws in turn
+        results = {}
+        if calls.agreed:  # None once checked: Horovod's allreduce moves (and here returns) what _direct hands it
+            for name, grad in grads.items():
+                sent, ctx = horovod._direct(compressor, grad)
+                results[name] = horovod.decompress(compressor, comm.hvd._take(sent), ctx)
+        else:
+            contexts = {name: plan.record(compressor, comm, calls, name, grad) for name, grad in grads.items()}
+            for name, (placeholder, ctx) in contexts.items():
+                results[name] = plan.decompress(compressor, comm, calls, comm.hvd._take(placeholder), ctx)
+        for name, result in results.items():
+            assert result.dtype == torch.bfloat16, (step, name)
+            assert torch.equal(result.view(torch.int16), expected[name].view(torch.int16)), (step, name)
+    assert calls.agreed == (compression == "none")
+    assert torch.bfloat16 not in comm.hvd.dtypes and comm.hvd.dtypes
+
+
+def test_a_channels_last_gradient_comes_back_channels_last():
+    """Horovod's optimizer sets ``p.grad`` to ``decompress``'s result, strides included: a
+    ``channels_last`` gradient gets its result in its own memory format, the values of a contiguous one."""
+    conv = [("conv", torch.nn.Parameter(torch.randn(8, 4, 3, 3)))]
+    grad = torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)
+    comm, results = SingleProcessCommunicator(), {}
+    for layout, g in (("channels_last", grad), ("contiguous", grad.contiguous())):
+        plan, compressor, calls = Plan(FakeHorovodOptimizer(conv)), TopK(0.25, dense_below=0), _Calls()
+        _, ctx = plan.record(compressor, comm, calls, "conv", g)
+        results[layout] = plan.decompress(compressor, comm, calls, torch.ones(1), ctx)
+    assert results["channels_last"].stride() == grad.stride() != results["contiguous"].stride()
+    assert torch.equal(results["channels_last"], results["contiguous"])

@@ -181,3 +181,86 @@ def test_residual_in_the_parameters_shape_loads_into_a_per_tensor_route():
     a, b = shaped.encode(grad, "w"), plain.encode(grad, "w")
     np.testing.assert_array_equal(a.indices, b.indices)
     np.testing.assert_array_equal(a.values, b.values)
+
+
+# --------------------------------------------------------------------------- #
+# the rank and world a state records: checked at load, and against the run that loads it
+# --------------------------------------------------------------------------- #
+def edited(state, **fields):
+    """``state`` with ``fields`` changed and its checksum recomputed (an edit the checksum cannot see)."""
+    from hvd_compress.compressors.checkpoint import state_checksum
+
+    state = {**state, **fields}
+    state["checksum"] = state_checksum(state)
+    return state
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"world": -3, "rank": 5}, "its 'world' (the number of ranks that saved it) is -3, not an integer >= 1"),
+        ({"world": "two"}, "its 'world' (the number of ranks that saved it) is 'two', not an integer >= 1"),
+        ({"world": 0, "rank": 0}, "its 'world' (the number of ranks that saved it) is 0"),
+        ({"world": 2.0}, "its 'world' (the number of ranks that saved it) is 2.0"),
+        ({"rank": 5}, "its 'rank' (the rank that saved it) is 5, not an integer in [0, 2) ('world' is 2)"),
+        ({"rank": -1}, "its 'rank' (the rank that saved it) is -1"),
+        ({"rank": True}, "its 'rank' (the rank that saved it) is True"),
+        ({"rank": None}, "its 'rank' (the rank that saved it) is None"),
+    ],
+    ids=["negative-world", "world-text", "world-0", "world-float", "rank-past-world", "rank-negative",
+         "rank-bool", "rank-missing"],
+)
+def test_edited_rank_or_world_is_refused_naming_the_field(fields, message):
+    state = edited(trained_state(), **fields)
+    with pytest.raises(ValueError, match="incomplete or corrupted") as error:
+        TopK(0.1, dense_below=0).bind(1, 2).load_state_dict(state)
+    assert message in str(error.value)
+
+
+def test_numpy_integers_are_a_rank_and_world():
+    state = edited(trained_state(), rank=np.int64(1), world=np.int32(2))
+    TopK(0.1, dense_below=0).bind(1, 2).load_state_dict(state)
+
+
+def test_every_rank_holding_the_same_other_ranks_state_differs_in_the_cross_rank_check():
+    """Rank 3's state (of 4) loaded on both ranks of a 2-rank run: each rank's note names its own
+    number, so the ranks' config hashes differ and the first exchange stops every rank."""
+    state = edited(trained_state(), rank=3, world=4)
+    ranks = [TopK(0.1, dense_below=0).bind(r, 2) for r in range(2)]
+    for compressor in ranks:
+        compressor.load_state_dict(state)
+    assert ranks[0].config_hash() != ranks[1].config_hash()
+    assert "rank 0's state was loaded from rank 3's checkpoint (of 4 ranks)" in ranks[0].state_note()
+
+
+def test_a_resized_run_keeps_each_ranks_own_state():
+    """Saved by rank 1 of 4, resumed by rank 1 of 2: its own, nothing to say."""
+    state = edited(trained_state(), world=4)
+    mine = TopK(0.1, dense_below=0).bind(1, 2)
+    mine.load_state_dict(state)
+    assert mine.state_note() == ""
+
+
+def test_a_single_rank_holding_another_ranks_state_stops_at_its_first_exchange():
+    """A world of one rank has nobody to differ from: its header check refuses the state itself."""
+    torch = pytest.importorskip("torch")
+    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.comm.exchange import open_exchange
+
+    compressor = TopK(0.1, dense_below=0)
+    compressor.load_state_dict(trained_state())  # rank 1's
+    exchange = open_exchange(compressor, SingleProcessCommunicator(), "b")
+    exchange.add("w", torch.randn(50))
+    with pytest.raises(ValueError, match="rank 0's state was loaded from rank 1's checkpoint"):
+        exchange.launch()
+        exchange.finish()
+
+
+def test_simulator_refuses_states_out_of_rank_order():
+    sim = Simulator(2, TopK(0.1, dense_below=0))
+    rng = np.random.default_rng(0)
+    sim.step({"w": [rng.standard_normal(50).astype(np.float32) for _ in range(2)]})
+    states = [c.state_dict() for c in sim.compressors]
+    Simulator(2, TopK(0.1, dense_below=0)).load_state_dict(states)
+    with pytest.raises(ValueError, match="not in rank order; rank 0's state was loaded from rank 1's"):
+        Simulator(2, TopK(0.1, dense_below=0)).load_state_dict(states[::-1])

@@ -216,6 +216,24 @@ def test_stock_horovod_bucket_plan_refuses_an_optimizer_with_momentum():
     assert Plan(HorovodLike(0.5), TopK(0.1)).buckets == [["bias", "weight"]]
 
 
+def test_double_momentum_error_shows_the_configured_ratio_under_a_warmup():
+    """A density warm-up sets the ratio of its first step (0.25); the error shows the 0.01 written."""
+    torch = pytest.importorskip("torch")
+    from hvd_compress import DensityWarmup
+    import hvd_compress.torch as hvd_torch
+    from hvd_compress.comm.communicator import SingleProcessCommunicator
+
+    net = torch.nn.Linear(4, 2)
+    compression = TopK(0.01, momentum=0.9)
+    DensityWarmup(compression, warmup_steps=4, start=0.25)
+    assert compression.ratio == 0.25
+    with pytest.raises(ValueError) as error:
+        hvd_torch.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                                       compression=compression, communicator=SingleProcessCommunicator())
+    assert "TopK(ratio=0.01, " in str(error.value) and "ratio=0.25" not in str(error.value)
+    assert "(its density warm-up is at 0.25 now)" in str(error.value)
+
+
 # --------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 @pytest.mark.parametrize("kind", sorted(SPARSE))

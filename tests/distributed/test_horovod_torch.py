@@ -3,7 +3,7 @@
 Each run trains a small model a few steps under ``horovodrun --gloo`` or
 ``mpirun``; the final parameters must equal the in-process Simulator fed the
 same gradients (tolerance 1e-6 absolute; FP16 1e-4, since Horovod sums float16
-in float16), and the bytes handed to Horovod collectives must be the
+in float16; bfloat16 bit for bit), and the bytes handed to Horovod collectives must be the
 compressed ones.
 """
 
@@ -145,6 +145,24 @@ def test_float16_gradients_equal_simulator(path, tmp_path):
             difference = np.abs(result[f"{name}/{param}"] - value)
             assert difference.max() < 1e-2, (name, param, difference.max())
             assert np.mean(difference > 1e-3) <= 1e-3, (name, param, np.mean(difference > 1e-3))
+
+
+def test_bfloat16_gradients_equal_simulator_on_both_routes(tmp_path):
+    """A bfloat16 model with every compressor, stock and drop-in, in one launch: Horovod 0.28.1
+    carries no bfloat16, so sums travel as float32 (over 2 ranks exactly bfloat16's sum) and gathered
+    values as their raw bits. The parameters equal the Simulator's (bfloat16, ``torch.optim.SGD``'s
+    update) bit for bit; FP16's within two bfloat16 steps (2^-6 relative), since Horovod sums its
+    float16 in float16 and the Simulator in float32."""
+    result = run_workload("horovodrun", 2, ALL, tmp_path, "--path", "stock", "dropin", "--dtype", "bfloat16")
+    for name in ALL:
+        expected = workload.simulate(name, 2, STEPS, dtype=torch.bfloat16)
+        for path in ("stock", "dropin"):
+            for param, value in expected.items():
+                got, where = result[f"{path}-{name}/{param}"], f"{path} {name} {param}"
+                if name == "fp16":
+                    np.testing.assert_allclose(got, value, rtol=2**-6, atol=1e-5, err_msg=where)
+                else:
+                    np.testing.assert_array_equal(got, value, err_msg=where)
 
 
 def test_op_sum_equals_average_of_scaled_loss(tmp_path):

@@ -3,7 +3,12 @@
 One 2-process spawn checks the collectives against the expected values (an allreduce
 leaves its input as it is; a donated buffer is reduced in place) and
 trains the drop-in optimizer with it; the parameters must equal the Simulator
-on the same gradients (tolerance 1e-6, as the Horovod and MPI runs).
+on the same gradients (tolerance 1e-6, as the Horovod and MPI runs), and a bfloat16 model's
+bit for bit (gloo carries bfloat16 as it is). In the same spawn,
+PyTorch's plain AMP recipe (``scaler.scale(loss).backward(); scaler.step(opt);
+scaler.update()``) with an Inf on rank 1 at one step: the drop-in optimizer
+(``NoneCompressor``) and DDP with the same ``torch.amp.GradScaler`` end with the same
+parameters and scales, bit for bit, the step with the Inf skipped on both ranks.
 """
 
 import json
@@ -23,6 +28,8 @@ from tests.distributed import torch_horovod as workload  # noqa: E402
 
 RANKS = 2
 NAMES = ["topk", "gaussiank", "regtopk", "terngrad", "none", "regtopk-leader"]
+#: bfloat16 over gloo: a sparse, a ternary and a dense exchange (every compressor: the Horovod runs)
+BFLOAT16_NAMES = ["regtopk", "terngrad", "none"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -73,7 +80,61 @@ def job(rank, out):
             workload.loss_fn(model, x, y).backward()
             optimizer.step()
         result["params"][name] = {n: p.detach().tolist() for n, p in model.named_parameters()}
+    result["bfloat16"] = {name: bfloat16_training(rank, name, comm) for name in BFLOAT16_NAMES}
+    result["amp"] = {route: plain_amp_recipe(rank, route, comm) for route in ("ddp", "dropin")}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def bfloat16_training(rank, name, comm):
+    """The drop-in optimizer on a bfloat16 model (gloo carries bfloat16 as it is): final parameters."""
+    import hvd_compress.torch as hvd_torch
+
+    model = workload.make_model(torch.bfloat16)
+    optimizer = hvd_torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=workload.LR),
+        named_parameters=model.named_parameters(),
+        compression=workload.compressor(name),
+        communicator=comm,
+    )
+    for x, y in workload.batches(rank, workload_steps()):
+        optimizer.zero_grad()
+        workload.loss_fn(model, x, y).backward()
+        optimizer.step()
+    return {n: p.detach().float().tolist() for n, p in model.named_parameters()}
+
+
+AMP_INF_STEP = 1
+
+
+def plain_amp_recipe(rank, route, comm):
+    """PyTorch's AMP recipe on DDP or the drop-in optimizer (NoneCompressor); rank 1's batch at
+    ``AMP_INF_STEP`` holds an Inf. The final parameters and the scale after each step."""
+    import hvd_compress.torch as hvd_torch
+
+    model = workload.make_model()
+    if route == "ddp":
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(forward.parameters(), lr=workload.LR)
+    else:
+        forward = model
+        optimizer = hvd_torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=workload.LR),
+            named_parameters=model.named_parameters(),
+            compression=workload.compressor("none"),
+            communicator=comm,
+        )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scales = []
+    for step, (x, y) in enumerate(workload.batches(rank, workload_steps())):
+        if (rank, step) == (1, AMP_INF_STEP):
+            x = x.clone()
+            x[0, 0] = float("inf")
+        optimizer.zero_grad()
+        scaler.scale(workload.loss_fn(forward, x, y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"params": {n: p.detach().tolist() for n, p in model.named_parameters()}, "scales": scales}
 
 
 def workload_steps():
@@ -103,6 +164,17 @@ def test_drop_in_optimizer_over_gloo_equals_simulator(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     for rank, result in enumerate(results):
         assert result["failures"] == [], f"rank {rank}: {result['failures']}"
+    for rank, result in enumerate(results):
+        ddp, dropin = result["amp"]["ddp"], result["amp"]["dropin"]
+        assert ddp["scales"] == dropin["scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9], (rank, ddp, dropin)
+        for param, value in ddp["params"].items():
+            assert np.all(np.isfinite(value)), (rank, param)
+            np.testing.assert_array_equal(dropin["params"][param], value, err_msg=f"AMP rank {rank} {param}")
+    for name in BFLOAT16_NAMES:  # bfloat16: the Simulator's training with torch.optim.SGD's update, bit for bit
+        for param, value in workload.simulate(name, RANKS, workload_steps(), dtype=torch.bfloat16).items():
+            for rank, result in enumerate(results):
+                got = np.array(result["bfloat16"][name][param], dtype=np.float32)
+                np.testing.assert_array_equal(got, value, err_msg=f"bfloat16 {name} rank {rank} {param}")
     for name in NAMES:
         expected = workload.simulate(name, RANKS, workload_steps())
         for param, value in expected.items():

@@ -62,16 +62,25 @@ def simulate(
     """The same training on the in-process simulator; gradients in backward-hook order.
 
     ``passes`` backward passes accumulate into each step's gradient (``backward_passes_per_step``).
+    bfloat16: the update is ``torch.optim.SGD``'s own (``p.add_(g, alpha=-lr)``, one rounding), as in
+    the runs, so that the parameters compare bit for bit.
     """
     model = make_model(dtype)
-    simulate_steps(model, Simulator(ranks, compressor(name)), 0, steps, passes)
+    sgd = torch.optim.SGD(model.parameters(), lr=LR) if dtype == torch.bfloat16 else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: several threads only contend (5-20x slower on a busy machine)
+    try:
+        simulate_steps(model, Simulator(ranks, compressor(name)), 0, steps, passes, optimizer=sgd)
+    finally:
+        torch.set_num_threads(threads)
     return {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()}
 
 
 def simulate_steps(model: torch.nn.Module, sim: Simulator, start: int, stop: int, passes: int = 1,
-                   after_step: Optional[Callable[[], Any]] = None) -> None:
+                   after_step: Optional[Callable[[], Any]] = None, optimizer: Any = None) -> None:
     """Steps ``start``..``stop`` of the training on ``sim`` (every rank's data of :func:`batches`),
-    SGD on ``model`` in place; ``after_step()`` after each (a density schedule's ``step``)."""
+    SGD on ``model`` in place (``p -= LR * g``, or ``optimizer.step()``); ``after_step()`` after each
+    (a density schedule's ``step``)."""
     data = [batches(r, stop * passes) for r in range(sim.n_ranks)]
     params = list(model.named_parameters())[::-1]  # Horovod's hooks fire last layer first
     for step in range(start, stop):
@@ -83,9 +92,14 @@ def simulate_steps(model: torch.nn.Module, sim: Simulator, start: int, stop: int
             for n, p in params:
                 grads[n].append(p.grad.clone())
         averaged = sim.step(grads)
-        with torch.no_grad():
+        if optimizer is not None:
             for n, p in params:
-                p -= LR * averaged[n]
+                p.grad = averaged[n]
+            optimizer.step()
+        else:
+            with torch.no_grad():
+                for n, p in params:
+                    p -= LR * averaged[n]
         if after_step is not None:
             after_step()
 
@@ -113,11 +127,11 @@ class ByteCounter:
         return wrapper
 
 
-def make_optimizer(model: torch.nn.Module, compression, args: argparse.Namespace):
-    """Stock ``horovod.torch`` or the drop-in ``hvd_compress.torch`` optimizer."""
+def make_optimizer(model: torch.nn.Module, compression, args: argparse.Namespace, path: str):
+    """Stock ``horovod.torch`` or the drop-in ``hvd_compress.torch`` optimizer (``path``)."""
     import horovod.torch as hvd
 
-    if args.path == "dropin":
+    if path == "dropin":
         import hvd_compress.torch as hvd_compress_torch
 
         wrap = hvd_compress_torch.DistributedOptimizer
@@ -133,7 +147,7 @@ def make_optimizer(model: torch.nn.Module, compression, args: argparse.Namespace
     )
 
 
-def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespace):
+def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespace, path: str):
     """A fresh model and optimizer restored from a checkpoint of the current ones (torch.save round trip)."""
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
@@ -141,26 +155,29 @@ def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespa
     saved = torch.load(buffer, weights_only=False)
     fresh = make_model()
     fresh.load_state_dict(saved["model"])
-    fresh_optimizer = make_optimizer(fresh, compressor(name), args)
+    fresh_optimizer = make_optimizer(fresh, compressor(name), args, path)
     fresh_optimizer.load_state_dict(saved["optimizer"])
     return fresh, fresh_optimizer
 
 
-def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace):
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace, path: str):
     """The final parameters and the bytes ``stats.bytes_sent`` counted (of the compressor last used)."""
     import horovod.torch as hvd
 
-    model = make_model(torch.float16 if args.half else torch.float32)
+    model = make_model(torch.float16 if args.half else DTYPES[args.dtype])
     compression = compressor(name)
     if hvd.rank() == 1 and args.rank1_ratio is not None:
         compression.ratio = args.rank1_ratio
     compression.nonfinite = args.nonfinite
-    optimizer = make_optimizer(model, compression, args)
+    optimizer = make_optimizer(model, compression, args, path)
     data = batches(hvd.rank(), steps * args.passes)
     counter.bytes = 0
     for step in range(steps):
         if step == args.resume_at:
-            model, optimizer = resumed(model, optimizer, name, args)
+            model, optimizer = resumed(model, optimizer, name, args, path)
         optimizer.zero_grad()
         for micro in range(args.passes):
             x, y = data[step * args.passes + micro]
@@ -185,9 +202,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--op", choices=["average", "sum"], default="average")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--path", choices=["stock", "dropin"], default="stock")
+    parser.add_argument("--path", choices=["stock", "dropin"], nargs="+", default=["stock"],
+                        help="the route; several: each trains every compressor, results keyed <path>-<name>")
     parser.add_argument("--passes", type=int, default=1, help="backward_passes_per_step")
     parser.add_argument("--half", action="store_true", help="float16 model and gradients")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's dtype")
     parser.add_argument("--predivide", type=float, default=1.0, help="gradient_predivide_factor")
     parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
@@ -198,18 +217,20 @@ def main() -> None:
     hvd.init()
     counter = ByteCounter()
     arrays, wire, stats = {}, {}, {}
-    for name in args.compression:
+    runs = [(path, name, name if len(args.path) == 1 else f"{path}-{name}")
+            for path in args.path for name in args.compression]
+    for path, name, key in runs:
         try:
-            trained, counted = train(name, args.steps, counter, args)
+            trained, counted = train(name, args.steps, counter, args, path)
         except (ValueError, FloatingPointError) as error:  # FloatingPointError: NonFiniteGradientError
             Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
             if args.nonfinite == "raise":
                 hvd.barrier()  # every rank raised: let all of them report before the launcher ends the job
             raise
         for param, value in trained.items():
-            arrays[f"{name}/{param}"] = value
-        wire[name] = hvd.allgather_object(counter.bytes // args.steps)
-        stats[name] = hvd.allgather_object([counter.bytes, counted])  # totals over the steps
+            arrays[f"{key}/{param}"] = value
+        wire[key] = hvd.allgather_object(counter.bytes // args.steps)
+        stats[key] = hvd.allgather_object([counter.bytes, counted])  # totals over the steps
     if hvd.rank() == 0:
         np.savez(args.out, **arrays, wire=json.dumps(wire), stats=json.dumps(stats), size=hvd.size())
 
