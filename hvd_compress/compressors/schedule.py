@@ -41,6 +41,7 @@ import numbers
 from typing import Any, Dict, List
 
 from hvd_compress.compressors.base import Compressor, check_ratio
+from hvd_compress.compressors.validation import record_configured_ratio
 
 __all__ = ["DensityWarmup", "warmup_density", "check_warmup_steps", "check_has_density", "check_start"]
 
@@ -173,6 +174,7 @@ class DensityWarmup:
     def _apply(self) -> float:
         density = self.density
         for compressor in self.compressors:
+            record_configured_ratio(compressor, self.target)
             compressor.ratio = density
         return density
 

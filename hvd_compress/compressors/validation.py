@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from statistics import StatisticsError
 from typing import Any, Callable, Optional
 
@@ -103,27 +104,70 @@ def check_momentum(value: Any, name: str) -> float:
 
 
 def param_group_momenta(param_groups: Any) -> list:
-    """``[("param_group i", momentum)]`` of a torch optimizer's ``param_groups`` (0 where a group has none)."""
-    return [(f"param_group {i}", group.get("momentum", 0.0) if isinstance(group, dict) else 0.0)
-            for i, group in enumerate(param_groups)]
+    """``[("param_group i", momentum, hyperparameter)]`` of a torch optimizer's ``param_groups``: its
+    ``momentum`` (SGD, RMSprop; 0 where a group has none), and ``betas[0]``, the first-moment decay of
+    Adam, AdamW, NAdam, RAdam, Adamax (a momentum of their own)."""
+    momenta = []
+    for i, group in enumerate(param_groups):
+        group = group if isinstance(group, dict) else {}
+        momenta.append((f"param_group {i}", group.get("momentum", 0.0), "momentum"))
+        betas = group.get("betas")
+        if isinstance(betas, (list, tuple)) and betas:
+            momenta.append((f"param_group {i}", betas[0], "betas[0]"))
+    return momenta
+
+
+#: Where a density schedule is on, the density the user configured (the schedule's target), by
+#: compressor; messages show it rather than the schedule's density of the moment.
+_configured_ratios: "weakref.WeakKeyDictionary[Any, float]" = weakref.WeakKeyDictionary()
+
+
+def record_configured_ratio(compressor: Any, ratio: float) -> None:
+    """A density schedule (warm-up) drives ``compressor`` towards ``ratio``, the density it was made with."""
+    try:
+        _configured_ratios[compressor] = float(ratio)
+    except TypeError:  # an object that cannot be weakly referenced: messages show its ratio of the moment
+        pass
+
+
+def configured(compressor: Any) -> str:
+    """``compressor``'s repr with the density the user configured (``TopK(ratio=0.01, ...)`` while a
+    warm-up has it at 0.25 now: ``ratio=0.01 (0.25 in the density warm-up now)``)."""
+    text = repr(compressor)
+    try:
+        target = _configured_ratios.get(compressor)
+    except TypeError:  # not weakly referable: never recorded
+        target = None
+    current = getattr(compressor, "ratio", None)
+    if target is None or current is None or float(current) == target:
+        return text
+    return text.replace(f"ratio={current!r}", f"ratio={target!r} ({current:g} in the density warm-up now)", 1)
 
 
 def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
     """``ValueError`` when both ``compressor`` (momentum correction) and the wrapped optimizer apply
     momentum: the update would decay twice (``m`` on the compressor's velocity, then the optimizer's
     own buffer on the average of the velocities). ``momenta``: ``(part of the optimizer, momentum)``
-    pairs (:func:`param_group_momenta`)."""
+    or ``(part, momentum, hyperparameter name)`` triples (:func:`param_group_momenta`): SGD's
+    ``momentum``, Adam's first-moment decay (``beta_1``, torch's ``betas[0]``)..."""
     own = float(getattr(compressor, "momentum", 0.0) or 0.0)
     if not own:
         return
-    for part, theirs in momenta:
-        if isinstance(theirs, numbers.Real) and theirs:
-            raise ValueError(
-                f"hvd_compress: {where}: the compressor applies momentum itself ({compressor!r}: momentum="
-                f"{own:g}, DGC's momentum correction) and the optimizer's {part} has momentum={theirs!r}: "
-                f"momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: the "
-                f"compressor owns the momentum), or the compressor momentum=0"
-            )
+    for part, theirs, *named in momenta:
+        hyperparameter = named[0] if named else "momentum"
+        if not (isinstance(theirs, numbers.Real) and theirs):
+            continue
+        if hyperparameter == "momentum":
+            fix = ("Give the optimizer momentum=0 (plain SGD: the compressor owns the momentum), or the "
+                   "compressor momentum=0")
+        else:
+            fix = (f"Give the compressor momentum=0 (the optimizer's {hyperparameter} is its momentum; error "
+                   f"feedback still keeps what was not sent), or the optimizer {hyperparameter}=0")
+        raise ValueError(
+            f"hvd_compress: {where}: the compressor applies momentum itself ({configured(compressor)}: momentum="
+            f"{own:g}, DGC's momentum correction) and the optimizer's {part} has {hyperparameter}={theirs!r}: "
+            f"momentum would be applied twice. {fix}"
+        )
 
 
 #: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every

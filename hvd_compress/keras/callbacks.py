@@ -51,6 +51,7 @@ from horovod.tensorflow.keras import callbacks as horovod_callbacks
 from hvd_compress.compressors.base import Compressor, check_ratio
 from hvd_compress.compressors.schedule import (check_has_density, check_start, check_warmup_steps, reached_target,
                                                warmup_density)
+from hvd_compress.compressors.validation import record_configured_ratio
 from hvd_compress.keras.versions import KERAS3, broadcast_variables
 
 __all__ = [
@@ -340,6 +341,7 @@ class DensityWarmupCallback(_CompressorCallback):
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.ratio = self.density(epoch)
+        record_configured_ratio(self.compressor, self.target)
         self.compressor.ratio = self.ratio
         if epoch == self.warmup_epochs > 0:  # the target is reached: Auto measures again
             reached_target([self.compressor])
