@@ -27,7 +27,11 @@ of its own. Horovod's reduction of the placeholder is the scaling it wants (1
 for ``op=Average``, N for ``op=Sum``), so ``decompress`` returns the average
 times that. Residuals are kept per tensor name, so a tensor's state follows it
 into whichever group holds it. An error while compressing drops the graph's
-pending group (no later exchange sends its tensors).
+pending group (no later exchange sends its tensors). Each exchange costs rounds of
+Horovod's negotiation, so a step of one-gradient groups is slower than ``groups=1``
+(one exchange per step); the hooks cannot regroup Horovod's gradients (each
+average is due before Horovod shows the next gradient), so a traced step with two
+such groups warns once per process, naming ``groups=1``.
 
 A sparsifier's tensors under ``dense_below``, and None's gradients, go to
 Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
@@ -374,12 +378,40 @@ def _graph() -> Any:
     return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
+#: per outermost graph: the groups of one tensor exchanged in it (:func:`_note_lone_group`)
+_lone_groups: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_warned_groups: List[bool] = []
+
+
+def _note_lone_group(group: _Group) -> None:
+    """Warn once per process when a traced step exchanges a second group of one tensor: Horovod
+    without ``groups=`` hands us its gradients one by one, each then its own exchange (a round of
+    Horovod's negotiation per gradient), where ``groups=1`` makes the step's gradients one exchange.
+    The hook cannot regroup them: each gradient's average is due before Horovod shows the next."""
+    if group.graph is None or len(group.named) != 1 or _warned_groups:
+        return
+    outer = _outer_graph()
+    _lone_groups[outer] = _lone_groups.get(outer, 0) + 1
+    if _lone_groups[outer] < 2:
+        return
+    _warned_groups.append(True)
+    warnings.warn(
+        "hvd_compress: horovod.tensorflow hands this compressor one gradient per group (DistributedGradientTape "
+        "or DistributedOptimizer without groups=), so each gradient is an exchange of its own. Pass groups=1 "
+        "(hvd.DistributedGradientTape(tape, compression=..., groups=1), hvd.DistributedOptimizer(opt, "
+        "compression=..., groups=1)) to exchange a step's gradients as one, which is faster; or use the "
+        "drop-in hvd_compress.tensorflow / hvd_compress.keras, which always do",
+        stacklevel=2,
+    )
+
+
 def _exchanged(compressor: Any, group: _Group) -> List[Any]:
     """``group``'s averages: at the first call, one exchange of all its tensors, as one :func:`eagerly` op."""
     if group.averages is None:
         pending = _calls(compressor).pending
         if pending.get(group.graph) is group:  # later compressions open the next group
             del pending[group.graph]
+        _note_lone_group(group)
         names, tensors = zip(*group.named)
         key = group.key
         run = lambda *ts: exchange(compressor, _communicator(), key, list(zip(names, ts)))  # noqa: E731

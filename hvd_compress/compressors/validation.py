@@ -103,9 +103,17 @@ def check_momentum(value: Any, name: str) -> float:
 
 
 def param_group_momenta(param_groups: Any) -> list:
-    """``[("param_group i", momentum)]`` of a torch optimizer's ``param_groups`` (0 where a group has none)."""
-    return [(f"param_group {i}", group.get("momentum", 0.0) if isinstance(group, dict) else 0.0)
-            for i, group in enumerate(param_groups)]
+    """``[("param_group i", momentum, hyperparameter)]`` of a torch optimizer's ``param_groups``: its
+    ``momentum`` (SGD, RMSprop; 0 where a group has none), and ``betas[0]``, the first-moment decay of
+    Adam, AdamW, NAdam, RAdam, Adamax (a momentum of their own)."""
+    momenta = []
+    for i, group in enumerate(param_groups):
+        group = group if isinstance(group, dict) else {}
+        momenta.append((f"param_group {i}", group.get("momentum", 0.0), "momentum"))
+        betas = group.get("betas")
+        if isinstance(betas, (list, tuple)) and betas:
+            momenta.append((f"param_group {i}", betas[0], "betas[0]"))
+    return momenta
 
 
 def as_configured(compressor: Any) -> str:
@@ -124,18 +132,26 @@ def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:
     """``ValueError`` when both ``compressor`` (momentum correction) and the wrapped optimizer apply
     momentum: the update would decay twice (``m`` on the compressor's velocity, then the optimizer's
     own buffer on the average of the velocities). ``momenta``: ``(part of the optimizer, momentum)``
-    pairs (:func:`param_group_momenta`)."""
+    or ``(part, momentum, hyperparameter name)`` triples (:func:`param_group_momenta`): SGD's
+    ``momentum``, Adam's first-moment decay (``beta_1``, torch's ``betas[0]``)..."""
     own = float(getattr(compressor, "momentum", 0.0) or 0.0)
     if not own:
         return
-    for part, theirs in momenta:
-        if isinstance(theirs, numbers.Real) and theirs:
-            raise ValueError(
-                f"hvd_compress: {where}: the compressor applies momentum itself ({as_configured(compressor)}: momentum="
-                f"{own:g}, DGC's momentum correction) and the optimizer's {part} has momentum={theirs!r}: "
-                f"momentum would be applied twice. Give the optimizer momentum=0 (plain SGD: the "
-                f"compressor owns the momentum), or the compressor momentum=0"
-            )
+    for part, theirs, *named in momenta:
+        hyperparameter = named[0] if named else "momentum"
+        if not (isinstance(theirs, numbers.Real) and theirs):
+            continue
+        if hyperparameter == "momentum":
+            fix = ("Give the optimizer momentum=0 (plain SGD: the compressor owns the momentum), or the "
+                   "compressor momentum=0")
+        else:
+            fix = (f"Give the compressor momentum=0 (the optimizer's {hyperparameter} is its momentum; error "
+                   f"feedback still keeps what was not sent), or the optimizer {hyperparameter}=0")
+        raise ValueError(
+            f"hvd_compress: {where}: the compressor applies momentum itself ({as_configured(compressor)}: momentum="
+            f"{own:g}, DGC's momentum correction) and the optimizer's {part} has {hyperparameter}={theirs!r}: "
+            f"momentum would be applied twice. {fix}"
+        )
 
 
 #: What a NaN/Inf gradient does: ``"propagate"`` (that tensor's result is non-finite on every

@@ -49,12 +49,29 @@ def _is_keras3_optimizer(optimizer: Any) -> bool:
     return version.startswith("3") and isinstance(optimizer, keras.optimizers.Optimizer)
 
 
+#: Hyperparameters of Keras optimizers that are a momentum of their own: SGD's and RMSprop's
+#: ``momentum``; the first-moment decay ``beta_1`` of Adam, AdamW, Adamax, Nadam, Lamb and Lion
+#: (``beta_2``, Adam's second-moment decay, scales the step rather than averaging it).
+MOMENTUM_HYPERPARAMETERS = ("momentum", "beta_1")
+
+
 def _momenta(optimizer: Any) -> list:
-    """``[("SGD config", momentum)]`` from the optimizer's config (SGD, RMSprop...); ``[]`` if unreadable."""
-    try:
-        return [(f"{type(optimizer).__name__} config", optimizer.get_config().get("momentum", 0.0))]
-    except Exception:  # noqa: BLE001  (a custom optimizer's config is its own business)
-        return []
+    """``[("Adam config", 0.9, "beta_1"), ...]``: each momentum hyperparameter
+    (:data:`MOMENTUM_HYPERPARAMETERS`) of the optimizer's config, and of the optimizer a
+    ``LossScaleOptimizer`` wraps; ``[]`` where the config cannot be read."""
+    momenta, seen = [], set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        try:
+            config = optimizer.get_config()
+        except Exception:  # noqa: BLE001  (a custom optimizer's config is its own business)
+            return momenta
+        part = f"{type(optimizer).__name__} config"
+        for key in MOMENTUM_HYPERPARAMETERS:
+            if key in config:
+                momenta.append((part, config[key], key))
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return momenta
 
 
 def DistributedOptimizer(
@@ -73,8 +90,10 @@ def DistributedOptimizer(
     arguments to Horovod's ``DistributedOptimizer``; Keras 3 accepts ``name``.
 
     A sparsifier with momentum correction (``TopK(0.01, momentum=0.9)``) owns the
-    momentum: wrap a plain ``SGD(learning_rate)``; an optimizer whose config has
-    ``momentum > 0`` raises ``ValueError``.
+    momentum: wrap a plain ``SGD(learning_rate)``; an optimizer with a momentum of its
+    own (``momentum > 0``: SGD, RMSprop; ``beta_1 > 0``: Adam, AdamW, Adamax, Nadam,
+    Lion...) raises ``ValueError``. Adam users keep Adam and give the compressor
+    ``momentum=0`` (docs/keras.md).
     """
     if KERAS3 != _is_keras3_optimizer(optimizer):
         kind = "a Keras 3" if _is_keras3_optimizer(optimizer) else "not a Keras 3"

@@ -341,6 +341,7 @@ class DensityWarmupCallback(_CompressorCallback):
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.ratio = self.density(epoch)
         self.compressor.ratio = self.ratio
+        self.compressor.target_ratio = self.target  # what messages show as configured (not the ramp's density)
         if epoch == self.warmup_epochs > 0:  # the target is reached: Auto measures again
             reached_target([self.compressor])
 

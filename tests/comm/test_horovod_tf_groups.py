@@ -86,3 +86,20 @@ def test_a_failed_exchange_leaves_nothing_pending(exchanges):
     (result,) = grouped(compressor, gradients(1)[:1])
     assert exchanges == [["call.1", "call.2"], ["call.1"]]
     assert result.shape == SHAPES[0][0]
+
+
+def test_one_gradient_groups_warn_once_naming_groups_1(exchanges, monkeypatch):
+    """Horovod without ``groups=`` makes each compressed gradient an exchange of its own: a traced step
+    with two such groups warns, once per process; a step traced with ``groups=`` does not."""
+    monkeypatch.setattr(horovod_tf, "_warned_groups", [])
+    compressor = Compression.topk(0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tf.function(lambda *ts: grouped(compressor, list(ts)))(*gradients(0))
+        assert not [w for w in caught if "groups=1" in str(w.message)]
+        for step in range(2):  # a new trace each time: the second one does not warn again
+            tf.function(lambda *ts: one_by_one(Compression.topk(0.05), list(ts)))(*gradients(step))
+    said = [str(w.message) for w in caught if "groups=1" in str(w.message)]
+    assert len(said) == 1, said
+    assert "one gradient per group" in said[0] and "DistributedGradientTape" in said[0]
+    assert [len(names) for names in exchanges] == [2, 1, 1, 1, 1]

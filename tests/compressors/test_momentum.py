@@ -234,6 +234,26 @@ def test_double_momentum_error_shows_the_configured_ratio_under_a_warmup():
     assert "(its density warm-up is at 0.25 now)" in str(error.value)
 
 
+def test_adam_betas_count_as_a_momentum_and_the_error_shows_the_configured_ratio():
+    """torch's Adam-family ``betas[0]`` is a momentum of its own; a warm-up made first has the compressor
+    at its start density, and the error names the ratio the user wrote."""
+    from hvd_compress import DensityWarmup
+    from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
+
+    compressor = RegTopK(0.01, momentum=0.9)
+    DensityWarmup(compressor, warmup_steps=3, start=0.25)
+    groups = [{"momentum": 0.0}, {"betas": (0.9, 0.999), "lr": 1e-3}]
+    assert param_group_momenta(groups) == [("param_group 0", 0.0, "momentum"), ("param_group 1", 0.0, "momentum"),
+                                           ("param_group 1", 0.9, "betas[0]")]
+    with pytest.raises(ValueError, match=r"RegTopK\(ratio=0\.01, .*\(its density warm-up is at 0\.25 now\).*"
+                       r"param_group 1 has betas\[0\]=0\.9: momentum would be applied twice.*compressor "
+                       r"momentum=0.*optimizer betas\[0\]=0") as raised:
+        check_single_momentum(compressor, param_group_momenta(groups), "here")
+    assert "ratio=0.25" not in str(raised.value)
+    check_single_momentum(compressor, param_group_momenta([{"betas": (0.0, 0.999)}]), "here")
+    check_single_momentum(RegTopK(0.01), param_group_momenta(groups), "here")
+
+
 # --------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 @pytest.mark.parametrize("kind", sorted(SPARSE))

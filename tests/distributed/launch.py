@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
@@ -98,14 +99,53 @@ def run(
     kind: str, ranks: int, module: str, *args: str, timeout: int = TIMEOUT
 ) -> subprocess.CompletedProcess:
     """Run ``python -m module args`` on ``ranks`` processes; returns the finished process."""
+    command, env = _command(kind, ranks, module, args)
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_timing_exit(
+    kind: str, ranks: int, module: str, *args: str, after: str, timeout: int = TIMEOUT
+) -> Tuple[subprocess.CompletedProcess, float]:
+    """:func:`run`, and the seconds from the arrival of the last output line that contains ``after``
+    (a line the ranks print after their last step) to the launcher's exit: the time the ranks took to
+    end (Horovod's shutdown, the interpreter's exit) and the launcher to see them end. ``inf`` when no
+    such line came."""
+    command, env = _command(kind, ranks, module, args)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, bufsize=1, start_new_session=True)
+    lines: List[str] = []
+    seen_at, timed_out = float("-inf"), []
+
+    def kill() -> None:  # the launcher and the ranks (its session), so that the output ends too
+        timed_out.append(True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 9)
+
+    watchdog = threading.Timer(timeout, kill)
+    watchdog.start()
+    try:
+        for line in process.stdout:  # stderr joins stdout: one stream, read to its end
+            lines.append(line)
+            if after in line:
+                seen_at = time.monotonic()
+        returncode = process.wait()
+    finally:
+        watchdog.cancel()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output="".join(lines))
+    ended = time.monotonic() - seen_at
+    return subprocess.CompletedProcess(command, returncode, "".join(lines), ""), ended
+
+
+def _command(kind: str, ranks: int, module: str, args: Sequence[str]) -> Tuple[List[str], Dict[str, str]]:
+    """The launch command of ``python -m module args`` on ``ranks`` processes, and its environment."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    command = launcher(kind, ranks) + [sys.executable, "-m", module, *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return launcher(kind, ranks) + [sys.executable, "-m", module, *args], env
 
 
 def run_to_the_end(

@@ -222,10 +222,17 @@ def test_horovod_callbacks_work_with_keras_2():
     assert history.history["compression_savings"][1] > 1
 
 
+#: Seconds a 2-process Keras fit may take to end after its last epoch's line: Horovod's shutdown, the
+#: interpreter's exit and the launcher's (a few seconds on a loaded 2-core machine, dense or sparse).
+#: A rank that waits on a collective its peer never joins ends at Gloo's 30 s timeout, past this.
+EXIT_SECONDS = 20
+
+
 def test_example_trains_under_horovodrun_and_reports_bytes():
-    """2 ranks, 2 short epochs: a density warm-up (25%, then 1%) that both ranks follow."""
+    """2 ranks, 2 short epochs: a density warm-up (25%, then 1%) that both ranks follow; Top-k's
+    processes end within :data:`EXIT_SECONDS` of the last epoch's line (no lingering at exit)."""
     launch.require("horovod.tensorflow.keras")
-    done = launch.run(
+    done, exit_seconds = launch.run_timing_exit(
         "horovodrun",
         2,
         "examples.keras_train",
@@ -239,9 +246,11 @@ def test_example_trains_under_horovodrun_and_reports_bytes():
         "1",
         "--train-samples",  # 4 steps an epoch per rank: enough for the warm-up and the byte counts
         "256",
+        after="epoch 2:",
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, launch.output(done)
+    assert exit_seconds < EXIT_SECONDS, f"the ranks took {exit_seconds:.1f} s to exit after the last epoch"
     epochs = re.findall(
         r"epoch (\d): loss (\S+)  accuracy \S+  test accuracy \S+  sent ([\d.]+) MiB vs dense ([\d.]+) MiB "
         r"\(([\d.]+)x less, density ([\d.]+)\)\s+(?:\[0\]<stdout>:)?\s*density setting ([\d.]+)",
