@@ -84,7 +84,7 @@ ROWS = COMPRESSORS + ("auto-regtopk",)
 #: Steps ``Auto`` needs before its choice holds (one untimed and ``warmup`` timed measurements, then the
 #: decision); its rows get at least this many untimed steps.
 AUTO_WARMUP = 3
-AUTO_STEADY_AFTER = 2 * (AUTO_WARMUP + 1) + 1  # a sparsifier's Auto measures both index modes
+AUTO_STEADY_AFTER = AUTO_WARMUP + 2
 #: ``<sparsifier>-leader``, ``<sparsifier>-aggregate`` rows: the sparsifier with that shared index set
 SHARED_ROWS = tuple(f"{name}-{mode}" for name in SPARSE for mode in ("leader", "aggregate"))
 #: Auto's goals (issue 16), printed, never asserted: (rate, compared with, bound on Auto's step ratio).

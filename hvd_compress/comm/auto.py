@@ -18,10 +18,11 @@ dense allreduce is often faster. ``Auto`` decides per bucket, measured:
    A sparsifier has a second way to send sparse: its index mode switched between
    each rank's own indices, allgathered (``indices="gather"``), and one index set
    shared by every rank, allreduced (``"leader"``, ``"aggregate"``;
-   :mod:`~hvd_compress.compressors.shared_bucket`). ``Auto(..., indices=...)`` names the
-   mode tried besides the compressor's own (default ``"auto"``: ``"leader"`` for a
-   gathering compressor, ``"gather"`` for a sharing one; ``None``: none): the next
-   ``warmup + 1`` exchanges travel that way, timed alike (``alternative_ms``).
+   :mod:`~hvd_compress.compressors.shared_bucket`). ``Auto(..., indices=...)`` names a
+   mode to try besides the compressor's own (``"auto"``: ``"leader"`` for a gathering
+   compressor, ``"gather"`` for a sharing one; default ``None``: none, since at the same
+   ratio the modes do not train alike): the next ``warmup + 1`` exchanges travel that
+   way, timed alike (``alternative_ms``).
 
    Clocks: CUDA events on CUDA tensors, ``time.perf_counter`` otherwise; the
    events are read only when deciding. Steady steps record nothing.
@@ -310,11 +311,12 @@ class Auto(InnerState):
     per decision change (``True``), call ``log(line)``, or ``False``; ``clock``: an object with
     ``mark(like)`` and ``elapsed_ms(start, stop)`` (default: CUDA events or ``perf_counter``);
     ``indices``: the index mode of a sparsifier tried besides its own (``"auto"``, ``"gather"``,
-    ``"leader"``, ``"aggregate"``; ``None``: only dense and the compressor).
+    ``"leader"``, ``"aggregate"``; ``None``, the default: only dense and the compressor; the modes
+    train differently at the same ratio, so trying another is the user's call).
     """
 
     def __init__(self, compressor: Compressor, warmup: int = 3, decide_every: int = 0, margin: float = 0.0,
-                 pin: Optional[str] = None, log: Any = True, clock: Any = None, indices: Optional[str] = "auto"
+                 pin: Optional[str] = None, log: Any = True, clock: Any = None, indices: Optional[str] = None
                  ) -> None:
         if not isinstance(compressor, Compressor) or isinstance(compressor, Auto):
             raise TypeError(f"hvd_compress: Auto(compressor) needs an hvd_compress compressor such as "
