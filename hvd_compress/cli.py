@@ -169,9 +169,10 @@ def _add_trace(benchmarks: Any) -> None:
     trace.add_argument("--warmup", type=int, default=trace_step.DEFAULT_WARMUP, help="untraced steps first")
     trace.add_argument(
         "--compressors",
-        type=_names(trace_step.COMPRESSORS),
+        type=_names(trace_step.COMPRESSORS + trace_step.SHARED),
         default=list(trace_step.COMPRESSORS),
-        help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)})",
+        help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)}; also <sparsifier>-leader, "
+        "<sparsifier>-aggregate: with that shared index set)",
     )
     _add_ratio(trace)
     trace.add_argument(

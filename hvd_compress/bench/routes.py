@@ -147,14 +147,16 @@ class Environment:
 
 
 def make_compressor(name: str, ratio: float) -> Any:
-    """Our compressor ``name`` at density ``ratio``; ``auto-<name>``: :class:`~hvd_compress.Auto` of it."""
+    """Our compressor ``name`` at density ``ratio``; ``auto-<name>``: :class:`~hvd_compress.Auto` of it;
+    ``<sparsifier>-leader``, ``<sparsifier>-aggregate``: with that shared index set."""
     from hvd_compress.compressors import Compression
 
     if name.startswith(AUTO_PREFIX):
         from hvd_compress import Auto
 
-        return Auto(Compression.by_name(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_STEADY_AFTER - 2, log=False)
-    return Compression.by_name(name, ratio)
+        return Auto(make_compressor(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_STEADY_AFTER - 2, log=False)
+    base, _, indices = name.partition("-")
+    return Compression.by_name(base, ratio, **({"indices": indices} if indices else {}))
 
 
 def sgd(params: Any) -> Any:

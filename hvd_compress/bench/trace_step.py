@@ -39,6 +39,8 @@ from hvd_compress.bench import routes as step_routes
 
 MODELS = ("resnet50", "gpt2", "mlp")
 COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
+#: on request: a sparsifier with a shared index set (``<name>-leader``, ``<name>-aggregate``)
+SHARED = tuple(f"{name}-{mode}" for name in ("topk", "gaussiank", "regtopk") for mode in ("leader", "aggregate"))
 LOCAL, PEER = "local", "ddp+handwritten-topk"
 TORCH_ROUTES = step_routes.TORCH_ROUTES
 OUR_ROUTES = step_routes.OUR_ROUTES
@@ -136,9 +138,9 @@ def _check(model: str, device: str, warmup: int, routes: Sequence[str], compress
         if name not in ROUTES:
             raise ValueError(f"hvd_compress: unknown route {name!r}; choose from {', '.join(ROUTES)}")
     for name in compressors:
-        if name not in COMPRESSORS:
+        if name not in COMPRESSORS + SHARED:
             raise ValueError(
-                f"hvd_compress: unknown compressor {name!r}; choose from {', '.join(COMPRESSORS)}"
+                f"hvd_compress: unknown compressor {name!r}; choose from {', '.join(COMPRESSORS + SHARED)}"
             )
 
 
