@@ -33,7 +33,6 @@ digest of the parameters.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 
 import torch
@@ -46,10 +45,10 @@ from hvd_compress import Compression
 from hvd_compress.torch import CompressionState, ddp_hook
 
 if __package__:  # python -m examples.accelerate_train
-    from examples.every_rank_state import EveryRankState
+    from examples.every_rank_state import EveryRankState, parameters_digest
     from examples.pytorch_train import Net, digits
 else:  # accelerate launch / torchrun examples/accelerate_train.py: examples/ is sys.path[0]
-    from every_rank_state import EveryRankState
+    from every_rank_state import EveryRankState, parameters_digest
     from pytorch_train import Net, digits
 
 
@@ -64,14 +63,6 @@ class EpochCounter:
 
     def load_state_dict(self, state) -> None:
         self.done = int(state["done"])
-
-
-def parameters_digest(module: torch.nn.Module) -> str:
-    sha = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        sha.update(name.encode())
-        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return sha.hexdigest()[:12]
 
 
 def main() -> None:

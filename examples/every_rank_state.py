@@ -33,6 +33,15 @@ def on_cpu(value: Any) -> Any:
     return value
 
 
+def parameters_digest(module: torch.nn.Module) -> str:
+    """SHA-256 (12 hex digits) of a module's parameters and buffers: equal for runs that end alike."""
+    sha = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        sha.update(name.encode())
+        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()[:12]
+
+
 def digest(compressor_state: Dict[str, Any]) -> str:
     """SHA-256 (12 hex digits) of a compressor state's per-tensor arrays (residuals, RegTop-k's
     posteriors...): equal before a save and after the resume when they are restored bit for bit."""

@@ -29,7 +29,6 @@ put on the wire against dense float32 gradients, and at the end a digest of the 
 from __future__ import annotations
 
 import argparse
-import hashlib
 
 import lightning as L
 import torch
@@ -42,10 +41,10 @@ from hvd_compress import Compression
 from hvd_compress.torch import CompressionState, ddp_hook
 
 if __package__:  # python -m examples.lightning_train
-    from examples.every_rank_state import EveryRankState
+    from examples.every_rank_state import EveryRankState, parameters_digest
     from examples.pytorch_train import Net, digits
 else:  # python examples/lightning_train.py: examples/ is sys.path[0]
-    from every_rank_state import EveryRankState
+    from every_rank_state import EveryRankState, parameters_digest
     from pytorch_train import Net, digits
 
 
@@ -102,14 +101,6 @@ class CompressedGradients(Callback):
 
     def load_state_dict(self, state_dict) -> None:
         self.every_rank.load_state_dict(state_dict)
-
-
-def parameters_digest(module: torch.nn.Module) -> str:
-    sha = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        sha.update(name.encode())
-        sha.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return sha.hexdigest()[:12]
 
 
 def main() -> None:

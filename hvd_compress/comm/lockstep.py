@@ -21,8 +21,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvd_compress.kernels import ops_for
-from hvd_compress.comm.communicator import Communicator
-from hvd_compress.comm.threads import concatenated, reduced
+from hvd_compress.comm.threads import GroupRank, concatenated, reduced
 
 
 class LockstepGroup:
@@ -56,21 +55,10 @@ class LockstepGroup:
         return ops_for(result).clone(result)  # each rank its own, as each rank of a transport receives
 
 
-class LockstepCommunicator(Communicator):
+class LockstepCommunicator(GroupRank):
     """Rank ``rank`` of a :class:`LockstepGroup`; name-matched, never blocks."""
 
     matches_by_order = False
-
-    def __init__(self, group: LockstepGroup, rank: int) -> None:
-        self.group, self._rank = group, rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self.group.size
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         return self.group.post(self._rank, name, tensor, lambda posts: reduced(op, posts))

@@ -35,12 +35,10 @@ class ThreadGroup:
         self.barrier = threading.Barrier(size, timeout=timeout)
 
 
-class ThreadCommunicator(Communicator):
-    """Rank ``rank`` of a :class:`ThreadGroup`."""
+class GroupRank(Communicator):
+    """Rank ``rank`` of an in-process ``group`` of ranks (one with a ``size``)."""
 
-    matches_by_order = True
-
-    def __init__(self, group: ThreadGroup, rank: int) -> None:
+    def __init__(self, group: Any, rank: int) -> None:
         self.group, self._rank = group, rank
 
     @property
@@ -50,6 +48,12 @@ class ThreadCommunicator(Communicator):
     @property
     def size(self) -> int:
         return self.group.size
+
+
+class ThreadCommunicator(GroupRank):
+    """Rank ``rank`` of a :class:`ThreadGroup`."""
+
+    matches_by_order = True
 
     def _collective(self, tensor: Any, combine: Callable[[List[Any]], Any]) -> Any:
         """``combine`` of every rank's ``tensor`` (rank order), computed before any rank moves on
