@@ -153,9 +153,9 @@ class SharedIndexCodec(SparseBucketCodec):
     def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
         """``rate[S] = |total[S]| / age[S]``, ``age[S] = 0``; a flagged tensor keeps its rates and ages."""
         ops = bucket.ops
-        if age is None:  # the whole part was sent, each entry's one step
-            self.rate, self.age = abs(total[: bucket.n_compressed]), ops.zeros(bucket.n_compressed, bucket.acc,
-                                                                              bucket.like)
+        if age is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
+            self.rate = ops.nonfinite_to_zero(abs(total[: bucket.n_compressed]))
+            self.age = ops.zeros(bucket.n_compressed, bucket.acc, bucket.like)
             return
         rate = ops.index_add(ops.zero_at(ops.clone(self.rate), idx), idx, abs(ops.take(total, idx)) / ops.take(age, idx))
         self.rate = ops.keep_rows(bucket.groups, bad, self.rate, rate)

@@ -226,3 +226,18 @@ def test_dense_only_where_the_shared_payload_is_no_smaller():
     assert leader.fused_kind(5000) == aggregate.fused_kind(5000) == "sparse"
     assert TopK(0.5, indices="leader").bind(0, 64).fused_kind(5000) == "dense"
     assert TopK(0.5, indices="aggregate").bind(0, 64).fused_kind(5000) == "sparse"
+
+
+def test_aggregate_rule_recovers_from_a_nonfinite_first_step():
+    """A NaN in the step that teaches every rate (the first) makes that tensor non-finite everywhere, as
+    dense would; its rates start at 0 instead of NaN, so the next steps choose and train again."""
+    ranks = 3
+    sim = Simulator(ranks, TopK(RATIO, indices="aggregate", dense_below=100))
+    g = grads(0, ranks)
+    g["w"][1] = g["w"][1].copy()
+    g["w"][1][0, 0] = np.nan
+    assert np.isnan(sim.step(g)["w"]).any()
+    for step in (1, 2):
+        out = sim.step(grads(step, ranks))
+        assert all(np.all(np.isfinite(v)) for v in out.values()), step
+        assert np.count_nonzero(out["w"]) == int(np.ceil(RATIO * 1200))
