@@ -62,34 +62,22 @@ def check_collectives(comm, rank):
 
 
 def job(rank, out):
-    import hvd_compress.torch as hvd_torch
     from hvd_compress.comm.torch_dist import TorchDistCommunicator
 
     comm = TorchDistCommunicator()
     result = {"failures": check_collectives(comm, rank), "params": {}}
     for name in NAMES:
-        model = workload.make_model()
-        optimizer = hvd_torch.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=workload.LR),
-            named_parameters=model.named_parameters(),
-            compression=workload.compressor(name),
-            communicator=comm,
-        )
-        for x, y in workload.batches(rank, workload_steps()):
-            optimizer.zero_grad()
-            workload.loss_fn(model, x, y).backward()
-            optimizer.step()
-        result["params"][name] = {n: p.detach().tolist() for n, p in model.named_parameters()}
-    result["bfloat16"] = {name: bfloat16_training(rank, name, comm) for name in BFLOAT16_NAMES}
+        result["params"][name] = dropin_training(rank, name, comm, torch.float32)
+    result["bfloat16"] = {name: dropin_training(rank, name, comm, torch.bfloat16) for name in BFLOAT16_NAMES}
     result["amp"] = {route: plain_amp_recipe(rank, route, comm) for route in ("ddp", "dropin")}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def bfloat16_training(rank, name, comm):
-    """The drop-in optimizer on a bfloat16 model (gloo carries bfloat16 as it is): final parameters."""
+def dropin_training(rank, name, comm, dtype):
+    """The drop-in optimizer on a model of ``dtype`` (gloo carries bfloat16 as it is): final parameters."""
     import hvd_compress.torch as hvd_torch
 
-    model = workload.make_model(torch.bfloat16)
+    model = workload.make_model(dtype)
     optimizer = hvd_torch.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=workload.LR),
         named_parameters=model.named_parameters(),
