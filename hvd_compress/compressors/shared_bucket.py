@@ -78,13 +78,13 @@ class SharedIndexCodec(SparseBucketCodec):
         self.rate, self.age = (ops.to_device(ops.concat(parts[key]), bucket.like) for key in parts)
 
     def flush(self, bucket: Any, memory: Any) -> None:
-        """Each tensor's rates and ages into its memory (views of the plan's)."""
+        """Each tensor's rates and ages into its memory (copies: the plan's change in place)."""
         if self.rule != "aggregate" or self.rate is None:
             return
         for i in bucket.compressed:
             start, n = bucket.offsets[i], bucket.numels[i]
-            memory.set(bucket.names[i], "index_rate", self.rate[start : start + n])
-            memory.set(bucket.names[i], "index_age", self.age[start : start + n])
+            memory.set(bucket.names[i], "index_rate", bucket.ops.clone(self.rate[start : start + n]))
+            memory.set(bucket.names[i], "index_age", bucket.ops.clone(self.age[start : start + n]))
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a steady step: ``K`` values and the flags (the leader's
@@ -151,12 +151,16 @@ class SharedIndexCodec(SparseBucketCodec):
         return total, bad
 
     def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
-        """``rate[S] = |total[S]| / age[S]``, ``age[S] = 0``; a flagged tensor keeps its rates and ages."""
+        """``rate[S] = |total[S]| / age[S]`` and ``age[S] = 0``, every other entry one step older; a flagged
+        tensor keeps its rates and its entries count the step. Work of size K: the plan's rates and ages
+        change where they lie (:meth:`flush` hands out copies)."""
         ops = bucket.ops
         if age is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
             self.rate = ops.nonfinite_to_zero(abs(total[: bucket.n_compressed]))
             self.age = ops.zeros(bucket.n_compressed, bucket.acc, bucket.like)
             return
-        rate = ops.index_add(ops.zero_at(ops.clone(self.rate), idx), idx, abs(ops.take(total, idx)) / ops.take(age, idx))
-        self.rate = ops.keep_rows(bucket.groups, bad, self.rate, rate)
-        self.age = ops.keep_rows(bucket.groups, bad, self.age, ops.zero_at(age, idx))
+        kept = ops.take(bad, self.rows.slot_row)  # per slot: its tensor's flag
+        rate = ops.where(kept, ops.take(self.rate, idx), abs(ops.take(total, idx)) / ops.take(age, idx))
+        waited = ops.where(kept, ops.take(age, idx), 0)
+        self.rate = ops.index_add(ops.zero_at(self.rate, idx), idx, rate)
+        self.age = ops.index_add(ops.zero_at(age, idx), idx, waited)
