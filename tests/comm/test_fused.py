@@ -39,7 +39,6 @@ COMPRESSORS = {
     "regtopk": lambda: RegTopK(0.05, seed=1),
     "gaussiank": lambda: GaussianK(0.05),
     "gaussiank-no-feedback": lambda: GaussianK(0.05, error_feedback=False),
-    "regtopk-leader": lambda: RegTopK(0.05, seed=1, indices="leader"),
     "gaussiank-leader": lambda: GaussianK(0.05, indices="leader"),
     "topk-aggregate": lambda: TopK(0.05, indices="aggregate"),
     "terngrad": lambda: TernGrad(seed=3),
