@@ -509,7 +509,6 @@ def alternative_of(compressor: Compressor, indices: Optional[str]) -> Optional[C
     own = getattr(compressor, "indices", None)
     if indices is None or own is None:
         return None
-    mode = DEFAULT_ALTERNATIVE[own] if indices == "auto" else indices
     other = copy.copy(compressor)
-    other.indices = mode  # checked: an unknown mode is the sparsifier's own error
-    return None if mode == own else other
+    other.indices = DEFAULT_ALTERNATIVE[own] if indices == "auto" else indices  # checked: an unknown mode fails
+    return None if other.indices == own else other

@@ -40,21 +40,16 @@ from typing import Any, Dict, Generator, List, Tuple
 import numpy as np
 
 from hvd_compress.compressors.rounds import Send
-from hvd_compress.compressors.sparse_bucket import SparseBucketCodec, accumulated, sent_part
+from hvd_compress.compressors.sparse_bucket import SparseBucketCodec, accumulated
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
-
-#: how the ranks agree on ``S`` (the ``indices=`` option of the sparsifiers; ``gather``: no shared set)
-SHARED_RULES = ("leader", "aggregate")
-
 
 class SharedIndexCodec(SparseBucketCodec):
     """Plan and state of a shared-index compressed part (see the module docstring)."""
 
     def __init__(self, compressor: Any, bucket: Any, rule: str) -> None:
-        if rule not in SHARED_RULES:
-            raise ValueError(f"hvd_compress: no shared index rule {rule!r}; the rules are {SHARED_RULES}")
+        """``rule``: ``"leader"`` or ``"aggregate"`` (the sparsifier's checked ``indices``)."""
         super().__init__(compressor, bucket, slots=None if rule == "leader" else compressor.k)
         self.rule = rule
         self.rounds = 2 if rule == "leader" else 1
@@ -96,20 +91,14 @@ class SharedIndexCodec(SparseBucketCodec):
     def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """The rounds of one step (the leader's indices, then the values), then the decode:
         ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
-        ops = bucket.ops
         a = accumulated(bucket, g, step)
         if self.rule == "leader":
             idx, probe = yield from self._leader_set(bucket, a)
             age = None
         else:
             idx, probe, age = self._aggregate_set(bucket, a)
-        count = idx.shape[0]
-        message = ops.empty(count + self.flag_count, bucket.dtype, bucket.like)
-        values = sent_part(bucket, a, idx, message[:count], step)
-        parts = [values, ops.multiply(probe, 0, out=message[count : count + self.flag_count - self.spare])]
-        if self.spare:
-            parts.append(ops.fill_zero(message[count + self.flag_count - self.spare :]))
-        received = yield [Send("values", "sum", ops.joined(message, parts))]
+        message, values = self.framed(bucket, a, idx, probe, step)
+        received = yield [Send("values", "sum", message)]
         return self._decoded(bucket, received["values"], idx, values, age)
 
     def _leader_set(self, bucket: Any, a: Array) -> Generator[List[Send], Dict[str, Any], Tuple[Array, Array]]:

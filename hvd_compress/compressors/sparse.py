@@ -256,9 +256,8 @@ class Sparsifier(Compressor):
         if name not in self._warned_dense and self.dense_is_cheaper(numel):
             self._warned_dense.add(name)
             warnings.warn(
-                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self.size} ranks x "
-                f"k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
-                "payloads would move more bytes than a dense allreduce",
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
+                "allreduce",
                 stacklevel=5,
             )
 

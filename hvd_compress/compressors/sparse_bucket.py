@@ -74,17 +74,24 @@ class SparseBucketCodec:
         return self._decode(bucket, received, sent)
 
     def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any]:
-        comp, ops, K, count = self.compressor, bucket.ops, self.k_total, self.flag_count - self.spare
+        comp, ops = self.compressor, bucket.ops
         a = accumulated(bucket, g, step)
         scores = comp.bucket_scores(a, bucket.posterior, ops)
         idx, probe = comp.bucket_select(a, scores, self.rows, ops)
-        message = ops.empty(K + self.flag_count, bucket.dtype, bucket.like)
-        values = sent_part(bucket, a, idx, message[:K], step)
-        parts = [values, ops.multiply(probe, 0, out=message[K : K + count])]  # the flags: 0, or NaN where non-finite
+        message, values = self.framed(bucket, a, idx, probe, step)
+        positions = ops.empty(self.k_total + self.flag_count, self.index_dtype, bucket.like)
+        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values)
+
+    def framed(self, bucket: Any, a: Array, idx: Array, probe: Array, step: Any) -> Tuple[Array, Array]:
+        """``(message, values)``: the message ``a[S] ++ flags ++ 0 for the spare entry`` (the flags ``0 *
+        probe``: 0, or NaN where a tensor is non-finite) and its ``a[S]`` part (:func:`sent_part`)."""
+        ops, count, flags = bucket.ops, idx.shape[0], self.flag_count - self.spare
+        message = ops.empty(count + self.flag_count, bucket.dtype, bucket.like)
+        values = sent_part(bucket, a, idx, message[:count], step)
+        parts = [values, ops.multiply(probe, 0, out=message[count : count + flags])]
         if self.spare:
-            parts.append(ops.fill_zero(message[K + count :]))
-        positions = ops.empty(K + self.flag_count, self.index_dtype, bucket.like)
-        return ops.joined(message, parts), ops.concat([idx, self.flag_positions], out=positions), (idx, values)
+            parts.append(ops.fill_zero(message[count + flags :]))
+        return ops.joined(message, parts), values
 
     def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[Array, Array]:
         ops, width = bucket.ops, self.k_total + self.flag_count
