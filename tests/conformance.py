@@ -10,9 +10,13 @@ when the compressor breaks a contract the exchanges and the Simulator rely on:
   with an ``hvd_compress:`` message naming the tensor;
 - :func:`check_conserves_mass`: with error feedback, over any steps and on every
   rank, produced = sent + residual (``sum_t g_t = sum_t sent_t + r_T``);
-- :func:`check_thread_ranks_equal_simulator`: the real per-rank exchange
-  (:class:`~hvd_compress.comm.exchange.BucketExchange` over thread ranks) gives
-  the Simulator's averages;
+- :func:`check_thread_ranks_equal_per_tensor_spec`: the real per-rank exchange
+  (:class:`~hvd_compress.comm.exchange.BucketExchange` over thread ranks, the bucket engine)
+  gives the averages of the per-tensor spec (:class:`tests.oracle.PerTensorRanks`: the
+  compressor's own ``encode``/``decode``, tensor by tensor);
+- :func:`check_thread_ranks_equal_simulator`: the same exchange gives the Simulator's averages
+  (the engine over lockstep ranks: a transport check, for index sets shared by the ranks,
+  which have no per-tensor spec);
 - :func:`check_drop_in_optimizer_equals_simulator`: the drop-in
   ``hvd_compress.torch.DistributedOptimizer`` on thread ranks trains a small model
   to the parameters the Simulator gives;
@@ -39,6 +43,7 @@ from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.comm.threads import run_ranks
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
+from tests.oracle import PerTensorRanks
 
 Make = Callable[[], Any]
 
@@ -164,23 +169,37 @@ def exchange_steps(comm: Any, compressor: Any, steps: int, framework: str) -> Li
     return out
 
 
+def check_thread_ranks_equal_per_tensor_spec(
+    make: Make, ranks: int = 3, steps: int = 3, framework: str = "numpy", rtol: float = 1e-6
+) -> None:
+    """Thread ranks through :class:`BucketExchange` give the per-tensor spec's averages, on every rank.
+
+    ``rtol``: 1e-6 is float32 rounding; a float16 wire (FP16) rounds the sum to float16
+    as a real allreduce does, where the per-tensor ``decode`` sums in float32: ``rtol=1e-3``.
+    ``framework="tensorflow-kernels"``: TensorFlow tensors on TensorFlow's kernels (:func:`tensorflow_kernels`).
+    """
+    thread_ranks_equal(PerTensorRanks, make, ranks, steps, framework, rtol)
+
+
 def check_thread_ranks_equal_simulator(
     make: Make, ranks: int = 3, steps: int = 3, framework: str = "numpy", rtol: float = 1e-6
 ) -> None:
-    """Thread ranks through :class:`BucketExchange` give the Simulator's averages, on every rank.
+    """Thread ranks through :class:`BucketExchange` give the Simulator's averages (lockstep ranks of the
+    same engine), on every rank; ``rtol`` and ``framework`` as :func:`check_thread_ranks_equal_per_tensor_spec`."""
+    thread_ranks_equal(Simulator, make, ranks, steps, framework, rtol)
 
-    ``rtol``: 1e-6 is float32 rounding; a float16 wire (FP16) rounds the sum to float16
-    as a real allreduce does, where the Simulator sums in float32: ``rtol=1e-3``.
-    ``framework="tensorflow-kernels"``: TensorFlow tensors on TensorFlow's kernels (:func:`tensorflow_kernels`).
-    """
+
+def thread_ranks_equal(spec: Callable[..., Any], make: Make, ranks: int, steps: int, framework: str,
+                       rtol: float) -> None:
+    """Thread ranks of ``make()`` against ``spec(ranks, make())`` stepped on the same gradients."""
     compressors = [make() for _ in range(ranks)]
     kernels = framework == "tensorflow-kernels"
     framework = "tensorflow" if kernels else framework
     with tensorflow_kernels() if kernels else contextlib.nullcontext():
         results = run_ranks(ranks, lambda comm: exchange_steps(comm, compressors[comm.rank], steps, framework),
                             timeout=30)
-        sim = Simulator(ranks, make())
-        expected = [sim.step(gradients(step, ranks, framework)) for step in range(steps)]
+        expected_ranks = spec(ranks, make())
+        expected = [expected_ranks.step(gradients(step, ranks, framework)) for step in range(steps)]
     for rank_result in results:
         for step, (got, want) in enumerate(zip(rank_result, expected)):
             for name in SHAPES:

@@ -2,8 +2,8 @@
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on buckets
 of several tensors (sizes repeated, so tensors share a top-k call; small ones
-dense) and must equal the :class:`~hvd_compress.simulator.Simulator`, which
-encodes tensor by tensor, over several steps, for every fused compressor and
+dense) and must equal the per-tensor spec (:class:`tests.oracle.PerTensorRanks`, which
+encodes tensor by tensor with the compressors' own ``encode``/``decode``), over several steps, for every fused compressor and
 gradient dtype, on numpy arrays (``path="numpy"``: the selections of
 :mod:`~hvd_compress.kernels.reference_rows`) and on torch tensors, the CPU's way and the
 accelerator's (``accelerator_path``: the selections of :mod:`~hvd_compress.kernels.torch_rows`
@@ -31,6 +31,7 @@ from hvd_compress.comm.threads import ThreadCommunicator, run_ranks  # noqa: E40
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests import conformance  # noqa: E402
+from tests.oracle import PerTensorRanks  # noqa: E402
 
 SHAPES = {"a": (40, 50), "b": (7,), "c": (2000,), "d": (40, 50), "e": (2000,), "f": (33, 61)}
 COMPRESSORS = {
@@ -47,6 +48,10 @@ COMPRESSORS = {
     "fp16": FP16,
     "none": NoneCompressor,
 }
+#: index sets shared by the ranks have no per-tensor spec (a per-tensor encode refuses them): thread
+#: ranks are compared with the Simulator's lockstep ranks (the same engine over another transport);
+#: tests/comm/test_shared_indices.py checks their selections by hand
+SHARED = ("gaussiank-leader", "topk-aggregate")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 #: the paths a bucket takes: torch tensors the CPU's way or the accelerator's, numpy arrays,
 #: TensorFlow tensors on TensorFlow's kernels
@@ -124,7 +129,7 @@ def exchange_steps(comm, make, dtype, steps, ties=False, nan=None, special=float
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", COMPRESSORS)
-def test_fused_bucket_equals_simulator(kind, dtype, path):
+def test_fused_bucket_equals_the_per_tensor_spec(kind, dtype, path):
     if kind.startswith("fp16") and dtype == torch.float64:
         pytest.skip("float64 -> float16 rounding is covered by the kernel tests")
     if path == "accelerator" and kind in ("fp16", "none"):
@@ -135,11 +140,12 @@ def test_fused_bucket_equals_simulator(kind, dtype, path):
     with way_of(path):
         results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True,
                                                                numpy=numpy, tensorflow=tensorflow), timeout=60)
-        sim, expected, residuals = Simulator(ranks, COMPRESSORS[kind]()), [], []
+        spec = (Simulator if kind in SHARED else PerTensorRanks)(ranks, COMPRESSORS[kind]())
+        expected, residuals = [], []
         for step in range(steps):
             per_rank = [gradients(r, step, dtype, True, numpy, tensorflow) for r in range(ranks)]
-            expected.append(sim.step({n: [g[n] for g in per_rank] for n in SHAPES}))
-            residuals.append([{n: sim.compressors[r].residual(n) for n in SHAPES} for r in range(ranks)])
+            expected.append(spec.step({n: [g[n] for g in per_rank] for n in SHAPES}))
+            residuals.append([{n: spec.compressors[r].residual(n) for n in SHAPES} for r in range(ranks)])
     # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
     # tensors on torch, which may round differently from one tensor's std; all else is bit for bit
     # (numpy's and TensorFlow's rows take each tensor's own std: bit for bit too).
@@ -385,7 +391,7 @@ def test_cuda_steady_state_step_never_synchronizes(kind, dtype):
 @pytest.mark.parametrize("framework", ["numpy", "tensorflow"])
 def test_a_bucket_of_several_dtypes_is_a_fused_bucket_per_dtype(framework):
     """float32, float16 and float64 gradients in one bucket: each dtype its own fused bucket, the results
-    the Simulator's, each in its gradient's dtype and framework (TensorFlow: float32 and float64 computed
+    the per-tensor spec's, each in its gradient's dtype and framework (TensorFlow: float32 and float64 computed
     as numpy arrays, float16 on TensorFlow's kernels, all handed back as TensorFlow tensors)."""
     dtypes = {"a": np.float32, "b": np.float16, "c": np.float64, "d": np.float32}
 
@@ -409,9 +415,9 @@ def test_a_bucket_of_several_dtypes_is_a_fused_bucket_per_dtype(framework):
         return out
 
     results = run_ranks(2, steps, timeout=60)
-    sim = Simulator(2, TopK(0.05, dense_below=0))
+    spec = PerTensorRanks(2, TopK(0.05, dense_below=0))
     for step in range(2):
-        expected = sim.step({n: [grads(r, step)[n] for r in range(2)] for n in dtypes})
+        expected = spec.step({n: [grads(r, step)[n] for r in range(2)] for n in dtypes})
         for result in results:
             for name, dtype in dtypes.items():
                 got = result[step][name]

@@ -51,9 +51,9 @@ def test_conserves_mass(kind):
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 @pytest.mark.parametrize("kind", sorted(BUILT_IN))
-def test_thread_ranks_equal_simulator(kind, framework):
+def test_thread_ranks_equal_the_per_tensor_spec(kind, framework):
     rtol = 1e-3 if kind == "fp16" else 1e-6  # the float16 wire rounds the sum, the Simulator sums in float32
-    conformance.check_thread_ranks_equal_simulator(BUILT_IN[kind], framework=framework, rtol=rtol)
+    conformance.check_thread_ranks_equal_per_tensor_spec(BUILT_IN[kind], framework=framework, rtol=rtol)
 
 
 @pytest.mark.parametrize("kind", sorted(BUILT_IN))

@@ -116,8 +116,8 @@ def test_simulator_bytes_are_k_values_and_indices():
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])
-def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
-    conformance.check_thread_ranks_equal_simulator(make, framework=framework)
+def test_thread_ranks_through_the_real_exchange_equal_the_per_tensor_spec(framework):
+    conformance.check_thread_ranks_equal_per_tensor_spec(make, framework=framework)
 
 
 def test_drop_in_torch_optimizer_on_thread_ranks_equals_the_simulator():

@@ -298,12 +298,12 @@ MOMENTUM = {
 
 @pytest.mark.parametrize("framework", ["numpy", "tensorflow"])
 @pytest.mark.parametrize("kind", sorted(MOMENTUM))
-def test_thread_ranks_equal_simulator(kind, framework):
+def test_thread_ranks_equal_the_per_tensor_spec(kind, framework):
     """The exchange over thread ranks (TensorFlow's CPU float32 tensors computed as numpy arrays); torch, and
     TensorFlow's kernels: tests/comm/test_fused_momentum.py."""
     if framework == "tensorflow":
         pytest.importorskip("tensorflow")
-    conformance.check_thread_ranks_equal_simulator(MOMENTUM[kind], framework=framework, rtol=0)
+    conformance.check_thread_ranks_equal_per_tensor_spec(MOMENTUM[kind], framework=framework, rtol=0)
 
 
 @pytest.mark.parametrize("kind", sorted(MOMENTUM))

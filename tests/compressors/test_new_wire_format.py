@@ -15,7 +15,7 @@ NaN on every rank, as a dense allreduce would give. No format the library knows:
 compressor brings its fused bucket's codec (``bucket_codec``, written with the bucket's
 kernel functions only, ``bucket.ops``), and the exchange runs its round without a line of
 ``hvd_compress`` changed. ``encode`` and ``_sum`` stay the algorithm's definition, one tensor
-at a time (the Simulator runs them). ``Compression.register`` gives it a name:
+at a time (the per-tensor spec the tests hold the engine to). ``Compression.register`` gives it a name:
 ``Compression.by_name`` builds it, and a rank running another compressor is told which one
 each rank runs.
 """
@@ -38,6 +38,7 @@ from hvd_compress.compressors.validation import check_count, checked
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import FIRST_FREE_NUMBER, DensePayload, header_config, register_algorithm, ternary_lanes
 from tests import conformance
+from tests.oracle import PerTensorRanks
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,8 @@ def test_rejects_bad_gradients():
 
 # --------------------------------------------------------------------------- through the real exchange
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])
-def test_thread_ranks_through_the_real_exchange_equal_the_simulator(framework):
-    conformance.check_thread_ranks_equal_simulator(make, ranks=3, framework=framework, rtol=0)
+def test_thread_ranks_through_the_real_exchange_equal_the_per_tensor_spec(framework):
+    conformance.check_thread_ranks_equal_per_tensor_spec(make, ranks=3, framework=framework, rtol=0)
 
 
 def test_drop_in_torch_optimizer_on_thread_ranks_equals_the_simulator():
@@ -230,7 +231,7 @@ def exchange_step(comm: Any, compressor: MajorityVote, poisoned: str = "") -> Di
 
 def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
     results = run_ranks(3, lambda comm: exchange_step(comm, make(), "layer.bias"), timeout=30)
-    want = Simulator(3, make()).step({"layer.weight": conformance.gradients(0, 3)["layer.weight"]})["layer.weight"]
+    want = PerTensorRanks(3, make()).step({"layer.weight": conformance.gradients(0, 3)["layer.weight"]})["layer.weight"]
     for result in results:
         assert np.isnan(result["layer.bias"]).all()
         np.testing.assert_array_equal(result["layer.weight"], want)
@@ -239,7 +240,7 @@ def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
 def test_a_fused_step_sends_the_packed_signs_and_a_flag_per_tensor():
     compressors = [MajorityVote(dense_below=100) for _ in range(3)]  # the bias (40) dense, the weight (320) voted
     results = run_ranks(3, lambda comm: exchange_step(comm, compressors[comm.rank]), timeout=30)
-    want = Simulator(3, MajorityVote(dense_below=100)).step(conformance.gradients(0, 3))
+    want = PerTensorRanks(3, MajorityVote(dense_below=100)).step(conformance.gradients(0, 3))
     header, dense, flag = 16, 40 * 4, 4  # [config hash, layout hash] once; float32 bias and flag
     for compressor, result in zip(compressors, results):
         assert compressor.stats.bytes_sent == header + dense + 4 * ternary_lanes(320, 3) + flag
