@@ -1,14 +1,19 @@
-"""N ranks in one process, no MPI: the yardstick multi-process runs must equal.
+"""N ranks in one process, no MPI: the routes' engine in lockstep, what multi-process runs must equal.
 
 Every rank owns a deep copy of the compressor (its own residuals, RegTop-k
-distortion and random stream ``default_rng([seed, rank])``). One :meth:`Simulator.step`
-does what the real collectives do, in the same order:
+posterior and random stream, seeded from ``(seed, rank)``). One :meth:`Simulator.step`
+runs the bucket engine every route runs (:class:`~hvd_compress.comm.exchange.BucketExchange`,
+:mod:`~hvd_compress.comm.fused`) on every rank, the whole step as one bucket, over the
+collectives of :mod:`~hvd_compress.comm.lockstep` (sums and gathers in rank order, no
+threads): every rank launches the bucket, then every rank completes it (TernGrad's codes
+after the shared scales' allreduce-Max), then every rank finishes it. So the averages,
+residuals and bytes are a real route's (``bytes_sent_per_rank``: what each rank handed to
+the collectives, the layout check's header at a layout's first step included; Gaussian-k
+sends its ``floor(4k/3)`` slots per tensor as every route does).
 
-1. TernGrad with scalar sharing: one allreduce-Max of the vector of per-layer
-   scales of every rank;
-2. per tensor, in the order given: every rank encodes, the payloads are
-   "allgathered" (the list in rank order), every rank decodes the average
-   (sparse payloads: scatter-add; ternary: packed integer sum).
+A compressor without a bucket codec (``fused = False``, which no route runs) is stepped
+tensor by tensor instead: every rank ``encode``s, every rank ``decode``s the list of
+payloads in rank order (:meth:`Compressor.encode_options` first: TernGrad's shared scale).
 
 Example::
 
@@ -34,10 +39,9 @@ from hvd_compress.wire import array_nbytes
 
 
 def runs_engine(compressor: Compressor) -> bool:
-    """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): a sparsifier with
-    an index set shared by the ranks (``indices='leader'`` or ``'aggregate'``), which only the
-    engine's rounds of collectives can agree on."""
-    return bool(getattr(getattr(compressor, "inner", compressor), "shared", False))
+    """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): every compressor
+    that brings a bucket codec (``fused``: every built-in one, ``Auto`` and the wrappers around one)."""
+    return bool(getattr(compressor, "fused", False))
 
 
 class Simulator:
@@ -59,7 +63,10 @@ class Simulator:
                 compressor.seed = int(seed)
             compressor.route = "Simulator"
             self.compressors.append(compressor.bind(rank, n_ranks))
+        #: what each rank handed to the collectives in the last step (bytes)
         self.bytes_sent_per_rank: List[int] = [0] * n_ranks
+        #: values (entries) each rank sent in the last step
+        self.values_sent_per_rank: List[int] = [0] * n_ranks
         self.dense_bytes = 0
         self.steps = 0
 
@@ -69,7 +76,7 @@ class Simulator:
         return int(round(sum(self.bytes_sent_per_rank) / self.n_ranks))
 
     def residuals(self, name: str) -> List[Optional[np.ndarray]]:
-        """Each rank's error-feedback residual of ``name``."""
+        """Each rank's error-feedback residual of ``name`` (the engine's buckets written out first)."""
         return [c.residual(name) for c in self.compressors]
 
     def velocities(self, name: str) -> List[Optional[np.ndarray]]:
@@ -84,28 +91,32 @@ class Simulator:
         """
         originals = {name: per_rank[0] for name, per_rank in grads.items()}
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
+        before = [(c.stats.bytes_sent, c.stats.values_sent) for c in self.compressors]
         if runs_engine(self.compressors[0]):
-            return self._engine_step(grads, originals)
+            out = self._engine_step(grads, originals)
+        else:
+            out = self._per_tensor_step(grads, originals)
+        self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, (b, _) in zip(self.compressors, before)]
+        self.values_sent_per_rank = [c.stats.values_sent - v for c, (_, v) in zip(self.compressors, before)]
+        self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
+        self.steps += 1
+        return out
+
+    def _per_tensor_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
+        """A compressor without a bucket codec: per tensor, every rank encodes, every rank decodes."""
         shared = self.compressors[0].encode_options(self.compressors, grads)
-        sent = [0] * self.n_ranks
-        out: Dict[str, np.ndarray] = {}
+        out: Dict[str, Any] = {}
         for name, per_rank in grads.items():
             options = shared.get(name, {})
             payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
-            for rank, payload in enumerate(payloads):
-                sent[rank] += payload.nbytes
             decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
             out[name] = in_form_of(decoded[0], originals[name])
-        self.bytes_sent_per_rank = sent
-        self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
-        self.steps += 1
         return out
 
     def _engine_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
         """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.comm.lockstep`):
         the whole step is one bucket; every rank launches, then completes, then finishes it."""
         group = LockstepGroup(self.n_ranks)
-        before = [(c.stats.bytes_sent, c.stats.values_sent) for c in self.compressors]
         exchanges = []
         for rank, compressor in enumerate(self.compressors):
             exchange = open_exchange(compressor, group.rank(rank), "simulator")
@@ -116,11 +127,8 @@ class Simulator:
         for exchange in exchanges:
             exchange.complete()
         results = [exchange.finish(average=True) for exchange in exchanges]
-        self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, (b, _) in zip(self.compressors, before)]
-        #: values (entries) each rank sent in the last engine step
-        self.values_sent_per_rank = [c.stats.values_sent - v for c, (_, v) in zip(self.compressors, before)]
-        self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
-        self.steps += 1
+        for compressor in self.compressors:  # each tensor's state readable on the compressor, as after encode
+            compressor.state.flush_buckets()
         return {name: in_form_of(results[0][name], originals[name]) for name in grads}
 
     def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[Any]:

@@ -20,6 +20,7 @@ from hvd_compress.compressors.sparse import Sparsifier
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import SparsePayload
 from tests import conformance
+from tests.oracle import PerTensorRanks
 
 
 class RandomK(Sparsifier):
@@ -108,11 +109,17 @@ def test_conserves_mass_sent_plus_residual_equals_produced():
     conformance.check_conserves_mass(make)
 
 
-def test_simulator_bytes_are_k_values_and_indices():
-    sim = Simulator(3, make())
-    sim.step(conformance.gradients(0, 3))
-    expected = sum(8 * make().k(int(np.prod(shape))) for shape in conformance.SHAPES.values())
-    assert sim.bytes_sent == expected  # float32 values + int32 indices
+def test_bytes_are_k_values_and_indices():
+    """Per tensor k float32 values and k int32 indices; the engine (the Simulator, every route) also sends
+    each tensor's flag with its position, and the layout check's header (two int64) at its first step."""
+    spec, sim = PerTensorRanks(3, make()), Simulator(3, make())
+    payloads = sum(8 * make().k(int(np.prod(shape))) for shape in conformance.SHAPES.values())
+    flags, header = 8 * len(conformance.SHAPES), 16
+    for step in range(2):
+        spec.step(conformance.gradients(step, 3))
+        sim.step(conformance.gradients(step, 3))
+        assert spec.bytes_sent_per_rank == [payloads] * 3
+        assert sim.bytes_sent_per_rank == [payloads + flags + (header if step == 0 else 0)] * 3
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])

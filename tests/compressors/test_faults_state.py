@@ -6,6 +6,7 @@ import pytest
 
 from hvd_compress import RegTopK, TernGrad, TopK
 from hvd_compress.simulator import Simulator
+from tests.oracle import PerTensorRanks
 
 
 def trained_state(ranks: int = 2):
@@ -75,7 +76,8 @@ def test_state_of_another_algorithm_is_refused():
 # random streams; arrays of another framework or shape are taken over, not refused
 # --------------------------------------------------------------------------- #
 def regtopk_state(ranks: int = 2):
-    sim = Simulator(ranks, RegTopK(0.1, dense_below=0))
+    """Rank 0's state after two per-tensor steps (its posterior as the sent values and indices)."""
+    sim = PerTensorRanks(ranks, RegTopK(0.1, dense_below=0))
     rng = np.random.default_rng(1)
     for _ in range(2):
         sim.step({"w": [rng.standard_normal(50).astype(np.float32) for _ in range(ranks)]})
