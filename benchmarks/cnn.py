@@ -9,12 +9,12 @@ noise, :func:`synthetic_digits`),
 generated from a seed, no download.
 Each step, every one of N simulated ranks computes the gradient of its own
 shard of the global batch; the gradients go through
-:class:`~hvd_compress.simulator.Simulator` (every rank encodes, payloads are
-gathered, every rank decodes the average) and SGD with momentum applies the
-average. Every payload is logged, so the study reports what was sent: bytes a
-rank hands to the collectives, its ring traffic (allreduce ``2 (N-1)/N P``,
-allgather ``(N-1) Q``, :func:`benchmarks.wire.wire`) and the achieved
-density (entries sent / entries), against dense fp32 in the same run.
+:class:`~hvd_compress.simulator.Simulator` (the routes' bucket engine on every rank, in
+lockstep) and SGD with momentum applies the average. The study reports what the ranks
+handed to the collectives, as a route would: bytes per rank, their ring traffic
+(allreduce ``2 (N-1)/N P``, allgather ``(N-1) Q``, :func:`benchmarks.wire.collective_traffic`
+of ``Simulator.collectives_per_rank``) and the density (values sent / entries: a
+sparsifier's slots, Gaussian-k's ``floor(4k/3)``), against dense fp32 in the same run.
 
 The sparsifiers send some tensors dense: those under ``dense_below`` elements
 (biases, the 144-weight first convolution) and those where ``N k >= numel``
@@ -37,7 +37,6 @@ from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import single_threaded_blas
 from hvd_compress.bench.report import progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.compressors import Compression, Compressor
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.simulator import Simulator
 
 #: Densities of the sparsifiers in ``simulate cnn``.
@@ -102,56 +101,15 @@ def make_net(seed: int = 0):
         return Net()
 
 
-# ------------------------------------------------------------------ payloads
-def record_payloads(sim: Simulator) -> List[Dict[str, Any]]:
-    """Wrap every rank's ``encode`` in ``sim``; returns the list each payload's summary is appended to.
-
-    Entry: ``rank``, ``name``, ``kind`` (``dense``, ``sparse``, ``ternary``), ``numel``,
-    ``values`` (entries sent: ``|S|`` for sparse payloads), ``bytes`` (payload
-    ``nbytes``), ``traffic`` (ring bytes, :func:`benchmarks.wire.wire`) and
-    ``scale`` (TernGrad's ``S``).
-    """
-    from benchmarks.wire import wire
-
-    log: List[Dict[str, Any]] = []
-    for compressor in sim.compressors:
-        encode = compressor.encode
-
-        def recording(tensor: Any, name: str, encode=encode, compressor=compressor, **options: Any) -> Any:
-            payload = encode(tensor, name, **options)
-            numel = int(np.prod(tuple(tensor.shape)))
-            if isinstance(payload, SparsePayload):
-                kind, values = "sparse", int(payload.values.shape[0])
-            elif isinstance(payload, TernaryPayload):
-                kind, values = "ternary", numel
-            elif isinstance(payload, DensePayload):
-                kind, values = "dense", numel
-            else:
-                raise TypeError(f"hvd_compress: unexpected payload {type(payload).__name__}")
-            log.append(
-                {
-                    "rank": compressor.rank,
-                    "name": name,
-                    "kind": kind,
-                    "numel": numel,
-                    "values": values,
-                    "bytes": int(payload.nbytes),
-                    "traffic": wire(payload, sim.n_ranks)[1],
-                    "scale": payload.scale if kind == "ternary" else None,
-                }
-            )
-            return payload
-
-        compressor.encode = recording
-    return log
-
-
+# ------------------------------------------------------------------ layers
 def layer_table(compressor: Compressor, shapes: Dict[str, Tuple[int, ...]]) -> List[Dict[str, Any]]:
-    """How ``compressor`` (bound to its rank and world) sends each tensor, and why."""
+    """How ``compressor`` (bound to its rank and world) sends each tensor, and why; ``values``: the
+    entries a step sends of it (a sparsifier's slots, ``numel`` for a tensor sent dense or ternary)."""
     rows = []
     for name, shape in shapes.items():
         numel = int(np.prod(shape))
-        row: Dict[str, Any] = {"name": name, "numel": numel, "k": None, "sent": "dense", "reason": None}
+        row: Dict[str, Any] = {"name": name, "numel": numel, "k": None, "sent": "dense", "reason": None,
+                               "values": numel}
         if numel < getattr(compressor, "dense_below", 0):
             row["reason"] = f"below dense_below={compressor.dense_below}"
         elif hasattr(compressor, "k"):
@@ -160,6 +118,7 @@ def layer_table(compressor: Compressor, shapes: Dict[str, Tuple[int, ...]]) -> L
                 row["reason"] = f"N k = {compressor.size * row['k']} >= numel"
             else:
                 row["sent"] = "sparse"
+                row["values"] = compressor.slots(numel) if hasattr(compressor, "slots") else row["k"]
         elif hasattr(compressor, "scalar_sharing"):
             row["sent"] = "ternary"
         rows.append(row)
@@ -172,14 +131,13 @@ class Probe:
 
     ``before(step, grads, sim)``: ``grads`` is ``{name: [grad of rank 0, ...]}``, the
     simulator still holds the residuals of the previous step. ``after(step, grads,
-    averaged, entries)``: ``averaged`` is what the ranks decoded, ``entries`` the
-    payload log of this step (:func:`record_payloads`).
+    averaged, sim)``: ``averaged`` is what the ranks decoded.
     """
 
     def before(self, step: int, grads: Dict[str, List[Any]], sim: Simulator) -> None:
         pass
 
-    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], entries) -> None:
+    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], sim: Simulator) -> None:
         pass
 
 
@@ -254,14 +212,13 @@ def train(
     """
     import torch
 
-    from benchmarks.wire import allreduce_traffic
+    from benchmarks.wire import allreduce_traffic, collective_traffic
 
     if int(epochs) < 1:
         raise ValueError(f"hvd_compress: epochs must be at least 1, got {epochs}")
     model = net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sim = Simulator(ranks, compression, seed=seed)
-    log = record_payloads(sim)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     global_batch = ranks * batch_per_rank
     per_epoch = len(data.train_y) // global_batch
@@ -296,21 +253,16 @@ def train(
         grads, loss = rank_gradients(model, x, y)
         if probe is not None:
             probe.before(step, grads, sim)
-        del log[:]
         averaged = sim.step(grads)
         if probe is not None:
-            probe.after(step, grads, averaged, log)
-        for entry in log:
-            for key in sums:
-                sums[key] += entry[key]
-            per_layer[entry["name"]][0] += entry["values"]
-            per_layer[entry["name"]][1] += entry["numel"]
-        if not log:  # the Simulator ran the bucket engine (a shared index set): its allreduces' bytes
-            sent = float(sum(sim.bytes_sent_per_rank))
-            sums["bytes"] += sent
-            sums["traffic"] += allreduce_traffic(sent, ranks)
-            sums["values"] += float(sum(sim.values_sent_per_rank))
-            sums["numel"] += float(sum(np.prod(shape) for shape in shapes.values())) * ranks
+            probe.after(step, grads, averaged, sim)
+        sums["bytes"] += float(sum(sim.bytes_sent_per_rank))
+        sums["traffic"] += sum(collective_traffic(posted, ranks) for posted in sim.collectives_per_rank)
+        for row in layer_table(sim.compressors[0], shapes):  # the plan of this step (a warm-up changes k)
+            for key, count in (("values", row["values"]), ("numel", row["numel"])):
+                sums[key] += float(count * ranks)
+            per_layer[row["name"]][0] += row["values"] * ranks
+            per_layer[row["name"]][1] += row["numel"] * ranks
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.grad = averaged[name].reshape(p.shape)

@@ -20,8 +20,9 @@ on N simulated ranks and records, from outside the compressor:
   fraction of entries beyond it (the Gaussian predicts ``ratio``) and the excess
   kurtosis (0 for a Gaussian);
 * every step and every sparsified layer: ``k``, the count beyond the first
-  threshold (the Gaussian estimate alone) and ``|S|`` actually sent after the
-  correction, per rank.
+  threshold (the Gaussian estimate alone) and ``|S|`` actually selected after the
+  correction, per rank (the selection of the same ``a`` the engine makes; on the wire it
+  fills ``|S|`` of the tensor's ``floor(4k/3)`` slots).
 """
 
 from __future__ import annotations
@@ -73,22 +74,21 @@ class GaussianProbe(cnn.Probe):
                     "selected": [],
                 }
         for name, entry in self.counts.items():
-            g = grads[name][0].reshape(-1)
-            residual = rank0.residual(name)
-            a = g if residual is None else g + residual.reshape(-1)
-            ops = kernels.ops_for(a, name)
-            threshold = ops.gaussiank_threshold(a, self.ratio)
-            entry["first_guess"].append(int(np.count_nonzero(np.abs(np.asarray(a)) > threshold)))
-            if name == self.layer and step in self.snapshot_steps:
-                self.snapshots.append(self._snapshot(step, np.asarray(a, dtype=np.float64), threshold))
-
-    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], entries) -> None:
-        selected: Dict[str, List[int]] = {name: [] for name in self.counts}
-        for e in entries:
-            if e["kind"] == "sparse" and e["name"] in selected:
-                selected[e["name"]].append(e["values"])
-        for name, counts in selected.items():
-            self.counts[name]["selected"].append(counts)
+            selected = []
+            for rank, compressor in enumerate(sim.compressors):
+                g = grads[name][rank].reshape(-1)
+                residual = compressor.residual(name)
+                a = g if residual is None else g + residual.reshape(-1)
+                ops = kernels.ops_for(a, name)
+                # |S| of this rank's step: the selection the engine makes of the same a (in its slots)
+                selected.append(int(ops.gaussiank_select(a, self.ratio).shape[0]))
+                if rank > 0:
+                    continue
+                threshold = ops.gaussiank_threshold(a, self.ratio)
+                entry["first_guess"].append(int(np.count_nonzero(np.abs(np.asarray(a)) > threshold)))
+                if name == self.layer and step in self.snapshot_steps:
+                    self.snapshots.append(self._snapshot(step, np.asarray(a, dtype=np.float64), threshold))
+            entry["selected"].append(selected)
 
     def _snapshot(self, step: int, a: np.ndarray, threshold: float) -> Dict[str, Any]:
         mean, std = float(a.mean()), float(a.std())

@@ -23,6 +23,7 @@ gradients of the same shapes, at N = 2, 4, 8, 16.
 
 from __future__ import annotations
 
+import copy
 import functools
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -56,27 +57,44 @@ class ErrorProbe(cnn.Probe):
         self.layer = layer
         self.relative_error: List[float] = []
         self.scale_over_max: List[float] = []
+        self.coded: List[str] = []
+        self.scales: List[float] = []
+        self.spec: List[Compressor] = []  # per-tensor copies of the ranks' compressors: their scales
 
-    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], entries) -> None:
+    def before(self, step: int, grads: Dict[str, List[Any]], sim: Simulator) -> None:
+        shapes = {name: tuple(per_rank[0].shape) for name, per_rank in grads.items()}
+        self.coded = [row["name"] for row in cnn.layer_table(sim.compressors[0], shapes) if row["sent"] == "ternary"]
+        self.scales = []
+        if self.layer not in self.coded:
+            return
+        if not self.spec:
+            self.spec = [copy.deepcopy(c) for c in sim.compressors]
+        layer = []  # a = g (+ the rank's residual): what the rank's step codes
+        for spec, compressor, g in zip(self.spec, sim.compressors, grads[self.layer]):
+            spec.reset()
+            residual = compressor.residual(self.layer)
+            layer.append(g if residual is None else g + residual)
+        options = self.spec[0].encode_options(self.spec, {self.layer: layer}).get(self.layer, {})
+        self.scales = [float(spec.encode(a, self.layer, **options).scale) for spec, a in zip(self.spec, layer)]
+
+    def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], sim: Simulator) -> None:
         import torch
 
-        coded = {e["name"] for e in entries if e["kind"] == "ternary"}
         error = norm = 0.0
         with torch.no_grad():
-            for name in sorted(coded):
+            for name in sorted(self.coded):
                 mean = torch.stack(grads[name]).mean(0).double()
                 error += float((averaged[name].double() - mean).pow(2).sum())
                 norm += float(mean.pow(2).sum())
         self.relative_error.append(error / norm if norm > 0 else 0.0)
-        scales = [e["scale"] for e in entries if e["kind"] == "ternary" and e["name"] == self.layer]
-        if scales:
+        if self.scales:
             local = [float(g.abs().max()) for g in grads[self.layer]]
-            self.scale_over_max.append(float(np.mean([s / m for s, m in zip(scales, local) if m > 0])))
+            self.scale_over_max.append(float(np.mean([s / m for s, m in zip(self.scales, local) if m > 0])))
 
 
 def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Sequence[int], seed: int = 0):
     """Bytes per rank of one step with and without scalar sharing at every N, vs dense fp32."""
-    from benchmarks.wire import allreduce_traffic
+    from benchmarks.wire import allreduce_traffic, collective_traffic
 
     rng = np.random.default_rng(seed)
     dense = 4 * sum(int(np.prod(s)) for s in shapes.values())
@@ -88,10 +106,11 @@ def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Seq
         }
         for sharing in (True, False):
             sim = Simulator(n, TernGrad(clip=clip, scalar_sharing=sharing), seed=seed)
-            log = cnn.record_payloads(sim)
+            sim.step(grads)  # the layout's first step: its header check
             sim.step(grads)
-            payload = sum(e["bytes"] for e in log) / n
-            traffic = sum(e["traffic"] for e in log) / n  # with sharing, the scales' allreduce-Max included
+            payload = sum(sim.bytes_sent_per_rank) / n
+            # with sharing, the scales' allreduce-Max included
+            traffic = sum(collective_traffic(posted, n) for posted in sim.collectives_per_rank) / n
             rows.append(
                 {
                     "ranks": n,
@@ -100,7 +119,7 @@ def wire_table(shapes: Dict[str, Tuple[int, ...]], clip: float, world_sizes: Seq
                     "bytes_vs_dense": payload / dense,
                     "traffic": traffic,
                     "traffic_vs_dense": traffic / allreduce_traffic(dense, n),
-                    "payload_kinds": sorted({e["kind"] for e in log}),
+                    "collectives": sorted({kind for posted in sim.collectives_per_rank for _, kind, _ in posted}),
                 }
             )
     return rows

@@ -1,20 +1,21 @@
 """Bytes on the wire: what every compressor sends per rank and step, against dense fp32.
 
-One simulated step (:class:`hvd_compress.simulator.Simulator`, numpy) of every
-compressor on synthetic gradients shaped like ResNet-18's parameters (11.7M;
-``scale`` shrinks the channel widths for quick runs), for each world size N.
-Tensors below ``dense_below`` elements (biases, batch-norm weights) go dense, as
-the compressors do. Two numbers per compressor and N, both per rank:
+One simulated step (:class:`hvd_compress.simulator.Simulator`, numpy: the routes' bucket
+engine on every rank, the step after the layout's first) of every compressor on synthetic
+gradients shaped like ResNet-18's parameters (11.7M; ``scale`` shrinks the channel widths
+for quick runs), for each world size N. Tensors below ``dense_below`` elements (biases,
+batch-norm weights) go dense, as the compressors do. Two numbers per compressor and N,
+both per rank:
 
-* ``payload``: the bytes a rank hands to the collectives (``Simulator.bytes_sent``,
-  the sum of the payloads' ``nbytes``);
-* ``traffic``: the bytes a rank sends over a ring. An allreduce of P bytes sends
-  ``2 (N-1)/N * P``; an allgather of Q bytes per rank sends ``(N-1) * Q`` (mean
-  over ranks, exact for Gaussian-k's varying Q). Dense payloads (fallback
-  tensors, None, FP16) are allreduced, sparse ones allgathered; TernGrad's codes
-  go the way their ``wire_format`` says (packed int32 allreduce or 2-bit
-  allgather) and, with scalar sharing, the 4-byte scale goes through the
-  allreduce-Max (without it, it is allgathered with the codes).
+* ``payload``: the bytes a rank hands to the collectives (``Simulator.bytes_sent``:
+  the dense part's allreduce and the codec's rounds, flags included);
+* ``traffic``: the bytes a rank sends over a ring, from what it posted to each collective
+  (``Simulator.collectives_per_rank``, :func:`collective_traffic`). An allreduce of P bytes sends
+  ``2 (N-1)/N * P``; an allgather of Q bytes per rank sends ``(N-1) * Q``. The dense part
+  (fallback tensors, None, FP16) is allreduced, sparse values and indices allgathered;
+  TernGrad's codes go the way ``wire.ternary_wire_format`` says (packed int32 allreduce or
+  2-bit allgather) and, with scalar sharing, the scales go through the allreduce-Max
+  (without it, they are allgathered).
 
 The baseline is a dense fp32 allreduce of the whole model measured in the same
 run: payload ``4 * numel``, traffic ``2 (N-1)/N * 4 * numel``.
@@ -38,7 +39,6 @@ from hvd_compress.bench import report
 from benchmarks.compress import format_size, gradient
 from hvd_compress.compressors import Compression
 from hvd_compress.compressors.base import check_ratio
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.compressors.sparse import DENSE_BELOW
 from hvd_compress.simulator import Simulator
 
@@ -50,7 +50,6 @@ DEFAULT_RANKS = (2, 4, 16)
 GRADIENT_SCALE = 1e-3
 #: (compressor, world size, field, bound): printed, never asserted (the issue's target).
 TARGETS = (("terngrad", 4, "traffic_vs_dense", 1 / 8),)
-SCALE_BYTES = 4  # TernGrad's float32 scale per tensor
 
 
 # -------------------------------------------------------------------- model
@@ -113,43 +112,11 @@ def allgather_traffic(nbytes: float, n_ranks: int) -> float:
     return float((n_ranks - 1) * nbytes)
 
 
-def wire(payload: Any, n_ranks: int) -> Tuple[str, float]:
-    """``(collective, ring bytes sent by this rank)`` for one payload of one tensor."""
-    if isinstance(payload, DensePayload):
-        return "dense allreduce", allreduce_traffic(payload.nbytes, n_ranks)
-    if isinstance(payload, SparsePayload):
-        return "sparse allgather", allgather_traffic(payload.nbytes, n_ranks)
-    if isinstance(payload, TernaryPayload):
-        codes = payload.nbytes - SCALE_BYTES
-        if not payload.shared_scale:  # each rank's codes and scale
-            return "ternary allgather", allgather_traffic(payload.nbytes, n_ranks)
-        scale = allreduce_traffic(SCALE_BYTES, n_ranks)  # the allreduce-Max of the scales
-        if payload.wire_format == "allreduce":
-            return "ternary allreduce", allreduce_traffic(codes, n_ranks) + scale
-        return "ternary allgather", allgather_traffic(codes, n_ranks) + scale
-    raise TypeError(f"hvd_compress: unexpected payload {type(payload).__name__}")
-
-
-def _record(compressor: Any, n_ranks: int, log: List[Dict[str, Any]]) -> None:
-    """Wrap ``compressor.encode`` so that every payload's bytes and collective are logged."""
-    encode = compressor.encode
-
-    def recording(tensor: Any, name: str, **options: Any) -> Any:
-        payload = encode(tensor, name, **options)
-        collective, traffic = wire(payload, n_ranks)
-        log.append(
-            {
-                "rank": compressor.rank,
-                "name": name,
-                "collective": collective,
-                "fallback": isinstance(payload, DensePayload),
-                "payload": int(payload.nbytes),
-                "traffic": traffic,
-            }
-        )
-        return payload
-
-    compressor.encode = recording
+def collective_traffic(posted: Sequence[Tuple[str, str, int]], n_ranks: int) -> float:
+    """Ring bytes one rank sends for the collectives it posted in a step (``Simulator.collectives_per_rank[r]``:
+    ``(name, "allreduce" or "allgather", bytes)``)."""
+    return sum(allreduce_traffic(nbytes, n_ranks) if collective == "allreduce" else allgather_traffic(nbytes, n_ranks)
+               for _, collective, nbytes in posted)
 
 
 # ---------------------------------------------------------------------- run
@@ -177,28 +144,29 @@ def measure(
     dense_below: int,
     seed: int = 0,
 ) -> Dict[str, Any]:
-    """One simulated step of compressor ``name`` on ``n_ranks`` ranks; its wire row."""
+    """One simulated step of compressor ``name`` on ``n_ranks`` ranks (after the layout's first step, its
+    header check); its wire row."""
+    from benchmarks.cnn import layer_table
+
     sim = Simulator(n_ranks, _make(name, ratio, dense_below), seed=seed)
-    log: List[Dict[str, Any]] = []
-    for compressor in sim.compressors:
-        _record(compressor, n_ranks, log)
+    step = {tensor: per_rank[:n_ranks] for tensor, per_rank in grads.items()}
+    sim.step(step)
     started = time.perf_counter()
-    sim.step({tensor: per_rank[:n_ranks] for tensor, per_rank in grads.items()})
+    sim.step(step)
     seconds = time.perf_counter() - started
-    payload = sum(e["payload"] for e in log) / n_ranks
-    if int(round(payload)) != sim.bytes_sent:
-        raise RuntimeError(f"hvd_compress: logged {payload} bytes, simulator counted {sim.bytes_sent}")
+    payload = sum(sim.bytes_sent_per_rank) / n_ranks
     dense = sim.dense_bytes
-    traffic = sum(e["traffic"] for e in log) / n_ranks
+    traffic = sum(collective_traffic(posted, n_ranks) for posted in sim.collectives_per_rank) / n_ranks
     dense_traffic = allreduce_traffic(dense, n_ranks)
     collectives: Dict[str, int] = {}
-    for e in log:
-        if e["rank"] == 0:
-            collectives[e["collective"]] = collectives.get(e["collective"], 0) + 1
-    # the tensors the compressor does compress (fallbacks excluded), when it has fallbacks
-    compressed = [e for e in log if not e["fallback"]]
-    compressed_dense = sum(grads[e["name"]][0].nbytes for e in compressed if e["rank"] == 0)
-    compressed_traffic = sum(e["traffic"] for e in compressed) / n_ranks
+    for _, collective, _ in sim.collectives_per_rank[0]:
+        collectives[collective] = collectives.get(collective, 0) + 1
+    # the tensors the compressor does compress (fallbacks excluded: the bucket's dense part), when it has fallbacks
+    shapes = {tensor: tuple(per_rank[0].shape) for tensor, per_rank in grads.items()}
+    compressed_dense = sum(grads[row["name"]][0].nbytes for row in layer_table(sim.compressors[0], shapes)
+                           if row["sent"] != "dense")
+    compressed_traffic = sum(collective_traffic([c for c in posted if not c[0].endswith(".dense")], n_ranks)
+                             for posted in sim.collectives_per_rank) / n_ranks
     return {
         "ranks": n_ranks,
         "compressor": name,

@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -67,6 +67,9 @@ class Simulator:
         self.bytes_sent_per_rank: List[int] = [0] * n_ranks
         #: values (entries) each rank sent in the last step
         self.values_sent_per_rank: List[int] = [0] * n_ranks
+        #: what each rank handed to each collective in the last step: ``(name, "allreduce" or
+        #: "allgather", bytes)`` (the per-tensor loop: each payload, allgathered)
+        self.collectives_per_rank: List[List[Tuple[str, str, int]]] = [[] for _ in range(n_ranks)]
         self.dense_bytes = 0
         self.steps = 0
 
@@ -105,10 +108,13 @@ class Simulator:
     def _per_tensor_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
         """A compressor without a bucket codec: per tensor, every rank encodes, every rank decodes."""
         shared = self.compressors[0].encode_options(self.compressors, grads)
+        self.collectives_per_rank = [[] for _ in range(self.n_ranks)]
         out: Dict[str, Any] = {}
         for name, per_rank in grads.items():
             options = shared.get(name, {})
             payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
+            for posted, payload in zip(self.collectives_per_rank, payloads):
+                posted.append((name, "allgather", int(payload.nbytes)))
             decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
             out[name] = in_form_of(decoded[0], originals[name])
         return out
@@ -127,6 +133,7 @@ class Simulator:
         for exchange in exchanges:
             exchange.complete()
         results = [exchange.finish(average=True) for exchange in exchanges]
+        self.collectives_per_rank = group.posted
         for compressor in self.compressors:  # each tensor's state readable on the compressor, as after encode
             compressor.state.flush_buckets()
         return {name: in_form_of(results[0][name], originals[name]) for name in grads}

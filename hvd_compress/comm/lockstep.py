@@ -13,11 +13,13 @@ earlier one's result waits for it: every rank has posted it), then every rank fi
     ...add, launch(complete=False) for each rank; complete() for each; finish() for each
 
 Waiting for a collective some rank has not posted is an error naming it (in a lockstep run it
-would otherwise never come).
+would otherwise never come). ``group.posted[rank]`` lists what each rank handed to the collectives,
+``(name, "allreduce" or "allgather", bytes)`` in the order posted (ring traffic follows from it).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvd_compress.kernels import ops_for
@@ -32,11 +34,14 @@ class LockstepGroup:
         self.posts: Dict[Tuple[str, int], List[Any]] = {}
         self.results: Dict[Tuple[str, int], Any] = {}
         self.uses: List[Dict[str, int]] = [{} for _ in range(size)]
+        #: per rank: ``(name, collective, bytes)`` of every tensor it posted, in order
+        self.posted: List[List[Tuple[str, str, int]]] = [[] for _ in range(size)]
 
     def rank(self, rank: int) -> "LockstepCommunicator":
         return LockstepCommunicator(self, rank)
 
-    def post(self, rank: int, name: str, tensor: Any, combine: Any) -> Tuple[str, int]:
+    def post(self, rank: int, name: str, tensor: Any, combine: Any, collective: str) -> Tuple[str, int]:
+        self.posted[rank].append((name, collective, ops_for(tensor).itemsize(tensor) * math.prod(tuple(tensor.shape))))
         use = self.uses[rank].get(name, 0)
         self.uses[rank][name] = use + 1
         slots = self.posts.setdefault((name, use), [None] * self.size)
@@ -61,10 +66,10 @@ class LockstepCommunicator(GroupRank):
     matches_by_order = False
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
-        return self.group.post(self._rank, name, tensor, lambda posts: reduced(op, posts))
+        return self.group.post(self._rank, name, tensor, lambda posts: reduced(op, posts), "allreduce")
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
-        return self.group.post(self._rank, name, tensor, lambda posts: concatenated(posts, name))
+        return self.group.post(self._rank, name, tensor, lambda posts: concatenated(posts, name), "allgather")
 
     def wait(self, handle: Any) -> Any:
         return self.group.result(handle)

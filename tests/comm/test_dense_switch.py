@@ -1,5 +1,6 @@
 """Sparsifiers send dense when N * k >= numel (a sparse allgather would move more bytes): the
-Simulator, and thread ranks on the fused bucket path (numpy, torch)."""
+per-tensor spec (tests/oracle.py), the Simulator (the engine in lockstep), and thread ranks on the
+fused bucket path (numpy, torch) against the per-tensor spec."""
 
 import warnings
 
@@ -11,6 +12,7 @@ from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.comm.threads import run_ranks
 from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.simulator import Simulator
+from tests.oracle import PerTensorRanks
 
 KINDS = [TopK, GaussianK, RegTopK]
 
@@ -22,13 +24,14 @@ def grads(n_ranks, numel, seed):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_crowded_tensor_goes_dense_with_one_warning(kind):
+    """A per-tensor ``encode`` warns once that it sends the tensor dense."""
     # 16 ranks x k = ceil(0.1 * 1100) = 110 -> 1760 >= 1100 elements
-    sim = Simulator(16, kind(0.1))
+    sim = PerTensorRanks(16, kind(0.1))
     step = grads(16, 1100, 0)
     with pytest.warns(UserWarning, match="sends 'w' dense: 16 ranks x k = 110 >= 1100"):
         out = sim.step(step)["w"]
     np.testing.assert_allclose(out, np.mean(step["w"], axis=0), rtol=1e-12)
-    assert sim.bytes_sent == 8 * 1100
+    assert sim.bytes_sent_per_rank == [8 * 1100] * 16
     assert all(np.all(r == 0) for r in sim.residuals("w"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per tensor
@@ -36,10 +39,29 @@ def test_crowded_tensor_goes_dense_with_one_warning(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_switching_to_dense_flushes_the_residual(kind):
+def test_crowded_tensor_is_planned_dense_by_the_engine(kind):
+    """The Simulator (the routes' engine) plans the tensor dense from its first step, silently (nothing
+    is kept back to flush): one allreduce of its float64 values, and the layout header at the first step."""
+    sim = Simulator(16, kind(0.1))
+    step = grads(16, 1100, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sim.step(step)["w"]
+    np.testing.assert_allclose(out, np.mean(step["w"], axis=0), rtol=1e-12)
+    assert sim.bytes_sent_per_rank == [8 * 1100 + 16] * 16
+    assert all(r is None or np.all(r == 0) for r in sim.residuals("w"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sim.step(grads(16, 1100, 1))
+    assert sim.bytes_sent_per_rank == [8 * 1100] * 16
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ranks_of", [Simulator, PerTensorRanks], ids=["engine", "per-tensor"])
+def test_switching_to_dense_flushes_the_residual(kind, ranks_of):
     """Sparse at ratio 0.01 (4 x 20 < 2000), then dense at 0.5: what was kept is sent then."""
     compressor = kind(0.01)
-    sim = Simulator(4, compressor)
+    sim = ranks_of(4, compressor)
     first, second = grads(4, 2000, 0), grads(4, 2000, 1)
     sparse_out = sim.step(first)["w"]
     kept = [r.copy() for r in sim.residuals("w")]
@@ -69,7 +91,7 @@ def test_switch_can_be_turned_off_and_needs_several_ranks():
 def test_fused_bucket_switching_to_dense_and_back_equals_the_simulator(kind, framework):
     """The same switch on thread ranks through the fused bucket path (numpy arrays, torch tensors): sparse at 0.01,
     dense at 0.5 (the residual flushed into the dense sum, once), sparse again: every rank's results
-    and residuals (none, or zeros, while dense) are the Simulator's bit for bit (RegTop-k's posterior
+    and residuals (none, or zeros, while dense) are the per-tensor spec's bit for bit (RegTop-k's posterior
     survives the dense step on both)."""
     ranks = 4
     ratios = [0.01, 0.5, 0.01]
@@ -89,7 +111,7 @@ def test_fused_bucket_switching_to_dense_and_back_equals_the_simulator(kind, fra
         return out
 
     results = run_ranks(ranks, work)
-    sim = Simulator(ranks, kind(0.01, dense_below=0))
+    sim = PerTensorRanks(ranks, kind(0.01, dense_below=0))
     for step, ratio in enumerate(ratios):
         for c in sim.compressors:
             c.ratio = ratio

@@ -1,13 +1,13 @@
 """Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors, numpy
-arrays and TensorFlow tensors) against the per-tensor compressors (the Simulator).
+arrays and TensorFlow tensors) against the per-tensor compressors (:class:`tests.oracle.PerTensorRanks`).
 
 Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
 holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
 one sent dense because ``N k >= d``; the results, residuals and velocities must be
-the :class:`~hvd_compress.simulator.Simulator`'s (per tensor) bit for bit, on numpy, on
+the per-tensor spec's bit for bit, on numpy, on
 torch the CPU's way and the accelerator's, and on TensorFlow's kernels (what a GPU runs). The dense tensors' averages differ only where a
-half-precision wire rounds the sum (the Simulator sums in float32). Also: a NaN step
-leaves every residual and velocity as before (the other tensors step as the Simulator's),
+half-precision wire rounds the sum (the per-tensor decode sums in float32). Also: a NaN step
+leaves every residual and velocity as before (the other tensors step as the per-tensor spec's),
 a change of density moves the velocities between the dense and compressed parts,
 a checkpoint mid-training resumes exactly, ``Auto`` sending a bucket dense sends the
 velocities, and a steady step reads nothing back to the host.
@@ -28,7 +28,7 @@ from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E4
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
 from hvd_compress.comm.threads import run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
-from hvd_compress.simulator import Simulator  # noqa: E402
+from tests.oracle import PerTensorRanks  # noqa: E402
 from tests.comm.test_fused import way_of  # noqa: E402
 
 RANKS = 3
@@ -117,8 +117,8 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
         pytest.skip("numpy has no bfloat16")
     with way_of(way):
         results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), dtype, steps, way=way))
-        sim, expected, states = Simulator(RANKS, COMPRESSORS[kind]()), [], []
-        for step in range(steps):  # TensorFlow's tensors: the Simulator on TensorFlow's kernels too
+        sim, expected, states = PerTensorRanks(RANKS, COMPRESSORS[kind]()), [], []
+        for step in range(steps):  # TensorFlow's tensors: the spec on TensorFlow's kernels too
             per_rank = [{n: in_form(g, way) for n, g in gradients(r, step, dtype).items()} for r in range(RANKS)]
             expected.append(sim.step({n: [g[n] for g in per_rank] for n in SHAPES}))
             states.append([{n: tuple(None if x is None else as_torch(x) for x in pair)
@@ -129,7 +129,7 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
             for name in SHAPES:
                 want = as_torch(expected[step][name])
                 assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
-                # a half-precision wire rounds the dense sum before the division; the Simulator does not
+                # a half-precision wire rounds the dense sum before the division; the per-tensor spec does not
                 tolerance = torch.finfo(dtype).eps * float(want.double().abs().max()) if half and name in DENSE else 0
                 np.testing.assert_allclose(got[name].double().numpy(), want.double().numpy(), rtol=0, atol=tolerance,
                                            err_msg=f"{kind} {dtype} step {step} {name}")
@@ -141,13 +141,13 @@ def test_fused_bucket_equals_simulator(kind, dtype, way):
 def test_nan_step_keeps_residuals_and_velocities_and_the_others_step(kind, way):
     """NaN on rank 1 at step 1 in a compressed tensor and in a dense one: those results are NaN on
     every rank; every rank's residual and velocity of them are as before the step; the bucket's
-    other tensors give the Simulator's results and state (of gradients without NaN) at every step."""
+    other tensors give the per-tensor spec's results and state (of gradients without NaN) at every step."""
     nan = {(1, 1): ("a", "three")}
     with way_of(way):
         fused = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, 3, nan,
                                                              way=way))
     clean = [n for n in SHAPES if n not in nan[(1, 1)]]
-    sim = Simulator(RANKS, COMPRESSORS[kind]())
+    sim = PerTensorRanks(RANKS, COMPRESSORS[kind]())
     for step in range(3):
         expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in clean})
         for rank, mine in enumerate(fused):
@@ -167,12 +167,12 @@ def test_nan_step_keeps_residuals_and_velocities_and_the_others_step(kind, way):
 @pytest.mark.parametrize("way", ["host", "numpy", "tensorflow"])
 def test_density_change_moves_velocities_between_dense_and_compressed(way):
     """A warm-up's last steps: at 40% every tensor is sent dense (N k >= d), then 5%: the velocities move
-    from the bucket's dense part to its compressed part (and back), as the Simulator's per-tensor state."""
+    from the bucket's dense part to its compressed part (and back), as the per-tensor spec's state."""
     ratios = {0: 0.4, 2: 0.05, 3: 0.4, 4: 0.05}
     make = COMPRESSORS["topk"]
     with way_of(way):
         results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios, way=way))
-    sim = Simulator(RANKS, make())
+    sim = PerTensorRanks(RANKS, make())
     for step in range(6):
         for c in sim.compressors:
             c.ratio = ratios.get(step, c.ratio)

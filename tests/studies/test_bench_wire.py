@@ -39,21 +39,22 @@ def _one_tensor(n_ranks, numel=2000):
 
 
 @pytest.mark.parametrize(
-    "n_ranks, payload, traffic, collective",
+    "n_ranks, payload, traffic, collectives",
     [
         # 2000 codes, N=2: 3-bit fields, 10 per int32 -> 800 B packed; 2-bit codes 500 B;
-        # N * 500 < 2 * 800, so allgather: (N-1) * 500 + allreduce-Max of the 4-byte scale 2(N-1)/N * 4
-        (2, 500 + 4, 1 * 500 + 2 * 1 / 2 * 4, "ternary allgather"),
+        # N * 500 < 2 * 800, so allgather: (N-1) * 500, and the allreduce-Max of the 4-byte scale and
+        # the 4-byte non-finite flag 2(N-1)/N * 8
+        (2, 500 + 8, 1 * 500 + 2 * 1 / 2 * 8, {"allgather": 1, "allreduce": 1}),
         # N=4: 4-bit fields, 8 per int32 -> 1000 B packed; N * 500 == 2 * 1000, so allreduce:
-        # 2(N-1)/N * 1000 + 2(N-1)/N * 4
-        (4, 1000 + 4, 2 * 3 / 4 * 1000 + 2 * 3 / 4 * 4, "ternary allreduce"),
+        # 2(N-1)/N * 1000 + 2(N-1)/N * 8
+        (4, 1000 + 8, 2 * 3 / 4 * 1000 + 2 * 3 / 4 * 8, {"allreduce": 2}),
     ],
 )
-def test_terngrad_traffic_by_hand(n_ranks, payload, traffic, collective):
+def test_terngrad_traffic_by_hand(n_ranks, payload, traffic, collectives):
     row = wire.measure("terngrad", _one_tensor(n_ranks), n_ranks, ratio=0.01, dense_below=1024)
     assert row["payload_bytes"] == payload
     assert row["traffic_bytes"] == pytest.approx(traffic)
-    assert row["collectives"] == {collective: 1}
+    assert row["collectives"] == collectives
     assert row["dense_payload_bytes"] == 4 * 2000
     assert row["dense_traffic_bytes"] == pytest.approx(2 * (n_ranks - 1) / n_ranks * 8000)
 
@@ -62,11 +63,12 @@ def test_topk_and_fallback_traffic_by_hand():
     grads = _one_tensor(4)
     grads["bias"] = [np.ones(10, dtype=np.float32)] * 4  # below dense_below: dense allreduce
     row = wire.measure("topk", grads, 4, ratio=0.01, dense_below=1024)
-    # k = 20 of 2000: 20 fp32 values + 20 int32 indices, allgathered; 40 B bias allreduced
-    assert row["payload_bytes"] == 160 + 40
-    assert row["traffic_bytes"] == pytest.approx(3 * 160 + 1.5 * 40)
-    assert row["compressed_traffic_vs_dense"] == pytest.approx(3 * 160 / (1.5 * 8000))
-    assert row["collectives"] == {"sparse allgather": 1, "dense allreduce": 1}
+    # k = 20 of 2000: 20 fp32 values and the tensor's flag, and their 21 int32 positions, in two
+    # allgathers (168 B); the 40 B bias allreduced
+    assert row["payload_bytes"] == 168 + 40
+    assert row["traffic_bytes"] == pytest.approx(3 * 168 + 1.5 * 40)
+    assert row["compressed_traffic_vs_dense"] == pytest.approx(3 * 168 / (1.5 * 8000))
+    assert row["collectives"] == {"allgather": 2, "allreduce": 1}
 
 
 def _check(path, ranks):

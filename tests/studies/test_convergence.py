@@ -38,7 +38,8 @@ def test_fashion_mnist_cli(tmp_path, capsys):
         assert r["final_accuracy"]["min"] == min(finals) and r["curve_min"][-1] == min(finals)
     for model in ("mlp",):
         dense, topk, warm = rows[(model, "dense")], rows[(model, "top-k 1%")], rows[(model, "top-k 1% +warm-up")]
-        assert "gap_points" not in dense and dense["bytes_vs_dense"] == 1
+        assert "gap_points" not in dense  # dense fp32, and the layout check's header (two int64) at the first of 4 steps
+        assert dense["bytes_per_step"] == dense["dense_bytes_per_step"] + 16 / 4
         assert topk["gap_points"] == pytest.approx(
             100 * (topk["final_accuracy"]["mean"] - dense["final_accuracy"]["mean"]))
         assert topk["bytes_vs_dense"] < 0.05 < warm["bytes_vs_dense"]  # the warm-up starts at 25%

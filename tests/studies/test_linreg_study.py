@@ -71,7 +71,9 @@ def test_revert_undoes_a_jump():
 
 
 class _Jump(NoneCompressor):
-    """Sends the gradient, times 1000 from the third step on."""
+    """Sends the gradient, times 1000 from the third step on (its own per-tensor ``_encode``, no bucket codec)."""
+
+    fused = False
 
     def _encode(self, flat, name, shape, ops, **options):
         self.calls = getattr(self, "calls", 0) + 1
