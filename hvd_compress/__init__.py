@@ -19,7 +19,7 @@ Every compressor has a communication-free ``encode(tensor, name) -> payload`` an
 ``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
 :mod:`hvd_compress.kernels.reference` is the specification every framework
 kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
-in one process.
+in one process on the routes' bucket engine.
 """
 
 from hvd_compress.compressors import (

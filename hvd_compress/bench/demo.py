@@ -2,9 +2,9 @@
 
 A two-layer perceptron (64 -> 256 -> 10, numpy only) learns scikit-learn's
 8x8 handwritten digits. Each rank takes its own shard of every
-batch; gradients travel through :class:`~hvd_compress.simulator.Simulator`, so
-the loss, accuracy and bytes on the wire of every compressor can be compared
-with dense SGD on the same data.
+batch; gradients travel through :class:`~hvd_compress.simulator.Simulator` (the
+routes' bucket engine), so the loss, accuracy and bytes a route hands to the
+collectives of every compressor can be compared with dense SGD on the same data.
 """
 
 from __future__ import annotations

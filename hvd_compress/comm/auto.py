@@ -397,7 +397,7 @@ class Auto(InnerState):
             return COMPRESSED
         return self.alternative_choice
 
-    # Simulator and per-tensor use: the inner compressor's encode and decode
+    # per-tensor use: the inner compressor's encode and decode
     def encode(self, tensor: Any, name: str, **options: Any) -> Any:
         return self.inner.encode(tensor, name, **options)
 

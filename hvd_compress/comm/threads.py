@@ -12,8 +12,8 @@ breaks the barrier after ``timeout`` seconds on every rank.
 
     results = run_ranks(4, lambda comm: train(comm))   # one thread per rank
 
-:class:`~hvd_compress.simulator.Simulator` is the lockstep counterpart for
-compressors alone (no threads, one call per step).
+:class:`~hvd_compress.simulator.Simulator` is the lockstep counterpart
+(:mod:`~hvd_compress.comm.lockstep`: the same engine, no threads, one call per step).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The compressor interface shared by every algorithm.
 
 A compressor turns one rank's gradient into a payload (``encode``) and a list of
-all ranks' payloads into the dense aggregate (``decode``). Neither call
-communicates: the communicators in :mod:`hvd_compress.comm` (and the
-:class:`~hvd_compress.simulator.Simulator`) move the payloads.
+all ranks' payloads into the dense aggregate (``decode``): the algorithm's definition,
+one tensor at a time. Neither call communicates; the exchanges in :mod:`hvd_compress.comm`
+(and the :class:`~hvd_compress.simulator.Simulator`) run the compressor's bucket codec
+instead, which gives the same results.
 """
 
 from __future__ import annotations
@@ -283,7 +284,8 @@ class Compressor:
 
     def encode_options(self, compressors: Sequence["Compressor"],
                        grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
-        """For the Simulator: ``{name: options}`` of every rank's ``encode`` that a real exchange
+        """For ranks stepped tensor by tensor (the Simulator's compressors without a bucket codec, the
+        tests' per-tensor spec): ``{name: options}`` of every rank's ``encode`` that a real exchange
         learns from the other ranks first (TernGrad's shared scale); ``compressors`` and ``grads``
         hold every rank's. Default: nothing."""
         return {}

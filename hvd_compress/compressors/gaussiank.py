@@ -15,8 +15,8 @@ the correction, the rest stays in the residual, and no evaluation needs more tha
 a count. (Up to this release the cut kept the set's ``k`` largest entries, a top-k
 of the row that an accelerator had to run for every tensor at every step.)
 
-The per-tensor compressor (the Simulator) sends ``S`` variable-size. The exchange's fused
-bucket sends ``floor(4k/3)`` slots per tensor, the most
+The per-tensor compressor (``encode``) sends ``S`` variable-size. The exchange's fused
+bucket (every route, the Simulator) sends ``floor(4k/3)`` slots per tensor, the most
 the correction can select, unused ones padded: no count travels and nothing is
 read back, at up to a third more (value, index) bytes than Top-k (the wire
 statistics count the slots). On an accelerator it counts the six thresholds a

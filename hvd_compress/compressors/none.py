@@ -21,7 +21,7 @@ class FP16(Compressor):
     """Casts to float16 for the wire and back after the sum (2 bytes per entry).
 
     Values that float16 cannot hold (they would round to Inf, beyond about 65520) are
-    an error of ``encode`` (the Simulator) rather than a silent Inf; the exchanges let them
+    an error of ``encode`` rather than a silent Inf; the exchanges (and the Simulator) let them
     reach the sum as Inf on every rank, as a float16 allreduce does, so that loss scaling
     sees them.
     """

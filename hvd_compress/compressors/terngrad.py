@@ -73,7 +73,7 @@ class TernGrad(Compressor):
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
     def encode_options(self, compressors: List["TernGrad"], grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
-        """Scalar sharing in the Simulator: the allreduce-Max of every rank's vector of layer scales."""
+        """Scalar sharing tensor by tensor: the allreduce-Max of every rank's vector of layer scales."""
         if not self.scalar_sharing:
             return {}
         local = [
