@@ -25,6 +25,12 @@ def numpy_draws(K, monkeypatch):
         lambda rng, like: K.ops.cast(K.tensor(rng.random(like.shape[0], dtype=np.float32)), like.dtype),
     )
 
+    def uniform_into(rng, out):  # the engine's draws (TernGrad's bucket codec), into ``out`` where it is mutable
+        drawn = K.tensor(rng.random(out.shape[0], dtype=np.float32))
+        return out.copy_(drawn) if hasattr(out, "copy_") else drawn
+
+    monkeypatch.setattr(K.ops, "uniform_into", uniform_into)
+
 
 @pytest.fixture(autouse=True)
 def framework_kernels(request, monkeypatch):
