@@ -36,8 +36,10 @@ from hvd_compress.wire import array_nbytes
 def runs_engine(compressor: Compressor) -> bool:
     """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): a sparsifier with
     an index set shared by the ranks (``indices='leader'`` or ``'aggregate'``), which only the
-    engine's rounds of collectives can agree on."""
-    return bool(getattr(getattr(compressor, "inner", compressor), "shared", False))
+    engine's rounds of collectives can agree on, or with thresholds kept between exact selections
+    (``exact_every > 1``)."""
+    inner = getattr(compressor, "inner", compressor)
+    return bool(getattr(inner, "shared", False)) or getattr(inner, "exact_every", 1) > 1
 
 
 class Simulator:

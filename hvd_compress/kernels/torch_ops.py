@@ -30,13 +30,16 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
     any_along,
+    gaussiank_bounds,
     gaussiank_correct,
     gaussiank_slots,
     joined,
     masked,
     normal_tail_quantile,
     num_selected,
+    reuse_bounds,
     sum_along,
+    threshold_choice,
 )
 
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
@@ -59,7 +62,7 @@ _NUMPY_DTYPES = {
 }
 
 
-float16, float32, int16, int64 = torch.float16, torch.float32, torch.int16, torch.int64
+float16, float32, float64, int16, int64 = torch.float16, torch.float32, torch.float64, torch.int16, torch.int64
 
 #: CPU tensors take the host's shortcuts (numpy's selection and buffers, a loop over rows
 #: with host reads, which cost nothing there); :func:`accelerator_path` turns them off.
@@ -312,6 +315,17 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     reference's float64 moments agree within rounding)."""
     std, mean = torch.std_mean(rows, dim=1, correction=0)
     return mean.double().abs_().add_(std.double().mul_(normal_tail_quantile(ratio)))
+
+
+def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
+    """:func:`reference.reused_threshold_select` of one tensor's scores (counts read back: a per-tensor
+    helper; the fused path runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
+    def count(t: float) -> int:
+        return int(torch.count_nonzero(scores > _rounded(t, scores.dtype)))
+
+    chosen, _ = threshold_choice(count, threshold, *reuse_bounds(k))
+    selected = torch.nonzero(scores > _rounded(chosen, scores.dtype)).flatten()[:k]
+    return selected.to(index_dtype(scores.shape[0])), chosen
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:

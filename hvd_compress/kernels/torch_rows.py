@@ -51,36 +51,26 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 Group = Tuple[int, int, int, int, int]
 
 
-class _Choice:
-    """What :func:`reference.gaussiank_correct` ends on: a threshold's index, and whether it was cut."""
-
-    def __init__(self, threshold: float, cut: bool = False) -> None:
-        self.threshold, self.cut = threshold, cut
-        self.code = reference.GAUSSIANK_FACTORS.index(threshold) + len(reference.GAUSSIANK_FACTORS) * cut
-
-    def __getitem__(self, _: slice) -> "_Choice":
-        return _Choice(self.threshold, cut=True)
-
-
 def _outcomes() -> torch.Tensor:
     """The correction's choice for every classification of the candidate thresholds.
 
-    Entry ``sum_i level_i 3^i`` (``level_i``: 0 below ``2k/3``, 1 in range, 2 above ``4k/3``
-    for the threshold ``first * GAUSSIANK_FACTORS[i]``) is ``i + 6 cut``: the threshold
-    :func:`reference.gaussiank_correct` ends on and whether it cuts that set to its first
-    ``k``, found by running it on counts that classify so (above ``4k/3`` falling as the
-    threshold grows, as counts do).
+    Entry ``sum_i level_i 3^i`` (``level_i``: 0 below the rule's lower bound, 1 in range, 2 above
+    its upper one for the threshold ``first * GAUSSIANK_FACTORS[i]``) is ``i + 6 cut``: the
+    threshold :func:`reference.threshold_choice` ends on and whether it cuts that set, found by
+    running it on counts that classify so (above the range falling as the threshold grows, as
+    counts do). Gaussian-k and a reused threshold differ only in their bounds.
     """
-    factors, k = reference.GAUSSIANK_FACTORS, 3
+    factors, low, high = reference.GAUSSIANK_FACTORS, 2, 4
     table = []
     for code in range(3 ** len(factors)):
         levels = [code // 3**i % 3 for i in range(len(factors))]
 
         def count(threshold: float, levels: List[int] = levels) -> int:
             i = factors.index(threshold)
-            return (0, k, 2 * k + len(factors) - i)[levels[i]]
+            return (0, low, 2 * high + len(factors) - i)[levels[i]]
 
-        table.append(reference.gaussiank_correct(count, _Choice, 1.0, k).code)
+        chosen, cut = reference.threshold_choice(count, 1.0, low, high)
+        table.append(factors.index(chosen) + len(factors) * cut)
     return torch.tensor(table, dtype=torch.int64)
 
 
@@ -140,7 +130,7 @@ class Rows:
         self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
         self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
-        self._gaussiank: Optional[Tuple[torch.Tensor, ...]] = None
+        self._tables: Dict[Any, Tuple[torch.Tensor, ...]] = {}
 
     def marks(self, size: int) -> torch.Tensor:
         """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
@@ -244,7 +234,29 @@ class Rows:
         first, mean = self.thresholds(a, ratio)
         if ops.on_host(a) if host is None else host:
             return self._gaussiank_host(magnitude, first), mean
-        factors, outcomes, pow3, bounds, next_rank, counts = self._gaussiank_tables()
+        return self.by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
+
+    # ---------------------------------------------------------- reused thresholds
+    def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
+        work order): ``(positions, the thresholds to keep)``, each row's selection in index order in
+        its first slots, the others ``spare``; a counting pass and a marking pass per size group."""
+        return self.by_threshold(scores, kept, reference.reuse_bounds)
+
+    def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""
+        chosen = scores.index_select(0, positions)
+        parts = [chosen[lo:hi].view(-1, k).amin(dim=1) for (_, _, _, k, _), (lo, hi) in zip(self.groups, self.slot_ranges)]
+        return torch.cat(parts).to(torch.float64)
+
+    def by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor,
+                     bounds_of: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` each row's ``first``
+        threshold (float64) corrected toward a count in ``bounds_of(k)``
+        (:func:`reference.threshold_choice`): ``(positions, thr)``. All six thresholds a row can meet
+        are counted in one pass per group, the rule is applied to the counts, and one pass marks what
+        the chosen threshold selects (cut to ``k`` where the rule cuts)."""
+        factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
         if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
@@ -253,7 +265,7 @@ class Rows:
             limits = ops.cast(first[:, None] * factors, magnitude.dtype)
         for _, view, _, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
             torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
-        levels = torch.searchsorted(bounds, counts, right=True)  # 0 below 2k/3, 1 in range, 2 above 4k/3
+        levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
         limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
         marks = self.marks(1 + self.end)
@@ -261,19 +273,21 @@ class Rows:
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         counted = torch.cumsum(marks, 0, dtype=self.scan)
         found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
-        return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare), mean
+        positions = torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare)
+        return positions, first * factors.index_select(0, outcome.view(-1))
 
-    def _gaussiank_tables(self) -> Tuple[torch.Tensor, ...]:
-        """Built once: the factors (twice), the outcome table, powers of 3 (then zeros), each row's integer
-        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer:
-        six counts per row, then ``k`` six times (the room of a cut set)."""
-        if self._gaussiank is None:
+    def _threshold_tables(self, bounds_of: Any) -> Tuple[torch.Tensor, ...]:
+        """Built once per rule: the factors (twice), the outcome table, powers of 3 (then zeros), each
+        row's integer bounds ``[low, high + 1]`` (``bounds_of(k)``), each slot's rank + 1, and the counts'
+        buffer: six counts per row, then ``k`` six times (the room of a cut set)."""
+        tables = self._tables.get(bounds_of)
+        if tables is None:
             nodes = len(reference.GAUSSIANK_FACTORS)
-            bounds = [[math.ceil(reference.GAUSSIANK_LOW * k), math.floor(reference.GAUSSIANK_HIGH * k) + 1]
-                      for start, count, n, k, width in self.groups for _ in range(count)]
+            bounds = [[low, high + 1] for start, count, n, k, width in self.groups for _ in range(count)
+                      for low, high in [bounds_of(k)]]
             counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
             counts[:, nodes:] = self.k[:, None]
-            self._gaussiank = (
+            tables = self._tables[bounds_of] = (
                 torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
                 _OUTCOMES.to(self.device),
                 torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
@@ -281,7 +295,7 @@ class Rows:
                 self.slot_rank + 1,
                 counts,
             )
-        return self._gaussiank
+        return tables
 
     def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)
