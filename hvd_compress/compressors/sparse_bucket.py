@@ -82,8 +82,8 @@ class SparseBucketCodec:
         received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
         total, bad = self._decode(bucket, received, sent)
         if kept is not None:  # a non-finite tensor keeps its threshold (the first exact one: the new)
-            self.thresholds = kept if self.thresholds is None else bucket.ops.where(
-                bad[: self.rows.count], self.thresholds, kept)
+            self.thresholds = kept if self.thresholds is None else bucket.ops.copy_into(
+                self.thresholds, bucket.ops.where(bad[: self.rows.count], self.thresholds, kept))
         return total, bad
 
     def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any, Any]:
@@ -153,8 +153,16 @@ class SparseBucketCodec:
         bad = ops.isnan(ops.sum_along(flags, 0))  # NaN where any rank was non-finite
         posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
         if posterior is not None:
-            bucket.posterior = posterior
+            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
         return total, bad
+
+
+def kept_in_place(ops: Any, old: Any, new: Tuple[Array, ...]) -> Tuple[Array, ...]:
+    """State arrays ``new`` written into the buffers ``old`` holds where their shapes agree (what a captured
+    CUDA graph reads stays where it was), else ``new`` itself."""
+    if old is None or [o.shape for o in old] != [n.shape for n in new]:
+        return new
+    return tuple(ops.copy_into(o, n) for o, n in zip(old, new))
 
 
 def added_order(bucket: Any) -> List[Tuple[int, Tuple[str, tuple]]]:

@@ -744,18 +744,19 @@ def masked(a: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def keep_rows(groups, bad: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new`` with each row of ``groups`` flagged in ``bad`` (one flag per row) taken from ``old``, in place."""
+    """``old`` updated in place to ``new``, but each row of ``groups`` flagged in ``bad`` (one flag per row)
+    left as it was: state keeps its buffer across steps (what a captured CUDA graph reads)."""
     for grp in groups:
-        where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        np.copyto(grp.view(old), grp.view(new), where=~grp.column(bad))
+    return old
 
 
 def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new``, but each row of ``groups`` where ``total`` holds NaN/Inf taken from ``old``, in place."""
+    """``old`` updated in place to ``new``, but each row of ``groups`` where ``total`` holds NaN/Inf left."""
     for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = isnan(multiply(grp.view(total), 0).sum(1))[:, None]
-        where(bad, grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        np.copyto(grp.view(old), grp.view(new), where=~bad)
+    return old
 
 
 def scale_rows(groups, values: np.ndarray, scale: np.ndarray, dtype, numel: int) -> np.ndarray:

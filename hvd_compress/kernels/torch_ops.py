@@ -660,15 +660,15 @@ def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     for grp in groups:
-        torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(old))
+    return old
 
 
 def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = torch.isnan(torch.mul(grp.view(total), 0).sum(1))[:, None]
-        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(old))
+    return old
 
 
 def scale_rows(groups, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
