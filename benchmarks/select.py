@@ -20,10 +20,10 @@ tailed; ``r`` a smaller draw of the same law), median of ``repeats`` after a few
   every call starts from the same state;
 * ``gaussiank``: the same for Gaussian-k (moments, the counts of its thresholds, one marking
   pass, compaction into ``floor(4k/3)`` slots);
-* ``topk-reuse``: the same for Top-k at a step between exact selections (``exact_every > 1``): the
-  counts of the kept threshold's six multiples, one marking pass, compaction into ``k`` slots, and
-  each row's largest score (the non-finite flag); a run with ``exact_every=T`` pays ``topk`` once
-  in ``T`` steps and this row in the others.
+* ``topk-reuse``: the same for Top-k at a step between exact selections (``exact_every > 1``): one
+  marking pass against the kept threshold, the cumulative count (each row's count, the next
+  threshold), compaction into ``k`` slots, and each row's largest score (the non-finite flag); a
+  run with ``exact_every=T`` pays ``topk`` once in ``T`` steps and this row in the others.
 
 ``vs_copy`` and ``vs_topk`` are each row's time over the ``copy`` and ``torch.topk`` rows of the
 same size and density. Timing: CUDA events around each call on a GPU (the host launches,
@@ -121,7 +121,7 @@ ROWS: Dict[str, Tuple[str, Callable[[Case], Callable[[], Any]]]] = {
     "gaussiank": ("launch of a one-tensor bucket, Gaussian-k: copy, a = g + r, moments, counts, marks, "
                   "values, residual", engine("gaussiank")),
     "topk-reuse": ("launch of a one-tensor bucket, Top-k between exact selections (exact_every > 1): copy, "
-                   "a = g + r, counts of the kept threshold's multiples, marks, values, residual",
+                   "a = g + r, one mark against the kept threshold, the cumulative count, values, residual",
                    engine("topk", exact_every=REUSE_FOREVER)),
 }
 BASELINES = ("copy", "torch.topk")
