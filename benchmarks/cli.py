@@ -10,6 +10,7 @@ python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
                                  [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
+                                 [--exact-every 1,32]
                                  [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
                                  [--train-size N] [--test-size N] [--quick] [--out results] [--name STEM]
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
@@ -156,6 +157,7 @@ def _convergence(args: argparse.Namespace) -> int:
         ratios=args.ratios,
         variants=args.variants,
         indices=args.indices,
+        exact_every=args.exact_every,
         seeds=args.seeds,
         target_gap=args.target_gap,
         out=args.out,
@@ -256,6 +258,9 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--indices", type=_names, default=["gather"],
                    help="sparsifier index modes, of gather,leader,aggregate (default gather: each rank its own, "
                         "allgathered; leader, aggregate: one set shared by every rank, allreduced)")
+    p.add_argument("--exact-every", type=_ints, default=[1],
+                   help="steps between exact selections of Top-k and RegTop-k, e.g. 1,32 (default 1: every step; "
+                        "above 1 the steps between reuse each tensor's threshold)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")

@@ -141,6 +141,8 @@ class Run:
     variant: str = "plain"
     #: a sparsifier's index mode (``indices=``): ``gather``, ``leader``, ``aggregate``
     indices: str = "gather"
+    #: steps between exact selections (``exact_every=``; 1: every step exact)
+    exact_every: int = 1
 
     @property
     def momentum_correction(self) -> bool:
@@ -154,7 +156,8 @@ class Run:
     def label(self) -> str:
         """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``terngrad``."""
         label = cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
-        return label + (f" [{self.indices}]" if self.indices != "gather" else "")
+        label += f" [{self.indices}]" if self.indices != "gather" else ""
+        return label + (f" [exact every {self.exact_every}]" if self.exact_every > 1 else "")
 
     def compressor(self, momentum: float) -> Any:
         """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
@@ -163,15 +166,18 @@ class Run:
         if not self.ratio:
             return Compression.by_name(self.name)
         return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0,
-                                   indices=self.indices)
+                                   indices=self.indices, **({"exact_every": self.exact_every}
+                                                            if self.exact_every > 1 else {}))
 
 
 def plan(
     models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
     variants: Sequence[str] = DEFAULT_VARIANTS, indices: Sequence[str] = ("gather",),
+    exact_every: Sequence[int] = (1,),
 ) -> List[Run]:
     """Every run, model by model: dense, the sparsifiers per density (each variant, then each index mode,
-    in the order given), TernGrad."""
+    then each spacing of exact selections, in the order given; a spacing applies to Top-k and RegTop-k
+    with indices 'gather'), TernGrad."""
     unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
     unknown += [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -183,8 +189,10 @@ def plan(
     for model in dict.fromkeys(models):
         runs += [Run(model, "none")] if "none" in compressors else []
         for ratio in dict.fromkeys(float(r) for r in ratios):
-            runs += [Run(model, n, ratio, v, mode) for n in cnn.SPARSE if n in compressors
-                     for v in dict.fromkeys(variants) for mode in dict.fromkeys(indices)]
+            runs += [Run(model, n, ratio, v, mode, every) for n in cnn.SPARSE if n in compressors
+                     for v in dict.fromkeys(variants) for mode in dict.fromkeys(indices)
+                     for every in dict.fromkeys(exact_every)
+                     if every == 1 or (n != "gaussiank" and mode == "gather")]
         runs += [Run(model, name) for name in ("terngrad", "terngrad-ef") if name in compressors]
     return runs
 
@@ -342,6 +350,7 @@ def study(
     ratios: Sequence[float] = DEFAULT_RATIOS,
     variants: Sequence[str] = DEFAULT_VARIANTS,
     indices: Sequence[str] = ("gather",),
+    exact_every: Sequence[int] = (1,),
     seeds: Sequence[int] = (0, 1, 2),
     target_gap: float = 0.5,
     out: Optional[str] = None,
@@ -353,7 +362,7 @@ def study(
     """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
     (default :func:`file_stem`) to ``out`` when given, print the table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs = plan(models, compressors, ratios, variants, indices)
+    runs = plan(models, compressors, ratios, variants, indices, exact_every)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -366,6 +375,7 @@ def study(
             **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
             "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
             "indices": list(dict.fromkeys(indices)),
+            "exact_every": list(dict.fromkeys(exact_every)),
             "data": data.describe(), "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
             "optimizer": f"SGD, lr {setup.lr} ({setup.lr_schedule}), with momentum {setup.momentum} on the averaged gradient; "
                          f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "

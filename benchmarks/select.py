@@ -19,7 +19,11 @@ tailed; ``r`` a smaller draw of the same law), median of ``repeats`` after a few
   residual is the one a first, untimed step left; timed launches are never finished, so
   every call starts from the same state;
 * ``gaussiank``: the same for Gaussian-k (moments, the counts of its thresholds, one marking
-  pass, compaction into ``floor(4k/3)`` slots).
+  pass, compaction into ``floor(4k/3)`` slots);
+* ``topk-reuse``: the same for Top-k at a step between exact selections (``exact_every > 1``): one
+  marking pass against the kept threshold, the cumulative count (each row's count, the next
+  threshold), compaction into ``k`` slots, and each row's largest score (the non-finite flag); a
+  run with ``exact_every=T`` pays ``topk`` once in ``T`` steps and this row in the others.
 
 ``vs_copy`` and ``vs_topk`` are each row's time over the ``copy`` and ``torch.topk`` rows of the
 same size and density. Timing: CUDA events around each call on a GPU (the host launches,
@@ -55,6 +59,9 @@ WARMUP_CALLS = 3
 CODE_PATHS = ("route", "accelerator")
 #: The residual's scale relative to the gradient (a residual holds what earlier steps left).
 RESIDUAL_SCALE = 0.3
+#: ``exact_every`` of the ``topk-reuse`` row: after the first (finished, exact) step every timed launch
+#: selects by the kept threshold; a run with ``exact_every=T`` pays the ``topk`` row once in T steps.
+REUSE_FOREVER = 2**62
 
 
 class Case:
@@ -81,15 +88,16 @@ def torch_topk(case: Case) -> Callable[[], Any]:
     return lambda: torch.topk(torch.add(case.g, case.r).abs_(), case.k, sorted=False)
 
 
-def engine(name: str) -> Callable[[Case], Callable[[], Any]]:
-    """The drop-in's exchange of one bucket holding the gradient, compressor ``name`` (module docstring)."""
+def engine(name: str, **options: Any) -> Callable[[Case], Callable[[], Any]]:
+    """The drop-in's exchange of one bucket holding the gradient, compressor ``name`` with ``options``
+    (module docstring)."""
     def row(case: Case) -> Callable[[], Any]:
         from hvd_compress.comm.communicator import SingleProcessCommunicator
         from hvd_compress.comm.exchange import open_exchange
         from hvd_compress.compressors import Compression
         from hvd_compress.compressors.state import CompressorState
 
-        compressor = Compression.by_name(name, case.ratio, dense_below=0)
+        compressor = Compression.by_name(name, case.ratio, dense_below=0, **options)
         comm, run = SingleProcessCommunicator(), CompressorState()
 
         def launch(g: Any) -> Any:
@@ -112,6 +120,9 @@ ROWS: Dict[str, Tuple[str, Callable[[Case], Callable[[], Any]]]] = {
              engine("topk")),
     "gaussiank": ("launch of a one-tensor bucket, Gaussian-k: copy, a = g + r, moments, counts, marks, "
                   "values, residual", engine("gaussiank")),
+    "topk-reuse": ("launch of a one-tensor bucket, Top-k between exact selections (exact_every > 1): copy, "
+                   "a = g + r, one mark against the kept threshold, the cumulative count, values, residual",
+                   engine("topk", exact_every=REUSE_FOREVER)),
 }
 BASELINES = ("copy", "torch.topk")
 

@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script: make `hvd_compress` importable
 
 import numpy as np  # noqa: E402
 
-from hvd_compress.mpi.async_sgd import async_sgd  # noqa: E402
+from examples.parameter_server import async_sgd  # noqa: E402
 
 
 class HeavyTailedLeastSquares:

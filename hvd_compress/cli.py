@@ -172,7 +172,8 @@ def _add_trace(benchmarks: Any) -> None:
         type=_names(trace_step.COMPRESSORS + trace_step.SHARED),
         default=list(trace_step.COMPRESSORS),
         help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)}; also <sparsifier>-leader, "
-        "<sparsifier>-aggregate: with that shared index set)",
+        "<sparsifier>-aggregate: with that shared index set; topk-reuse, regtopk-reuse: a step between exact "
+        "selections, exact_every > 1)",
     )
     _add_ratio(trace)
     trace.add_argument(

@@ -40,7 +40,8 @@ from hvd_compress.wire import array_nbytes
 
 def runs_engine(compressor: Compressor) -> bool:
     """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): every compressor
-    that brings a bucket codec (``fused``: every built-in one, ``Auto`` and the wrappers around one)."""
+    that brings a bucket codec (``fused``: every built-in one, ``Auto`` and the wrappers around one;
+    shared index sets and reused thresholds exist only there)."""
     return bool(getattr(compressor, "fused", False))
 
 

@@ -146,17 +146,25 @@ class Environment:
         return self.workload.device.type == "cuda"
 
 
+#: ``exact_every`` of ``<sparsifier>-reuse``: no exact selection after the first step
+REUSE_ALWAYS = 2**62
+
+
 def make_compressor(name: str, ratio: float) -> Any:
     """Our compressor ``name`` at density ``ratio``; ``auto-<name>``: :class:`~hvd_compress.Auto` of it;
-    ``<sparsifier>-leader``, ``<sparsifier>-aggregate``: with that shared index set."""
+    ``<sparsifier>-leader``, ``<sparsifier>-aggregate``: with that shared index set; ``<sparsifier>-reuse<T>``:
+    reused thresholds, exact every ``T`` steps (``-reuse`` alone: every step after the first reuses, what a
+    step between exact selections costs)."""
     from hvd_compress.compressors import Compression
 
     if name.startswith(AUTO_PREFIX):
         from hvd_compress import Auto
 
         return Auto(make_compressor(name[len(AUTO_PREFIX):], ratio), warmup=AUTO_STEADY_AFTER - 2, log=False)
-    base, _, indices = name.partition("-")
-    return Compression.by_name(base, ratio, **({"indices": indices} if indices else {}))
+    base, _, option = name.partition("-")
+    if option.startswith("reuse"):
+        return Compression.by_name(base, ratio, exact_every=int(option[len("reuse"):] or REUSE_ALWAYS))
+    return Compression.by_name(base, ratio, **({"indices": option} if option else {}))
 
 
 def sgd(params: Any) -> Any:

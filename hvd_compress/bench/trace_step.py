@@ -39,8 +39,10 @@ from hvd_compress.bench import routes as step_routes
 
 MODELS = ("resnet50", "gpt2", "mlp")
 COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
-#: on request: a sparsifier with a shared index set (``<name>-leader``, ``<name>-aggregate``)
-SHARED = tuple(f"{name}-{mode}" for name in ("topk", "gaussiank", "regtopk") for mode in ("leader", "aggregate"))
+#: on request: a sparsifier with a shared index set (``<name>-leader``, ``<name>-aggregate``), or Top-k and
+#: RegTop-k at a step between exact selections (``<name>-reuse``: ``exact_every`` > 1)
+SHARED = tuple(f"{name}-{mode}" for name in ("topk", "gaussiank", "regtopk") for mode in ("leader", "aggregate")) + (
+    "topk-reuse", "regtopk-reuse")
 LOCAL, PEER = "local", "ddp+handwritten-topk"
 TORCH_ROUTES = step_routes.TORCH_ROUTES
 OUR_ROUTES = step_routes.OUR_ROUTES

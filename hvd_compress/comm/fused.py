@@ -267,15 +267,16 @@ class FusedBucket:
         return ops.to_device(ops.concat(parts), self.like)
 
     def flush(self, memory: Any) -> None:
-        """Write each tensor's state back to the per-name memory (views; no copy of the residual)."""
+        """Write each tensor's state back to the per-name memory (copies: the plan goes on updating its own
+        buffers in place)."""
         ops = self.ops
         for i in self.compressed:
             name, shape, start, n = self.names[i], self.shapes[i], self.offsets[i], self.numels[i]
             memory.track(name, shape)
-            if self.residual is not None:
-                memory.set(name, "residual", ops.reshape(self.residual[start : start + n], shape))
+            if self.residual is not None:  # copies: the plan updates its state in place
+                memory.set(name, "residual", ops.reshape(ops.clone(self.residual[start : start + n]), shape))
             if self.velocity is not None:
-                memory.set(name, "velocity", ops.reshape(self.velocity[start : start + n], shape))
+                memory.set(name, "velocity", ops.reshape(ops.clone(self.velocity[start : start + n]), shape))
             if self.posterior is not None:
                 idx, values = self.posterior
                 mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
@@ -289,7 +290,7 @@ class FusedBucket:
         if self.dense_velocity is not None:
             for i, start in self.dense_offsets.items():
                 memory.track(self.names[i], self.shapes[i])
-                velocity = self.dense_velocity[start : start + self.numels[i]]
+                velocity = ops.clone(self.dense_velocity[start : start + self.numels[i]])
                 memory.set(self.names[i], "velocity", ops.reshape(velocity, self.shapes[i]))
 
     # ------------------------------------------------------------------ encode

@@ -326,8 +326,8 @@ class Compressor:
         self.state.flush_buckets()
         state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
                  "world": self.size, "route": self.route}
-        if getattr(self, "shared", False):  # the leader's turn of a shared index set
-            state["exchanges"] = self.state.exchanged()
+        if getattr(self, "shared", False) or getattr(self, "exact_every", 1) > 1:  # the leader's turn of a
+            state["exchanges"] = self.state.exchanged()  # shared index set, the schedule of exact selections
         state["generators"] = {
             **self.state.saved_generators,
             **{

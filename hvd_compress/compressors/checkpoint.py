@@ -10,7 +10,8 @@ of it is used:
 - the structure (``config``, ``tensors``) and the algorithm it came from;
 - per tensor: the residual's and the momentum-correction velocity's size (any shape
   of the tensor's size: routes keep them flat or in the parameter's shape), a floating
-  dtype and finite values (so are a shared index set's ``index_rate`` and ``index_age``); RegTop-k's
+  dtype and finite values (so are a shared index set's ``index_rate`` and ``index_age``; a reused
+  ``threshold`` is a float, its ``threshold_k`` a count >= 1, one each); RegTop-k's
   ``posterior_indices``/``sent_indices`` integers in ``[0, size)``, its
   ``posterior_values``/``sent_values`` finite floats of the same length;
 - every random stream's state, by setting it on a fresh stream of its framework;
@@ -58,6 +59,8 @@ ARRAYS = {
     "sent_values": ("float", "sent_indices"),
     "index_rate": ("float", None),
     "index_age": ("float", None),
+    "threshold": ("threshold", "threshold_k"),
+    "threshold_k": ("count", "threshold"),
 }
 
 
@@ -206,6 +209,12 @@ def _check_tensor(name: str, entry: Dict[str, Any]) -> None:
         except Exception as error:  # noqa: BLE001  (anything that is not an array)
             raise _broken(f"the {key} of '{name}' is not an array ({type(entry[key]).__name__}: {error})")
         arrays[key] = array
+        if kind == "threshold" and array.dtype.kind != "f":  # any value: NaN where a tensor was non-finite
+            raise _broken(f"the {key} of '{name}' has dtype {array.dtype}, not a floating type")
+        if kind == "count" and (array.dtype.kind not in "iu" or (array.size and array.min() < 1)):
+            raise _broken(f"the {key} of '{name}' is not a count >= 1 ({array.dtype}: {array.tolist()[:4]})")
+        if kind in ("threshold", "count"):
+            continue
         if kind == "index":
             if array.dtype.kind not in "iu":
                 raise _broken(f"the {key} of '{name}' has dtype {array.dtype}, not an integer type")

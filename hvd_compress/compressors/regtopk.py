@@ -41,6 +41,7 @@ class RegTopK(LargestScores, Sparsifier):
         seed: int = 0,
         momentum: float = 0.0,
         indices: str = "gather",
+        exact_every: int = 1,
     ) -> None:
         super().__init__(
             ratio,
@@ -50,6 +51,7 @@ class RegTopK(LargestScores, Sparsifier):
             seed=seed,
             momentum=momentum,
             indices=indices,
+            exact_every=exact_every,
         )
         self.mu = mu
 

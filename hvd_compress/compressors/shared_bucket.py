@@ -40,7 +40,7 @@ from typing import Any, Dict, Generator, List, Tuple
 import numpy as np
 
 from hvd_compress.compressors.rounds import Send
-from hvd_compress.compressors.sparse_bucket import SparseBucketCodec, accumulated
+from hvd_compress.compressors.sparse_bucket import SparseBucketCodec, accumulated, kept_in_place
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
@@ -136,7 +136,7 @@ class SharedIndexCodec(SparseBucketCodec):
             return total, bad
         posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
         if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
-            bucket.posterior = posterior
+            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
         return total, bad
 
     def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:

@@ -33,7 +33,9 @@ from hvd_compress import kernels
 from hvd_compress.kernels import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
 from hvd_compress.wire import DensePayload, SparsePayload
-from hvd_compress.compressors.validation import check_bool, check_count, check_indices, check_momentum, checked
+from hvd_compress.compressors.validation import (
+    check_bool, check_count, check_exact_every, check_indices, check_momentum, checked,
+)
 
 #: Tensors below this many elements go dense by default.
 DENSE_BELOW = 1024
@@ -68,12 +70,25 @@ class Sparsifier(Compressor):
         "DGC's momentum correction: decay m of the velocity u = m u + g that error feedback accumulates, "
         "in [0, 1) (0: off). The optimizer then runs without momentum.",
     )
-    indices = checked(
-        "indices", check_indices,
-        "How the ranks choose what they send: 'gather' (each rank its own k indices, allgathered: (N-1) 8k "
-        "bytes received per rank), 'leader' or 'aggregate' (one index set shared by every rank, its values "
-        "allreduced: 2 (N-1)/N 4k bytes, independent of N; compressors.shared_bucket).",
-    )
+    #: whether ``exact_every > 1`` applies (a selection of the ``k`` largest scores: Top-k, RegTop-k)
+    reuses_thresholds = False
+
+    @property
+    def indices(self) -> str:
+        """How the ranks choose what they send: 'gather' (each rank its own k indices, allgathered: (N-1) 8k
+        bytes received per rank), 'leader' or 'aggregate' (one index set shared by every rank, its values
+        allreduced: 2 (N-1)/N 4k bytes, independent of N; compressors.shared_bucket)."""
+        return self._indices
+
+    @indices.setter
+    def indices(self, value: str) -> None:
+        value = check_indices(value, f"{type(self).__name__} indices")
+        if value != "gather" and self._exact_every > 1:
+            raise ValueError(
+                f"hvd_compress: indices={value!r} shares one index set between the ranks, which exact_every="
+                f"{self._exact_every} (each rank's own reused thresholds) does not use; choose one of them"
+            )
+        self._indices = value
 
     def __init__(
         self,
@@ -84,6 +99,7 @@ class Sparsifier(Compressor):
         seed: int = 0,
         momentum: float = 0.0,
         indices: str = "gather",
+        exact_every: int = 1,
     ) -> None:
         super().__init__(seed=seed)
         self.ratio = ratio
@@ -91,8 +107,38 @@ class Sparsifier(Compressor):
         self.dense_below = dense_below
         self.dense_when_cheaper = dense_when_cheaper
         self.momentum = momentum
+        self._exact_every = 1
         self.indices = indices
+        self.exact_every = exact_every
         self._warned_dense: set = set()
+
+    @property
+    def exact_every(self) -> int:
+        """Steps between exact selections, an int >= 1 (1: every step). Above 1 (Top-k, RegTop-k, with
+        ``indices='gather'``), the steps between select by each tensor's kept threshold in one counting
+        and one marking pass (:func:`~hvd_compress.kernels.reference.reused_threshold_select`): at most
+        ``k`` entries, in ``k`` slots (unused ones padded), no sort."""
+        return self._exact_every
+
+    @exact_every.setter
+    def exact_every(self, value: int) -> None:
+        value = check_exact_every(value, f"{type(self).__name__} exact_every")
+        if value > 1 and not self.reuses_thresholds:
+            raise ValueError(
+                f"hvd_compress: {type(self).__name__} has no exact selection to space out (exact_every={value}): it "
+                "selects by a threshold of its own every step; exact_every applies to TopK and RegTopK"
+            )
+        if value > 1 and self.shared:
+            raise ValueError(
+                f"hvd_compress: exact_every={value} reuses each rank's own thresholds, which an index set shared "
+                f"by the ranks (indices={self.indices!r}) does not use; choose one of them"
+            )
+        self._exact_every = value
+
+    @property
+    def pads_slots(self) -> bool:
+        """Whether a tensor's slots may go unused (then padded): with reused thresholds."""
+        return self.exact_every > 1
 
     @property
     def ratio(self) -> float:
@@ -112,6 +158,7 @@ class Sparsifier(Compressor):
             "dense_when_cheaper": self.dense_when_cheaper,
             **({"momentum": self.momentum} if self.momentum else {}),
             **({"indices": self.indices} if self.shared else {}),
+            **({"exact_every": self.exact_every} if self.exact_every > 1 else {}),
         }
 
     @property
@@ -204,11 +251,13 @@ class Sparsifier(Compressor):
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         numel = flat.shape[0]
-        if self.shared:
+        if self.shared or self.exact_every > 1:
+            what, fix = (("shares one index set between ranks", "cannot agree on it. Use indices='gather'") if self.shared
+                         else ("keeps a threshold per tensor between exact selections", "keeps none. Use exact_every=1"))
             raise ValueError(
-                f"hvd_compress: {self!r} shares one index set between ranks, which takes the bucket engine's "
-                "rounds of collectives (the drop-in optimizers, the DDP hook, stock Horovod, the MPI optimizer, "
-                "thread ranks, the Simulator); a per-tensor encode cannot agree on it. Use indices='gather' here"
+                f"hvd_compress: {self!r} {what}, which takes the bucket engine's rounds of collectives (the drop-in "
+                "optimizers, the DDP hook, stock Horovod, the MPI optimizer, thread ranks, the Simulator); a "
+                f"per-tensor encode {fix} here"
             )
         if self.momentum:
             return self._encode_velocity(flat, name, shape, ops)
@@ -292,7 +341,9 @@ class Sparsifier(Compressor):
 
 class LargestScores:
     """Mixin of a :class:`Sparsifier` whose ``S`` is the ``k`` largest scores (``bucket_scores``):
-    a fused bucket selects every row at once."""
+    a fused bucket selects every row at once, and with ``exact_every > 1`` by reused thresholds between."""
+
+    reuses_thresholds = True
 
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """Every row's ``k`` largest ``scores``, ties to the lower index (``Rows.topk``:

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 from typing import Any, Dict, Generator, List, Tuple
 
+import numpy as np
+
 from hvd_compress.kernels import bucket_rows
+from hvd_compress.compressors.checkpoint import host_array
 from hvd_compress.compressors.rounds import Send
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
@@ -59,6 +62,12 @@ class SparseBucketCodec:
         self.flag_count = sum(g.rows for g in groups) + self.spare
         firsts = [g.start + row * g.n for g in groups for row in range(g.rows)] + [bucket.n_compressed] * self.spare
         self.flag_positions = ops.cast(ops.as_int64(firsts, bucket.like), self.index_dtype)
+        #: steps between exact selections (0: every step exact), and each row's kept threshold
+        #: (float64, work order; ``None``: the next step selects exactly)
+        self.reuse = compressor.exact_every if own and getattr(compressor, "exact_every", 1) > 1 else 0
+        self.thresholds: Any = None
+        #: each compressed tensor's k in this plan (a density change makes another plan)
+        self.k_of = {i: k(bucket.numels[i]) for i in bucket.compressed}
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
@@ -68,19 +77,59 @@ class SparseBucketCodec:
     def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """Encode ``g`` (the compressed part, and a 0 for the spare entry), one round, then the
         decode: ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
-        message, positions, sent = self._encode(bucket, g, step)
+        message, positions, sent, kept = self._encode(bucket, g, step)
         rows = [self.k_total + self.flag_count] * bucket.world
         received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
-        return self._decode(bucket, received, sent)
+        total, bad = self._decode(bucket, received, sent)
+        if kept is not None:  # a non-finite tensor keeps its threshold (the first exact one: the new)
+            self.thresholds = kept if self.thresholds is None else bucket.ops.copy_into(
+                self.thresholds, bucket.ops.where(bad[: self.rows.count], self.thresholds, kept))
+        return total, bad
 
-    def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any]:
+    def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any, Any]:
         comp, ops = self.compressor, bucket.ops
         a = accumulated(bucket, g, step)
         scores = comp.bucket_scores(a, bucket.posterior, ops)
-        idx, probe = comp.bucket_select(a, scores, self.rows, ops)
+        idx, probe, kept = self._select(bucket, a, scores)
         message, values = self.framed(bucket, a, idx, probe, step)
         positions = ops.empty(self.k_total + self.flag_count, self.index_dtype, bucket.like)
-        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values)
+        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values), kept
+
+    def _select(self, bucket: Any, a: Array, scores: Array) -> Tuple[Array, Array, Any]:
+        """``(S, probe, thresholds to keep or None)``: the compressor's selection, or with reused thresholds
+        (``exact_every = T > 1``) the exact one at every T-th step of the run (and when no threshold is
+        kept) and each row's reused threshold between (:meth:`Rows.reused`; the probe: each row's largest
+        score); the host knows which from the run's step count, so nothing is read back."""
+        comp, ops = self.compressor, bucket.ops
+        if not self.reuse:
+            return (*comp.bucket_select(a, scores, self.rows, ops), None)
+        if self.thresholds is None or bucket.exchanges % self.reuse == 0:
+            idx, probe = comp.bucket_select(a, scores, self.rows, ops)
+            return idx, probe, self.rows.kth(scores, idx)
+        idx, kept = self.rows.reused(scores, self.thresholds)
+        return idx, self.rows.largest(scores), kept
+
+    def adopt(self, bucket: Any, memory: Any) -> None:
+        """Reused thresholds from each tensor's memory (``threshold``, kept for ``threshold_k`` slots: a
+        checkpoint's, another plan's of the same ``k``); any missing or made for another ``k``: the next
+        step selects exactly."""
+        if not self.reuse:
+            return
+        parts = []
+        for i in bucket.compressed:
+            threshold, k = memory.peek(bucket.names[i], "threshold"), memory.peek(bucket.names[i], "threshold_k")
+            if threshold is None or k is None or int(np.asarray(host_array(k)).reshape(-1)[0]) != self.k_of[i]:
+                return
+            parts.append(bucket.ops.cast(bucket.ops.reshape(threshold, (-1,)), bucket.ops.float64))
+        self.thresholds = bucket.ops.to_device(bucket.ops.concat(parts), bucket.like) if parts else None
+
+    def flush(self, bucket: Any, memory: Any) -> None:
+        """Each tensor's kept threshold (a copy) and its ``k`` into its memory."""
+        if not self.reuse or self.thresholds is None:
+            return
+        for row, i in enumerate(bucket.compressed):
+            memory.set(bucket.names[i], "threshold", bucket.ops.clone(self.thresholds[row : row + 1]))
+            memory.set(bucket.names[i], "threshold_k", np.array([self.k_of[i]], np.int64))
 
     def framed(self, bucket: Any, a: Array, idx: Array, probe: Array, step: Any) -> Tuple[Array, Array]:
         """``(message, values)``: the message ``a[S] ++ flags ++ 0 for the spare entry`` (the flags ``0 *
@@ -104,8 +153,16 @@ class SparseBucketCodec:
         bad = ops.isnan(ops.sum_along(flags, 0))  # NaN where any rank was non-finite
         posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
         if posterior is not None:
-            bucket.posterior = posterior
+            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
         return total, bad
+
+
+def kept_in_place(ops: Any, old: Any, new: Tuple[Array, ...]) -> Tuple[Array, ...]:
+    """State arrays ``new`` written into the buffers ``old`` holds where their shapes agree (what a captured
+    CUDA graph reads stays where it was), else ``new`` itself."""
+    if old is None or [o.shape for o in old] != [n.shape for n in new]:
+        return new
+    return tuple(ops.copy_into(o, n) for o, n in zip(old, new))
 
 
 def added_order(bucket: Any) -> List[Tuple[int, Tuple[str, tuple]]]:

@@ -201,6 +201,15 @@ def check_indices(value: Any, name: str) -> str:
     return value
 
 
+def check_exact_every(value: Any, name: str) -> int:
+    """``value`` as an int >= 1 (1: an exact selection every step); ``TypeError`` for a non-int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"hvd_compress: {name} must be an int >= 1 (steps between exact selections), got {_got(value)}")
+    if value < 1:
+        raise ValueError(f"hvd_compress: {name} must be an int >= 1 (1: an exact selection every step), got {value!r}")
+    return int(value)
+
+
 def checked(attribute: str, check: Callable[[Any, str], Any], doc: str) -> property:
     """A property stored in ``_<attribute>`` whose every assignment passes through ``check``.
 

@@ -24,7 +24,7 @@ import numpy as np
 from hvd_compress.wire import ternary_field_bits
 
 #: Wire dtype of ``FP16``; dtypes of the fused bucket path's buffers.
-float16, float32, int16, int64 = np.float16, np.float32, np.int16, np.int64
+float16, float32, float64, int16, int64 = np.float16, np.float32, np.float64, np.int16, np.int64
 
 #: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
 #: state of this module's streams can be set on a host stream, which is how checkpoints check it).
@@ -295,22 +295,70 @@ def gaussiank_correct(count: Callable, select: Callable, threshold: float, k: in
     ``f_r`` the product of the steps taken so far (one of
     :data:`GAUSSIANK_FACTORS`, exact), rounded once: every threshold a row can
     meet is known from the first, so an accelerator counts all of them in one
-    pass and applies this rule to the counts.
+    pass and applies this rule to the counts (:func:`threshold_choice`, with the
+    bounds ``[ceil(2k/3), floor(4k/3)]``).
     """
-    superset = None  # the lowest count above 4k/3 seen, and its threshold
-    factor = 1.0
+    chosen, cut = threshold_choice(count, threshold, *gaussiank_bounds(k))
+    selected = select(chosen)
+    return selected[:k] if cut else selected
+
+
+def gaussiank_bounds(k: int) -> Tuple[int, int]:
+    """The counts Gaussian-k accepts for ``k``: ``[ceil(2k/3), floor(4k/3)]`` (integers, so that a
+    count is compared as the reference code compares it with ``2k/3`` and ``4k/3``)."""
+    return math.ceil(GAUSSIANK_LOW * k), math.floor(GAUSSIANK_HIGH * k)
+
+
+def threshold_choice(count: Callable, threshold: float, low: int, high: int) -> Tuple[float, bool]:
+    """Gaussian-k's correction of a first ``threshold`` toward a count in ``[low, high]``:
+    ``(the threshold chosen, whether its set is to be cut to its first entries)``.
+
+    Up to ``GAUSSIANK_ROUNDS`` evaluations of ``count(thr)``; below ``low`` the
+    threshold halves, above ``high`` it grows 1.5x; the first in range is chosen.
+    When none is, the smallest set above ``high`` seen is chosen, to be cut, or,
+    when none overshot, the last threshold evaluated.
+    """
+    superset = None  # the lowest count above high seen, and its threshold
+    factor, last = 1.0, threshold
     for _ in range(GAUSSIANK_ROUNDS):
         current = threshold * factor
         selected = count(current)
-        if selected < GAUSSIANK_LOW * k:
+        if selected < low:
             last, factor = current, factor * GAUSSIANK_SHRINK
-        elif selected > GAUSSIANK_HIGH * k:
+        elif selected > high:
             if superset is None or selected < superset[0]:
                 superset = (selected, current)
             last, factor = current, factor * GAUSSIANK_GROW
         else:
-            return select(current)
-    return select(last) if superset is None else select(superset[1])[:k]
+            return current, False
+    return (last, False) if superset is None else (superset[1], True)
+
+
+# --------------------------------------------------------------------------- #
+# Reused thresholds (Top-k and RegTop-k with ``exact_every > 1``)
+# --------------------------------------------------------------------------- #
+def reuse_bounds(k: int) -> Tuple[int, int]:
+    """The counts that keep a reused threshold as it is, for ``k`` slots: ``[ceil(k/2), k]``."""
+    return (k + 1) // 2, k
+
+
+def reused_threshold_select(scores: np.ndarray, threshold: float, k: int) -> Tuple[np.ndarray, float]:
+    """One row's selection by a kept ``threshold`` into ``k`` slots: ``(indices ascending, the threshold
+    to keep)``, in one pass over the row.
+
+    ``S`` = the first ``k`` indices of ``{j : score_j > thr}`` (all of them when at most
+    ``k``; what is cut stays in the residual). The threshold kept for the next step
+    follows the count ``c`` of that set as Gaussian-k's correction steps do: ``1.5 thr``
+    above ``k``, ``0.5 thr`` below ``ceil(k/2)`` (:func:`reuse_bounds`), else ``thr``;
+    an exact selection (every ``exact_every`` steps) sets it again to the ``k``-th
+    largest score. Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for
+    Distributed Deep Learning", PPoPP 2022, arXiv:2201.07598) likewise selects by a
+    threshold it recomputes exactly only every few steps.
+    """
+    marked = np.flatnonzero(scores > threshold)
+    low, high = reuse_bounds(k)
+    factor = GAUSSIANK_GROW if marked.size > high else GAUSSIANK_SHRINK if marked.size < low else 1.0
+    return marked[:k].astype(index_dtype(scores.shape[0])), threshold * factor
 
 
 # --------------------------------------------------------------------------- #
@@ -696,18 +744,19 @@ def masked(a: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def keep_rows(groups, bad: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new`` with each row of ``groups`` flagged in ``bad`` (one flag per row) taken from ``old``, in place."""
+    """``old`` updated in place to ``new``, but each row of ``groups`` flagged in ``bad`` (one flag per row)
+    left as it was: state keeps its buffer across steps (what a captured CUDA graph reads)."""
     for grp in groups:
-        where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        np.copyto(grp.view(old), grp.view(new), where=~grp.column(bad))
+    return old
 
 
 def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new``, but each row of ``groups`` where ``total`` holds NaN/Inf taken from ``old``, in place."""
+    """``old`` updated in place to ``new``, but each row of ``groups`` where ``total`` holds NaN/Inf left."""
     for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = isnan(multiply(grp.view(total), 0).sum(1))[:, None]
-        where(bad, grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        np.copyto(grp.view(old), grp.view(new), where=~bad)
+    return old
 
 
 def scale_rows(groups, values: np.ndarray, scale: np.ndarray, dtype, numel: int) -> np.ndarray:

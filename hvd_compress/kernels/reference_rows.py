@@ -35,7 +35,7 @@ class Rows:
         self.groups = [tuple(int(x) for x in g) for g in groups]
         self.spare = spare
         widths = [width for _, count, _, _, width in self.groups for _ in range(count)]
-        self.width = sum(widths)
+        self.count, self.width = len(widths), sum(widths)
         #: each slot's row
         self.slot_row = np.repeat(np.arange(len(widths), dtype=np.int64), widths)
         #: the rows in the order :meth:`each` visits them
@@ -77,6 +77,23 @@ class Rows:
             chosen = reference.gaussiank_from(size, first_thresholds[-1], k)
             positions[slot : slot + chosen.shape[0]] = chosen + first
         return positions, np.array(first_thresholds, dtype=np.float64)
+
+
+    def reused(self, scores: np.ndarray, kept: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64, work
+        order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
+        first slots, the others ``spare``."""
+        positions = np.full(self.width, self.spare, dtype=np.int64)
+        chosen = np.empty(len(kept), dtype=np.float64)
+        for row, (first, values, k, slot) in enumerate(self._rows(scores)):
+            selected, chosen[row] = reference.reused_threshold_select(values, float(kept[row]), k)
+            positions[slot : slot + selected.shape[0]] = selected + first
+        return positions, chosen
+
+    def kth(self, scores: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""
+        return np.array([np.min(scores[positions[slot : slot + k]]) for _, _, k, slot in self._rows(scores)],
+                        dtype=np.float64)
 
 
 #: a row as :func:`each_row` visits it: ``(first work position, n, k, first slot, label)``

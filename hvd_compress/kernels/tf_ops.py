@@ -43,10 +43,13 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
+    gaussiank_bounds,
     gaussiank_correct,
     gaussiank_slots,
     normal_tail_quantile,
     num_selected,
+    reuse_bounds,
+    threshold_choice,
 )
 
 #: the row selections of a fused bucket of TensorFlow tensors
@@ -58,7 +61,7 @@ DEVICE_STREAM_STATE_BYTES = None
 _WORD = 1 << 32
 
 
-float16, float32, int16, int64 = tf.float16, tf.float32, tf.int16, tf.int64
+float16, float32, float64, int16, int64 = tf.float16, tf.float32, tf.float64, tf.int16, tf.int64
 
 
 def index_dtype(numel: int) -> tf.DType:
@@ -312,7 +315,7 @@ def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
     number): :func:`_gaussiank_rule`'s threshold, one ``tf.where`` gathers the indices, and an
     overshooting superset keeps its first ``k``."""
     numel = magnitude.shape[0]
-    final, trim = _gaussiank_rule(magnitude, threshold, k)
+    final, trim = _threshold_rule(magnitude, threshold, *gaussiank_bounds(k))
     selected = tf.where(magnitude > cast(final, magnitude.dtype))[:, 0]
     selected = tf.cond(trim, lambda: selected[:k], lambda: selected)
     return tf.cast(selected, index_dtype(numel))
@@ -324,7 +327,7 @@ def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, of
     nothing is read back to the host. A ``top_k`` of ``numel - j`` over the selected ``j`` puts them
     in index order."""
     numel = magnitude.shape[0]
-    final, trim = _gaussiank_rule(magnitude, threshold, k)
+    final, trim = _threshold_rule(magnitude, threshold, *gaussiank_bounds(k))
     rank = tf.where(magnitude > cast(final, magnitude.dtype), numel - tf.range(numel), 0)
     top = tf.math.top_k(rank, min(width, numel), sorted=True)
     used = (top.values > 0) & (tf.range(min(width, numel)) < tf.where(trim, k, width))
@@ -332,9 +335,32 @@ def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, of
     return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0)
 
 
-def _gaussiank_rule(magnitude, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """:func:`reference.gaussiank_correct` unrolled: ``(the threshold it selects by, whether it cuts
-    that set to its first k)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
+def reused_positions(scores, threshold, k: int, spare: int, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.reused_threshold_select` of one row from its kept ``threshold`` (float64): ``(its
+    indices plus offset in k slots, the unused ones spare; the threshold to keep, float64)``. A ``top_k``
+    of ``numel - j`` over the marked ``j`` puts them in index order."""
+    numel, threshold = scores.shape[0], _float64(threshold)
+    marked = scores > cast(threshold, scores.dtype)
+    count = tf.math.count_nonzero(marked)
+    rank = tf.where(marked, numel - tf.range(numel), 0)
+    top = tf.math.top_k(rank, min(k, numel), sorted=True)
+    positions = tf.where(top.values > 0, tf.cast(top.indices, tf.int64) + offset, np.int64(spare))
+    low, high = reuse_bounds(k)
+    factor = tf.where(count > high, GAUSSIANK_GROW, tf.where(count < low, GAUSSIANK_SHRINK, 1.0))
+    return tf.concat([positions, tf.fill([k - min(k, numel)], np.int64(spare))], 0), threshold * tf.cast(factor, tf.float64)
+
+
+def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.reused_threshold_select` of one tensor's scores: ``(indices ascending, the threshold
+    to keep)`` (a per-tensor helper; the fused path keeps :func:`reused_positions`' fixed slots)."""
+    numel = scores.shape[0]
+    positions, chosen = reused_positions(scores, threshold, k, numel)
+    return tf.cast(tf.boolean_mask(positions, positions < numel), index_dtype(numel)), chosen
+
+
+def _threshold_rule(magnitude, threshold, low: int, high: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.threshold_choice` unrolled: ``(the threshold it selects by, whether it cuts
+    that set)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
     the steps' product, in float64, rounded once to ``a``'s dtype as numpy compares); scalar
     ``tf.where``s keep the round that settles."""
     numel = magnitude.shape[0]
@@ -344,19 +370,19 @@ def _gaussiank_rule(magnitude, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]
 
     first = chosen = last = superset = _float64(threshold)
     factor = tf.constant(1.0, tf.float64)
-    smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above 4k/3 seen so far
+    smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above high seen so far
     done = tf.constant(False)
     for _ in range(GAUSSIANK_ROUNDS):
         threshold = first * factor
         count = count_above(threshold)
-        low, high = count < GAUSSIANK_LOW * k, count > GAUSSIANK_HIGH * k
-        settles = ~done & ~low & ~high
+        below, above = count < low, count > high
+        settles = ~done & ~below & ~above
         chosen = tf.where(settles, threshold, chosen)
-        lower = ~done & high & (count < smallest)
+        lower = ~done & above & (count < smallest)
         smallest, superset = tf.where(lower, count, smallest), tf.where(lower, threshold, superset)
-        moves = ~done & (low | high)
+        moves = ~done & (below | above)
         last = tf.where(moves, threshold, last)
-        step = tf.cast(tf.where(low, GAUSSIANK_SHRINK, GAUSSIANK_GROW), tf.float64)  # exact in float32
+        step = tf.cast(tf.where(below, GAUSSIANK_SHRINK, GAUSSIANK_GROW), tf.float64)  # exact in float32
         factor = tf.where(moves, factor * step, factor)
         done = done | settles
     trim = ~done & (smallest <= numel)

@@ -85,3 +85,25 @@ class Rows(reference_rows.Rows):
                 first_thresholds.append(ops.gaussiank_first_threshold(row, ratio))
                 parts.append(ops.gaussiank_positions(size, first_thresholds[-1], k, width, self.spare, first))
             return _joined(parts, tf.int64), _joined(first_thresholds, tf.float64, tf.stack)
+
+    def reused(self, scores: tf.Tensor, kept: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """:func:`tf_ops.reused_positions` of every row from its ``kept`` threshold (float64, work order):
+        ``(positions, the thresholds to keep)``."""
+        with ops.on_device(self.device):
+            parts, chosen = [], []
+            for row, (first, values, k, _) in enumerate(self._rows(scores)):
+                positions, threshold = ops.reused_positions(values, kept[row], k, self.spare, first)
+                parts.append(positions)
+                chosen.append(threshold)
+            return _joined(parts, tf.int64), _joined(chosen, tf.float64, tf.stack)
+
+    def kth(self, scores: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
+        """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64:
+        one ``reduce_min`` per size group."""
+        with ops.on_device(self.device):
+            chosen, parts, slot = tf.gather(scores, positions), [], 0
+            for _, count, _, k, width in self.groups:
+                block = tf.reshape(chosen[slot : slot + count * width], [count, width])[:, :k]
+                parts.append(tf.cast(tf.reduce_min(block, axis=1), tf.float64))
+                slot += count * width
+            return _joined(parts, tf.float64)

@@ -30,13 +30,16 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
     any_along,
+    gaussiank_bounds,
     gaussiank_correct,
     gaussiank_slots,
     joined,
     masked,
     normal_tail_quantile,
     num_selected,
+    reuse_bounds,
     sum_along,
+    threshold_choice,
 )
 
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
@@ -59,7 +62,7 @@ _NUMPY_DTYPES = {
 }
 
 
-float16, float32, int16, int64 = torch.float16, torch.float32, torch.int16, torch.int64
+float16, float32, float64, int16, int64 = torch.float16, torch.float32, torch.float64, torch.int16, torch.int64
 
 #: CPU tensors take the host's shortcuts (numpy's selection and buffers, a loop over rows
 #: with host reads, which cost nothing there); :func:`accelerator_path` turns them off.
@@ -312,6 +315,15 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     reference's float64 moments agree within rounding)."""
     std, mean = torch.std_mean(rows, dim=1, correction=0)
     return mean.double().abs_().add_(std.double().mul_(normal_tail_quantile(ratio)))
+
+
+def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
+    """:func:`reference.reused_threshold_select` of one tensor's scores (a per-tensor helper; the fused path
+    runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
+    marked = torch.nonzero(scores > _rounded(threshold, scores.dtype)).flatten()
+    low, high = reuse_bounds(k)
+    factor = GAUSSIANK_GROW if marked.shape[0] > high else GAUSSIANK_SHRINK if marked.shape[0] < low else 1.0
+    return marked[:k].to(index_dtype(scores.shape[0])), threshold * factor
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -648,15 +660,15 @@ def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     for grp in groups:
-        torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(old))
+    return old
 
 
 def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = torch.isnan(torch.mul(grp.view(total), 0).sum(1))[:, None]
-        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(new))
-    return new
+        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(old))
+    return old
 
 
 def scale_rows(groups, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:

@@ -51,36 +51,26 @@ _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32:
 Group = Tuple[int, int, int, int, int]
 
 
-class _Choice:
-    """What :func:`reference.gaussiank_correct` ends on: a threshold's index, and whether it was cut."""
-
-    def __init__(self, threshold: float, cut: bool = False) -> None:
-        self.threshold, self.cut = threshold, cut
-        self.code = reference.GAUSSIANK_FACTORS.index(threshold) + len(reference.GAUSSIANK_FACTORS) * cut
-
-    def __getitem__(self, _: slice) -> "_Choice":
-        return _Choice(self.threshold, cut=True)
-
-
 def _outcomes() -> torch.Tensor:
     """The correction's choice for every classification of the candidate thresholds.
 
-    Entry ``sum_i level_i 3^i`` (``level_i``: 0 below ``2k/3``, 1 in range, 2 above ``4k/3``
-    for the threshold ``first * GAUSSIANK_FACTORS[i]``) is ``i + 6 cut``: the threshold
-    :func:`reference.gaussiank_correct` ends on and whether it cuts that set to its first
-    ``k``, found by running it on counts that classify so (above ``4k/3`` falling as the
-    threshold grows, as counts do).
+    Entry ``sum_i level_i 3^i`` (``level_i``: 0 below the rule's lower bound, 1 in range, 2 above
+    its upper one for the threshold ``first * GAUSSIANK_FACTORS[i]``) is ``i + 6 cut``: the
+    threshold :func:`reference.threshold_choice` ends on and whether it cuts that set, found by
+    running it on counts that classify so (above the range falling as the threshold grows, as
+    counts do). Gaussian-k and a reused threshold differ only in their bounds.
     """
-    factors, k = reference.GAUSSIANK_FACTORS, 3
+    factors, low, high = reference.GAUSSIANK_FACTORS, 2, 4
     table = []
     for code in range(3 ** len(factors)):
         levels = [code // 3**i % 3 for i in range(len(factors))]
 
         def count(threshold: float, levels: List[int] = levels) -> int:
             i = factors.index(threshold)
-            return (0, k, 2 * k + len(factors) - i)[levels[i]]
+            return (0, low, 2 * high + len(factors) - i)[levels[i]]
 
-        table.append(reference.gaussiank_correct(count, _Choice, 1.0, k).code)
+        chosen, cut = reference.threshold_choice(count, 1.0, low, high)
+        table.append(factors.index(chosen) + len(factors) * cut)
     return torch.tensor(table, dtype=torch.int64)
 
 
@@ -141,6 +131,13 @@ class Rows:
         self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
         self._gaussiank: Optional[Tuple[torch.Tensor, ...]] = None
+        #: each row's start, then its end (in ``cumsum`` positions), each slot's rank + 1, and per row
+        #: the counts that keep a reused threshold (:func:`reference.reuse_bounds`)
+        self._row_bounds = tensor(np.concatenate([starts, starts + np.repeat(
+            [n for _, count, n, _, _ in self.groups], [count for _, count, _, _, _ in self.groups])]))
+        self._next_rank = self.slot_rank + 1
+        bounds = np.array([reference.reuse_bounds(k) for k in row_k], dtype=np.int64).reshape(-1, 2)
+        self._reuse_bounds = (tensor(bounds[:, 0]), tensor(bounds[:, 1]))
 
     def marks(self, size: int) -> torch.Tensor:
         """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
@@ -244,6 +241,12 @@ class Rows:
         first, mean = self.thresholds(a, ratio)
         if ops.on_host(a) if host is None else host:
             return self._gaussiank_host(magnitude, first), mean
+        return self._gaussiank_from(magnitude, first), mean
+
+    def _gaussiank_from(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Every row's Gaussian-k selection from its ``first`` threshold (float64): all six thresholds a
+        row can meet counted in one pass per group, the rule applied to the counts, one pass marking
+        what the chosen threshold selects (cut to ``k`` where the rule cuts)."""
         factors, outcomes, pow3, bounds, next_rank, counts = self._gaussiank_tables()
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
@@ -256,21 +259,31 @@ class Rows:
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below 2k/3, 1 in range, 2 above 4k/3
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
         limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
+        return self._marked(magnitude, limit, room, next_rank)
+
+    def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: torch.Tensor,
+                next_rank: torch.Tensor) -> torch.Tensor:
+        """Per row the first ``room`` entries above its ``limit`` (a column), in index order in its slots,
+        the other slots ``spare``: one marking pass per group, one cumulative count, one binary search."""
+        counted = self._counted(magnitude, limit)
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
+        return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare)
+
+    def _counted(self, magnitude: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """``cumsum`` of the marks ``magnitude > limit`` (each row's own), after a leading 0."""
         marks = self.marks(1 + self.end)
         for start, view, _, _, (r0, r1), _ in self._views(magnitude):
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
-        counted = torch.cumsum(marks, 0, dtype=self.scan)
-        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
-        return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare), mean
+        return torch.cumsum(marks, 0, dtype=self.scan)
 
     def _gaussiank_tables(self) -> Tuple[torch.Tensor, ...]:
         """Built once: the factors (twice), the outcome table, powers of 3 (then zeros), each row's integer
-        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer:
-        six counts per row, then ``k`` six times (the room of a cut set)."""
+        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer: six
+        counts per row, then ``k`` six times (the room of a cut set)."""
         if self._gaussiank is None:
             nodes = len(reference.GAUSSIANK_FACTORS)
-            bounds = [[math.ceil(reference.GAUSSIANK_LOW * k), math.floor(reference.GAUSSIANK_HIGH * k) + 1]
-                      for start, count, n, k, width in self.groups for _ in range(count)]
+            bounds = [[low, high + 1] for start, count, n, k, width in self.groups for _ in range(count)
+                      for low, high in [reference.gaussiank_bounds(k)]]
             counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
             counts[:, nodes:] = self.k[:, None]
             self._gaussiank = (
@@ -282,6 +295,31 @@ class Rows:
                 counts,
             )
         return self._gaussiank
+
+    # ---------------------------------------------------------- reused thresholds
+    def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
+        work order): ``(positions, the thresholds to keep)``, each row's first ``k`` entries above its
+        threshold in index order in its slots, the others ``spare``. One marking pass per group, the
+        cumulative count (each row's count: its value at the row's end minus at its start), one
+        binary search; the next thresholds from the counts, elementwise on the rows."""
+        limit = kept.to(scores.dtype)[:, None]  # rounded once, as numpy compares a float with an array
+        counted = self._counted(scores, limit)
+        ends = counted.index_select(0, self._row_bounds)
+        count = ends[self.count :] - ends[: self.count]
+        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(self._next_rank))
+        positions = torch.where(self.slot_rank < torch.minimum(count, self.k).index_select(0, self.slot_row),
+                                found, self.spare)
+        low, high = self._reuse_bounds
+        factor = torch.where(count > high, reference.GAUSSIANK_GROW,
+                             torch.where(count < low, reference.GAUSSIANK_SHRINK, 1.0)).to(torch.float64)
+        return positions, kept * factor
+
+    def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""
+        chosen = scores.index_select(0, positions)
+        parts = [chosen[lo:hi].view(-1, k).amin(dim=1) for (_, _, _, k, _), (lo, hi) in zip(self.groups, self.slot_ranges)]
+        return torch.cat(parts).to(torch.float64)
 
     def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
         out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)

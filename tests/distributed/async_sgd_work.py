@@ -1,4 +1,4 @@
-"""Workloads for :mod:`hvd_compress.mpi.async_sgd`, run under ``mpirun``.
+"""Workloads for ``examples/parameter_server.py`` (asynchronous SGD), run under ``mpirun``.
 
 ``run --clip L|none --steps N --out FILE``: the async SGD runs of :data:`RUNS`
 on :class:`Problem` (deterministic order, without and with Top-k 0.1, and
@@ -11,7 +11,7 @@ both final excess losses.
 
 ``die --how exit|hang --timeout T``: worker rank 1 exits abruptly
 (``os._exit``) or stops answering after 3 gradients; the job must end with
-:class:`~hvd_compress.mpi.async_sgd.WorkerTimeoutError` naming rank 1.
+``WorkerTimeoutError`` naming rank 1.
 
 ``fail --how raise|nan|after``: worker rank 1's ``grad_fn`` raises after 3
 gradients, or returns NaN (the server rejects it), or the run completes and
@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from hvd_compress.mpi.async_sgd import async_sgd
+from examples.parameter_server import async_sgd
 
 
 class Problem:

@@ -1,4 +1,4 @@
-"""Asynchronous SGD with clipping over MPI (docs/references.md): :mod:`hvd_compress.mpi.async_sgd`.
+"""Asynchronous SGD with clipping over MPI (docs/references.md): ``examples/parameter_server.py``.
 
 - ``clip_lambda``: norm bound, identity below lambda, the zero vector, ``None``;
 - ``mpirun -np 3`` with ``deterministic=True`` and a delay schedule (one slow
@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from hvd_compress.mpi.async_sgd import clip_lambda, worker_rng
+from examples.parameter_server import clip_lambda, worker_rng
 from tests.distributed import async_sgd_work as work
 from tests.distributed import launch
 

@@ -52,7 +52,7 @@ RANKS, STEPS, RATIO, LR = 2, 4, 0.05, 0.1
 BUCKET = "ddp.bucket0"
 BUCKET_MB = 25  # the model (~38 KB) fits in one bucket
 VARIANTS = ["topk", "gaussiank", "regtopk", "terngrad", "terngrad_allreduce", "fp16", "none", "topk_leader",
-            "regtopk_aggregate"]
+            "regtopk_aggregate", "topk_reuse"]
 SHARED = ["regtopk", "terngrad"]  # two models on one compressor: residuals, posteriors, random streams
 RESUMED = [(v, how) for v in ("regtopk", "terngrad") for how in ("pickle", "state_dict")]
 
@@ -68,10 +68,10 @@ def batch(rank: int, step: int):
 
 
 def compressor(variant: str):
-    """``<name>[_terngrad wire format | _<shared index rule>]``."""
+    """``<name>[_terngrad wire format | _<shared index rule> | _reuse]`` (``_reuse``: ``exact_every=2``)."""
     name, _, option = variant.partition("_")
-    indices = {"indices": option} if option in ("leader", "aggregate") else {}
-    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": 0}), **indices)
+    options = {"indices": option} if option in ("leader", "aggregate") else {"exact_every": 2} if option == "reuse" else {}
+    return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": 0}), **options)
 
 
 @contextlib.contextmanager

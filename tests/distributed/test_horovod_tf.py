@@ -30,7 +30,7 @@ STEPS = 4
 #: label -> (path, compressors, options): see tests/distributed/tf_horovod.py
 SCENARIOS = {
     "tape": ("tape", ALL + ["topk-leader"], []),
-    "tape-dropin": ("tape-dropin", ALL + ["regtopk-aggregate"], []),
+    "tape-dropin": ("tape-dropin", ALL + ["regtopk-aggregate", "regtopk-reuse"], []),
     "keras": ("keras", KERAS, []),
     "keras-dropin": ("keras-dropin", KERAS + ["gaussiank-leader"], []),
     "eager": ("tape-dropin", ["gaussiank", "regtopk"], ["eager"]),

@@ -21,8 +21,8 @@ from tests.distributed import torch_horovod as workload
 
 SPARSE = ["topk", "gaussiank", "regtopk"]
 ALL = SPARSE + ["terngrad", "fp16", "none"]
-#: shared index sets (indices='leader' / 'aggregate'): values allreduced at one index set
-SHARED = ["regtopk-leader", "topk-aggregate"]
+#: shared index sets (indices='leader' / 'aggregate'): values allreduced at one index set; reused thresholds
+SHARED = ["regtopk-leader", "topk-aggregate", "topk-reuse"]
 STEPS = 4
 
 pytestmark = pytest.mark.timeout(600)

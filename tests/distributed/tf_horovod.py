@@ -70,9 +70,11 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def compressor(name: str):
-    """``topk``...; ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``)."""
+    """``topk``...; ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``);
+    ``-reuse``: reused thresholds between exact selections every other step (``exact_every=2``)."""
     base, _, indices = name.partition("-")
-    return Compression.by_name(base, RATIO, **({"indices": indices} if indices else {}))
+    option = {"exact_every": 2} if indices == "reuse" else {"indices": indices} if indices else {}
+    return Compression.by_name(base, RATIO, **option)
 
 
 def weights(model: tf.keras.Model) -> Dict[str, np.ndarray]:

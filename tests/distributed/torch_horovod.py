@@ -47,10 +47,13 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 def compressor(name: str, seed: int = 0):
     """``topk``, ``fp16``...; ``<sparsifier>-momentum``: with momentum correction (the optimizer is plain SGD);
-    ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``)."""
+    ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``); ``-reuse``: with
+    reused thresholds between exact selections every other step (``exact_every=2``)."""
     if name.endswith("-momentum"):
         return Compression.by_name(name[: -len("-momentum")], RATIO, seed=seed, momentum=0.9)
     base, _, indices = name.partition("-")
+    if indices == "reuse":
+        return Compression.by_name(base, RATIO, seed=seed, exact_every=2)
     if indices:
         return Compression.by_name(base, RATIO, seed=seed, indices=indices)
     return Compression.by_name(name, RATIO, **({} if name in ("none", "fp16") else {"seed": seed}))

@@ -19,8 +19,8 @@
   in-process :class:`~hvd_compress.comm.communicator.SingleProcessCommunicator`)
   captured whole in ``torch.cuda.graph`` (forward, backward with the exchange in its
   gradient hooks, ``step()``) and replayed: the parameters after each replay equal those
-  after the same eager steps. Compressors that keep a residual are expected to fail
-  (:data:`GRAPH_STATE_REASON`);
+  after the same eager steps, with and without state across steps (the fused bucket
+  updates residuals, velocities and posteriors in place: ``tests/comm/test_state_in_place.py``);
 - ``hvd_compress.mpi.DistributedOptimizer`` under ``mpirun -np 2``, both ranks on
   the one GPU, CUDA tensors through MPI (staged through host memory unless the MPI
   library is CUDA-aware): equal to the Simulator of two ranks on CUDA (every
@@ -197,27 +197,15 @@ def test_ddp_hook_over_nccl_world_size_1(nccl_world_of_one):
 
 # ------------------------------------------------------------------ CUDA graphs
 GRAPH_WARMUP, GRAPH_REPLAYS = 3, 3
-#: Why a step with error feedback does not replay: the state is reassigned, not updated in place.
-GRAPH_STATE_REASON = (
-    "the fused bucket keeps its error-feedback residual (RegTop-k: also its posterior) by taking each "
-    "step's new buffer (hvd_compress/comm/fused.py, Launched._keep: bucket.residual = the step's work "
-    "buffer), while a CUDA graph reads the addresses it captured: every replay reads the residual left "
-    "by the last step before capture (a buffer freed during capture) instead of the previous replay's, "
-    "so replays after the first differ from eager steps. Capture needs the residual updated in place "
-    "in a buffer kept across steps"
-)
-#: Compressors without state across steps (no residual, posterior, velocity or random stream).
-GRAPH_STATELESS = {
+#: Compressors without state across steps, and with it (residuals, RegTop-k's posterior), kept in place.
+GRAPH_COMPRESSORS = {
     "none": lambda: workload.compressor("none"),
     "fp16": lambda: workload.compressor("fp16"),
     "topk-no-feedback": lambda: hvd_torch.Compression.topk(workload.RATIO, error_feedback=False),
     "gaussiank-no-feedback": lambda: hvd_torch.Compression.gaussiank(workload.RATIO, error_feedback=False),
+    **{name: lambda name=name: workload.compressor(name) for name in ("topk", "gaussiank", "regtopk")},
 }
-GRAPH_CASES = [pytest.param(name, make, id=name) for name, make in GRAPH_STATELESS.items()] + [
-    pytest.param(name, lambda name=name: workload.compressor(name), id=name,
-                 marks=pytest.mark.xfail(reason=GRAPH_STATE_REASON, strict=True))
-    for name in ("topk", "gaussiank", "regtopk")
-]
+GRAPH_CASES = [pytest.param(name, make, id=name) for name, make in GRAPH_COMPRESSORS.items()]
 
 
 @pytest.fixture(params=["single-process", "nccl"])

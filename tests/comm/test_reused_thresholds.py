@@ -1,0 +1,315 @@
+"""Reused thresholds (``exact_every = T > 1``): Top-k's exact selection every T-th step of the run, and
+between, each tensor's first k entries above its kept threshold, the threshold moved by the count
+(hvd_compress.compressors.sparse_bucket, ``reference.reused_threshold_select``).
+
+The oracle below is written from the rule alone, per tensor and rank, in numpy: the engine (Simulator,
+thread ranks; numpy's row selections, torch's the CPU's way and the accelerator's, TensorFlow's) must
+equal it bit for bit. Hand-made rows check each branch of the correction and its bounds.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from hvd_compress import GaussianK, RegTopK, TopK
+from hvd_compress.kernels import reference
+from hvd_compress.simulator import Simulator
+from tests import conformance
+from tests.helpers import topk_oracle
+
+SHAPES = {"w": (30, 40), "v": (40, 30), "b": (900,), "tiny": (7,)}
+RATIO = 0.03
+EVERY = 4
+
+
+def grads(step, ranks, drift=1.0):
+    """Random gradients whose scale drifts from step to step (the kept thresholds must follow)."""
+    rng = np.random.default_rng(step)
+    scale = drift ** step
+    return {name: [(rng.standard_normal(shape) * scale * (1 + 0.3 * rng.random())).astype(np.float32)
+                   for _ in range(ranks)] for name, shape in SHAPES.items()}
+
+
+def oracle_select(scores, threshold, k):
+    """The first k entries above the threshold; the next threshold x1.5 above k entries, x0.5 below ceil(k/2)."""
+    marked = np.flatnonzero(scores > np.float32(threshold))
+    factor = 1.5 if marked.size > k else 0.5 if marked.size < (k + 1) // 2 else 1.0
+    return marked[:k], threshold * factor
+
+
+class Oracle:
+    """Top-k with reused thresholds per tensor and rank, float32 sums in rank order."""
+
+    def __init__(self, ranks, every=EVERY, ratio=RATIO, dense_below=100):
+        self.ranks, self.every, self.ratio, self.dense_below = ranks, every, ratio, dense_below
+        self.residual, self.threshold, self.step, self.exact_steps = {}, {}, 0, 0
+
+    def exchange(self, per_rank):
+        out = {}
+        exact = self.step % self.every == 0 or not self.threshold
+        for name, gs in per_rank.items():
+            n = gs[0].size
+            if n < self.dense_below:
+                total = gs[0].reshape(-1).astype(np.float32)
+                for g in gs[1:]:
+                    total = total + g.reshape(-1)
+                out[name] = (total / np.float32(self.ranks)).reshape(gs[0].shape)
+                continue
+            k = int(np.ceil(self.ratio * n * (1 - 1e-12)))
+            total = np.zeros(n, np.float32)
+            for r, g in enumerate(gs):
+                a = g.reshape(-1) + self.residual.get((name, r), np.zeros(n, np.float32))
+                if exact:
+                    chosen = topk_oracle(a, k)
+                    self.threshold[(name, r)] = float(np.abs(a[chosen]).min())
+                else:
+                    chosen, self.threshold[(name, r)] = oracle_select(np.abs(a), self.threshold[(name, r)], k)
+                total[chosen] = total[chosen] + a[chosen]
+                a[chosen] = 0
+                self.residual[(name, r)] = a
+            out[name] = (total / np.float32(self.ranks)).reshape(gs[0].shape)
+        self.exact_steps += exact
+        self.step += 1
+        return out
+
+
+@contextlib.contextmanager
+def path_of(path):
+    """numpy arrays, torch tensors the CPU's way or the accelerator's, TensorFlow tensors on its kernels."""
+    if path == "tensorflow":
+        with conformance.tensorflow_kernels():
+            yield
+    elif path == "accelerator":
+        from hvd_compress.kernels import torch_ops
+
+        with torch_ops.accelerator_path():
+            yield
+    else:
+        yield
+
+
+def in_framework(g, path):
+    if path in ("host", "accelerator"):
+        torch = pytest.importorskip("torch")
+        return {name: [torch.from_numpy(x.copy()) for x in per_rank] for name, per_rank in g.items()}
+    if path == "tensorflow":
+        tf = pytest.importorskip("tensorflow")
+        return {name: [tf.constant(x) for x in per_rank] for name, per_rank in g.items()}
+    return g
+
+
+@pytest.mark.parametrize("path", ["numpy", "host", "accelerator", "tensorflow"])
+def test_simulator_equals_the_oracle_bit_for_bit(path):
+    """Over 10 steps (three exact, seven by kept thresholds, scales drifting 1.3x a step) every result and
+    every residual equals the oracle's."""
+    ranks = 3
+    sim = Simulator(ranks, TopK(RATIO, exact_every=EVERY, dense_below=100))
+    oracle = Oracle(ranks)
+    with path_of(path):
+        for step in range(10):
+            g = grads(step, ranks, drift=1.3)
+            got, want = sim.step(in_framework(g, path)), oracle.exchange(g)
+            for name in SHAPES:
+                np.testing.assert_array_equal(conformance.as_numpy(got[name]), want[name], err_msg=f"{step} {name}")
+        for name in ("w", "v", "b"):
+            for r, residual in enumerate(sim.residuals(name)):
+                np.testing.assert_array_equal(conformance.as_numpy(residual).reshape(-1), oracle.residual[(name, r)])
+    assert oracle.exact_steps == 3
+
+
+def test_kept_thresholds_select_other_sets_than_top_k_and_fit_the_slots():
+    """Between exact steps the sets differ from Top-k's (the threshold path really runs) and never exceed k."""
+    ranks, differs = 2, 0
+    oracle = Oracle(ranks)
+    for step in range(8):
+        g = grads(step, ranks, drift=1.5)
+        before = {key: r.copy() for key, r in oracle.residual.items()}
+        oracle.exchange(g)
+        for (name, r), residual in oracle.residual.items():
+            sent = np.flatnonzero(residual == 0)
+            k = int(np.ceil(RATIO * residual.size))
+            assert sent.size <= k
+            a = g[name][r].reshape(-1) + before.get((name, r), 0)
+            differs += step % EVERY != 0 and not np.array_equal(sent, topk_oracle(a, k))
+    assert differs > 0
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("make", [TopK, RegTopK])
+def test_thread_ranks_equal_the_simulator(framework, make):
+    conformance.check_thread_ranks_equal_simulator(
+        lambda: make(0.05, exact_every=2, dense_below=0), ranks=3, steps=5, framework=framework, rtol=0)
+
+
+def test_momentum_correction_on_thread_ranks_equals_the_simulator():
+    conformance.check_thread_ranks_equal_simulator(
+        lambda: TopK(0.05, exact_every=3, dense_below=0, momentum=0.9), ranks=2, steps=5, rtol=0)
+
+
+def test_drop_in_optimizer_equals_the_simulator():
+    conformance.check_drop_in_optimizer_equals_simulator(lambda: RegTopK(0.1, exact_every=2, dense_below=0), steps=4)
+
+
+def test_checkpoint_resumes_exactly():
+    """A restored Simulator goes on as the one that did not stop: the kept thresholds come back with the
+    residuals, and the schedule goes on from the run's step count."""
+    conformance.check_state_dict_round_trip(lambda: TopK(0.05, exact_every=3, dense_below=0), ranks=3)
+
+
+def test_a_density_change_selects_exactly_then_reuses_again():
+    """A new ``k`` rebuilds the plan, whose first step selects exactly (the kept thresholds were for the old
+    ``k``), whatever the schedule says."""
+    sim = Simulator(2, TopK(0.05, exact_every=EVERY, dense_below=100))
+    oracle = Oracle(2, ratio=0.05)
+    for step in range(7):
+        if step == 2:
+            for c in sim.compressors:
+                c.ratio = 0.08
+            oracle.ratio, oracle.threshold = 0.08, {}
+        g = grads(step, 2)
+        got, want = sim.step(g), oracle.exchange(g)
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"step {step} {name}")
+    assert oracle.exact_steps == 3  # steps 0, 2 (the new k) and 4
+
+
+def test_sent_plus_residual_is_what_was_produced():
+    ranks = 3
+    sim = Simulator(ranks, RegTopK(0.05, exact_every=2, dense_below=0))
+    produced = {name: np.zeros(shape) for name, shape in SHAPES.items()}
+    summed = {name: np.zeros(shape) for name, shape in SHAPES.items()}
+    for step in range(5):
+        g = {name: [x.astype(np.float64) for x in per_rank] for name, per_rank in grads(step, ranks).items()}
+        out = sim.step(g)
+        for name in SHAPES:
+            produced[name] += np.sum(g[name], axis=0)
+            summed[name] += out[name] * ranks
+    for name in SHAPES:
+        residuals = np.stack(sim.residuals(name))
+        np.testing.assert_allclose(summed[name] + residuals.sum(0), produced[name], rtol=0, atol=1e-9)
+
+
+def test_nonfinite_gradient_on_a_reused_step_reaches_every_rank_and_keeps_the_state():
+    """An Inf on one rank at a step between exact ones: that tensor is non-finite on every rank, every
+    residual and kept threshold stays as before, and the next steps go on as if the step had not been."""
+    ranks = 3
+    sim = Simulator(ranks, TopK(RATIO, exact_every=EVERY, dense_below=100))
+    oracle = Oracle(ranks)
+    for step in range(2):
+        oracle.exchange(grads(step, ranks))
+        sim.step(grads(step, ranks))
+    bad = grads(2, ranks)
+    bad["w"][1] = bad["w"][1].copy()
+    bad["w"][1][3, 4] = np.inf
+    out = sim.step(bad)
+    assert not np.all(np.isfinite(out["w"])) and np.all(np.isfinite(out["v"]))
+    skipped = Oracle(ranks)
+    for step in range(2):
+        skipped.exchange(grads(step, ranks))
+    partial = {name: per_rank for name, per_rank in bad.items() if name != "w"}
+    skipped.exchange(partial)  # step 2: the other tensors exchange as usual, "w" keeps its state
+    for step in (3, 4, 5):
+        g = grads(step, ranks)
+        got, want = sim.step(g), skipped.exchange(g)
+        for name in SHAPES:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{step} {name}")
+
+
+def test_steady_step_on_the_accelerator_path_reads_nothing_back():
+    torch = pytest.importorskip("torch")
+    from hvd_compress.bench.host_reads import count_host_reads
+    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.comm.exchange import BucketExchange
+    from hvd_compress.kernels import torch_ops
+
+    compressor, comm = TopK(0.05, exact_every=2, dense_below=0), SingleProcessCommunicator()
+    generator = torch.Generator().manual_seed(0)
+    with torch_ops.accelerator_path():
+        for step in range(5):
+            exchange = BucketExchange(compressor, comm, "bucket")
+            for name, shape in SHAPES.items():
+                exchange.add(name, torch.randn(shape, generator=generator))
+            with count_host_reads() if step >= 3 else contextlib.nullcontext() as reads:
+                exchange.launch()
+                exchange.finish(average=True)
+    syncing = {kind: n for kind, n in reads.by_kind.items() if kind not in ("numpy", "cpu")}
+    assert not syncing, f"host reads in a steady step (one exact, one reused): {syncing} at {reads.sites.most_common(5)}"
+
+
+@pytest.mark.parametrize("above, factor", [
+    (8, 1.0),     # in [5, 10]: the threshold stays
+    (10, 1.0),    # the upper bound itself
+    (5, 1.0),     # the lower bound itself
+    (11, 1.5),    # one over: every entry above but the first 10 by index stays in the residual; x1.5
+    (4, 0.5),     # one under: all 4 sent; x0.5
+    (0, 0.5),     # none above
+])
+def test_each_branch_of_the_rule_by_hand(above, factor):
+    """k = 10 slots, kept threshold 10: ``above`` entries of 20 among ones of 1; the set is the first
+    min(above, 10) of them in index order, the next threshold 10 x factor."""
+    scores = np.ones(100, dtype=np.float32)
+    where = np.sort(np.random.default_rng(above).permutation(100)[:above])
+    scores[where] = 20.0
+    chosen, kept = reference.reused_threshold_select(scores, 10.0, 10)
+    assert kept == 10.0 * factor
+    np.testing.assert_array_equal(chosen, where[:10])
+
+
+def test_a_score_equal_to_the_threshold_is_not_sent():
+    """``score > thr``: an entry exactly at the kept threshold (the k-th largest of an exact step) stays."""
+    scores = np.array([3.0, 5.0, 5.0, 1.0, 7.0], dtype=np.float32)
+    chosen, kept = reference.reused_threshold_select(scores, 5.0, 2)
+    np.testing.assert_array_equal(chosen, [4])
+    assert kept == 5.0
+
+
+def test_gaussian_k_still_selects_as_before():
+    """Gaussian-k runs the same correction with its own bounds [ceil(2k/3), floor(4k/3)]."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(5000).astype(np.float32)
+    chosen = reference.gaussiank_select(a, 0.01)
+    k = reference.num_selected(5000, 0.01)
+    assert reference.gaussiank_bounds(k) == (34, 66)
+    assert chosen.size <= reference.gaussiank_slots(k)
+    np.testing.assert_array_equal(chosen, np.sort(chosen))
+
+
+def test_bad_values_and_combinations_are_clear_errors():
+    with pytest.raises(ValueError, match="exact_every must be an int >= 1"):
+        TopK(0.01, exact_every=0)
+    with pytest.raises(TypeError, match="exact_every must be an int >= 1"):
+        TopK(0.01, exact_every=2.5)
+    with pytest.raises(TypeError, match="exact_every must be an int >= 1"):
+        RegTopK(0.01, exact_every=True)
+    with pytest.raises(ValueError, match="applies to TopK and RegTopK"):
+        GaussianK(0.01, exact_every=8)
+    with pytest.raises(ValueError, match="choose one of them"):
+        TopK(0.01, indices="leader", exact_every=8)
+    compressor = TopK(0.01, exact_every=8)
+    with pytest.raises(ValueError, match="choose one of them"):
+        compressor.indices = "aggregate"
+    assert compressor.config()["exact_every"] == 8 and "exact_every" not in TopK(0.01).config()
+    with pytest.raises(ValueError, match="takes the bucket engine"):
+        TopK(0.5, exact_every=2, dense_below=0).encode(np.ones(100, np.float32), "w")
+
+
+def test_ranks_that_disagree_on_the_schedule_fail_on_every_rank():
+    conformance.check_ranks_disagreeing_fail_clearly(lambda: TopK(0.05, exact_every=4, dense_below=0),
+                                                     lambda: TopK(0.05, exact_every=8, dense_below=0))
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_kernel_twins_select_as_the_reference(framework):
+    """Each kernel module's per-tensor ``reused_threshold_select`` equals numpy's, in and out of range."""
+    module = pytest.importorskip(framework)
+    from hvd_compress.kernels import ops_for
+
+    rng = np.random.default_rng(5)
+    for threshold in (0.5, 2.0, 2.6, 9.0):
+        scores = np.abs(rng.standard_normal(3000)).astype(np.float32)
+        want, kept = reference.reused_threshold_select(scores, threshold, 40)
+        tensor = module.constant(scores) if framework == "tensorflow" else module.from_numpy(scores)
+        got, got_kept = ops_for(tensor).reused_threshold_select(tensor, threshold, 40)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert float(got_kept) == kept
