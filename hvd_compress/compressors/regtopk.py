@@ -60,6 +60,7 @@ class RegTopK(LargestScores, Sparsifier):
 
     def distortion(self, name: str):
         """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any)."""
+        self.state.flush_buckets()
         idx = self.memory.peek(name, "posterior_indices")
         if idx is None:
             return None
