@@ -19,6 +19,8 @@ python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ra
 python -m benchmarks select [--device cuda|cpu] [--sizes 25.6M,124M] [--ratios 0.01,0.001] [--repeats 20]
                            [--rows copy,torch.topk,topk,gaussiank] [--code-path route|accelerator] [--out results]
                            [--name select]
+python -m benchmarks trace [--model resnet50|gpt2|mlp] [--device cpu|cuda] [--warmup 3] [--compressors none,fp16,...]
+                          [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
 python -m benchmarks wire [--ranks 2,4,16] [--ratio 0.01] [--scale 1] [--out results]
 python -m benchmarks step [--ranks 4] [--rates 1gbit,10gbit | --link none] [--ratio 0.01] [--steps 10] [--scale 1]
@@ -38,12 +40,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 from hvd_compress import Compression
 from hvd_compress.cli import _add_ratio, run_command
 from hvd_compress.cli import _wrote as _wrote_json_and_plot
-from hvd_compress.cli import _names as _some_of
 
 
 def _ints(text: str) -> List[int]:
@@ -559,6 +560,66 @@ def _add_lr_schedule(parser: argparse.ArgumentParser, default: str) -> None:
                         help=f"cosine: the step size decays from --lr to 0 over the run (default {default})")
 
 
+def _some_of(choices: Sequence[str]) -> Callable[[str], List[str]]:
+    """A comma-separated list of some of ``choices``."""
+
+    def parse(text: str) -> List[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from {','.join(choices)}"
+            )
+        return names
+
+    return parse
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from benchmarks import trace_step
+
+    print(
+        f"One steady training step traced at world size 1: {args.model} on {args.device} (the accelerator's "
+        f"code path), after {args.warmup} steps, {', '.join(args.compressors)} at ratio {args.ratio}"
+    )
+    trace_step.run(model=args.model, device=args.device, warmup=args.warmup, compressors=args.compressors,
+                   ratio=args.ratio, routes=args.routes, dropin_comm=args.dropin_comm, seed=args.seed,
+                   top=args.top, json_path=args.json or None, plot_path=args.plot or None)
+    for path in (args.json, args.plot):
+        if path:
+            print(f"Wrote {path}")
+    return 0
+
+
+def _add_trace(commands: Any) -> None:
+    from benchmarks import trace_step
+    from benchmarks.routes import DROPIN_COMMS
+
+    p = commands.add_parser(
+        "trace",
+        help="kernels, bytes and device waits of one steady step per route, the accelerator's code path "
+             "traced on any device (the stand-in when no GPU is at hand)",
+    )
+    p.add_argument("--model", choices=trace_step.MODELS, default="resnet50", help="parameter shapes (mlp: train-step's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--warmup", type=int, default=trace_step.DEFAULT_WARMUP, help="untraced steps first")
+    p.add_argument("--compressors", type=_some_of(trace_step.COMPRESSORS + trace_step.SHARED),
+                   default=list(trace_step.COMPRESSORS),
+                   help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)}; also <sparsifier>-leader, "
+                        "<sparsifier>-aggregate: with that shared index set; topk-reuse, regtopk-reuse: a step "
+                        "between exact selections, exact_every > 1)")
+    p.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
+    p.add_argument("--routes", type=_some_of(trace_step.ROUTES), default=list(trace_step.ROUTES),
+                   help=f"default all: {','.join(trace_step.ROUTES)} (local and ddp+handwritten-topk always run)")
+    p.add_argument("--dropin-comm", choices=DROPIN_COMMS, default="auto",
+                   help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=trace_step.TOP, help="operators listed per row in the JSON")
+    p.add_argument("--json", default="results/trace.json", help="results file (default %(default)s)")
+    p.add_argument("--plot", default="results/trace.png", help="ratios to the hand-written hook (default %(default)s)")
+    p.set_defaults(run=_trace)
+
+
 def _add_delay(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--delay", default="0.1ms", help="one-way link delay where netem exists (default 0.1ms)"
@@ -625,6 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_out(compress, "compress", _bench_compress)
 
     _add_select(commands)
+    _add_trace(commands)
 
     wire = commands.add_parser("wire", help="bytes per rank per step vs dense fp32, ResNet-18 shapes")
     wire.add_argument("--ranks", type=_ints, default=[2, 4, 16], help="world sizes, e.g. 2,4,16 (default)")

@@ -7,7 +7,7 @@ every row, after its timed steps:
   stream, NCCL's included) counts as a launch; ``device_ms`` is the sum of their durations (the
   GPU's busy time, streams added up where they overlap).
 * **CPU**: the device is the host. ``kernels`` counts the innermost aten operator calls that
-  launch a kernel by :func:`hvd_compress.bench.trace.is_kernel`'s rule (views, allocations and
+  launch a kernel by :func:`benchmarks.trace.is_kernel`'s rule (views, allocations and
   metadata changes left out; :func:`innermost_kernel`: one per chain of calls), on every thread (``profile_all_threads`` where torch has it: the gloo threads that
   run DDP hooks' callbacks); ``device_ms`` is the self CPU time of every aten operator call:
   the time spent inside operators, not Python's or the framework's own.
@@ -47,7 +47,7 @@ def launches(name: str) -> bool:
     unknown name counts."""
     import torch
 
-    from hvd_compress.bench.trace import is_kernel
+    from benchmarks.trace import is_kernel
 
     packet = getattr(torch.ops.aten, name.split("::", 1)[-1], None)
     overloads = packet.overloads() if packet is not None else []

@@ -1,6 +1,6 @@
 """``python -m benchmarks traffic``: what one rank sends and receives per step as N grows, per index mode.
 
-For a model's parameter shapes (ResNet-50's by default, ``hvd_compress.bench.shapes``) and each world
+For a model's parameter shapes (ResNet-50's by default, ``benchmarks.shapes``) and each world
 size N, the bucket engine's own plan (:class:`~hvd_compress.comm.fused.FusedBucket`, the whole model
 as one bucket, at world size N) gives what one rank hands the collectives in a steady step, split by
 collective: the dense part's allreduce, the compressed part's allgathers (``indices="gather"``) or
@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import report
-from hvd_compress.bench.shapes import SHAPES
+from benchmarks.shapes import SHAPES
 from hvd_compress.comm.fused import FusedBucket
 from hvd_compress.compressors import Compression
 from hvd_compress.simulator import Simulator

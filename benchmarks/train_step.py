@@ -13,7 +13,7 @@ and times whole training steps: zero_grad, forward, backward, the gradient
 exchange and the optimizer step (SGD, momentum 0.9), with
 ``torch.cuda.synchronize()`` before and after each timed step on CUDA;
 ``warmup`` untimed steps first, then the median and minimum of ``steps``.
-Rows: the routes of :mod:`hvd_compress.bench.routes` (``local``, ``ddp``, the
+Rows: the routes of :mod:`benchmarks.routes` (``local``, ``ddp``, the
 baseline: ``ratio`` = median / ddp's median, ``overhead_ms`` = median - ddp's
 median; ``ddp+fp16``, ``ddp+handwritten-topk``, and ``ours-ddp-hook``,
 ``ours-dropin``, ``ours-stock-horovod`` per compressor), plus
@@ -26,7 +26,7 @@ median; ``ddp+fp16``, ``ddp+handwritten-topk``, and ``ours-ddp-hook``,
 
 ``host_syncs_per_step`` is measured over one more steady-state step: on CUDA
 the warnings of ``torch.cuda.set_sync_debug_mode("warn")``; on the CPU the
-host reads of :func:`hvd_compress.bench.host_reads.count_host_reads` (``item``,
+host reads of :func:`benchmarks.host_reads.count_host_reads` (``item``,
 ``tolist``, ``bool(t)`` ...: the places a GPU run would wait). Every row also
 records that counter's reads by kind and their call sites.
 
@@ -46,7 +46,7 @@ A row that fails records its error and the benchmark goes on. Outputs: the
 JSON (``rows``, ``skipped``, ``settings``, ``machine``), a PNG of the ratios
 and a table. Models: ``resnet50`` (torchvision, 3x224x224, 1000 classes),
 ``gpt2`` (transformers' GPT-2 small, sequence 512, LM loss) and ``mlp``
-(:class:`hvd_compress.bench.routes.MLPWorkload`, no extra package).
+(:class:`benchmarks.routes.MLPWorkload`, no extra package).
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.step_profile import METHOD, profile_step
 from hvd_compress.bench import report
-from hvd_compress.bench import routes as step_routes
-from hvd_compress.bench.host_reads import count_host_reads
-from hvd_compress.bench.routes import (
+from benchmarks import routes as step_routes
+from benchmarks.host_reads import count_host_reads
+from benchmarks.routes import (
     BASELINE,
     DROPIN_COMMS,  # noqa: F401  (re-exported: the CLI offers its choices)
     LR,
@@ -111,7 +111,7 @@ def _optional(module: str) -> Any:
 
 class ModelWorkload:
     """torchvision's ResNet-50 or transformers' GPT-2 small and its loss on one fixed synthetic batch (the
-    workload interface of :class:`hvd_compress.bench.routes.MLPWorkload`)."""
+    workload interface of :class:`benchmarks.routes.MLPWorkload`)."""
 
     def __init__(self, model: str, device: Any, batch: int, seed: int) -> None:
         import torch
@@ -164,7 +164,7 @@ def workload(model: str, device: Any, batch: int, seed: int) -> Any:
 
 # =================================================================== routes
 def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable[[], None], Dict[str, Any]]:
-    """:func:`hvd_compress.bench.routes.build_route`, and ``ddp+powersgd``: the step function of a row and
+    """:func:`benchmarks.routes.build_route`, and ``ddp+powersgd``: the step function of a row and
     what to record about it (``communicator``, ``min_warmup``, ``note``)."""
     if route != POWERSGD:
         return step_routes.build_route(env, route, compressor)

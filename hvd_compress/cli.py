@@ -1,12 +1,10 @@
 """The ``hvd-compress`` command: what a user runs on their own machines.
 
 hvd-compress demo [--ranks 4] [--compression topk ...] [--ratio 0.01]
-hvd-compress bench trace [--model resnet50] [--device cpu] [--warmup 3] [--compressors none,fp16,...]
-                         [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 
-The training-step timing benchmark, the paper reproductions and the link
-studies are in the repository's ``benchmarks/`` folder, run from a source
-checkout: ``python -m benchmarks --help``.
+The training-step timing and trace benchmarks, the paper reproductions and the
+link studies are in the repository's ``benchmarks/`` folder, run from a source
+checkout: ``python -m benchmarks --help`` (``hvd-compress bench <name>`` says so).
 """
 
 from __future__ import annotations
@@ -14,12 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import List, Optional
 
 from hvd_compress import Compression, __version__
 
 #: ``hvd-compress bench`` subcommands now in the repository's ``benchmarks/`` (``python -m benchmarks``).
-MOVED = ("train-step",)
+MOVED = ("train-step", "trace")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -85,44 +83,6 @@ def _moved(args: argparse.Namespace) -> int:
     return 2
 
 
-def _bench_trace(args: argparse.Namespace) -> int:
-    from hvd_compress.bench import trace_step
-
-    print(
-        f"One steady training step traced at world size 1: {args.model} on {args.device} (the accelerator's "
-        f"code path), after {args.warmup} steps, {', '.join(args.compressors)} at ratio {args.ratio}"
-    )
-    trace_step.run(
-        model=args.model,
-        device=args.device,
-        warmup=args.warmup,
-        compressors=args.compressors,
-        ratio=args.ratio,
-        routes=args.routes,
-        dropin_comm=args.dropin_comm,
-        seed=args.seed,
-        top=args.top,
-        json_path=args.json or None,
-        plot_path=args.plot or None,
-    )
-    return _wrote(args)
-
-
-def _names(choices: Sequence[str]) -> Callable[[str], List[str]]:
-    """A comma-separated list of some of ``choices``."""
-
-    def parse(text: str) -> List[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [n for n in names if n not in choices]
-        if unknown or not names:
-            raise argparse.ArgumentTypeError(
-                f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; choose from {','.join(choices)}"
-            )
-        return names
-
-    return parse
-
-
 def _add_ratio(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
 
@@ -149,52 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         moved = benchmarks.add_parser(study, help=f"moved: python -m benchmarks {study}", prefix_chars="+")
         moved.add_argument("options", nargs="*")
         moved.set_defaults(run=_moved)
-    _add_trace(benchmarks)
     return parser
-
-
-def _add_trace(benchmarks: Any) -> None:
-    from hvd_compress.bench import trace_step
-    from hvd_compress.bench.routes import DROPIN_COMMS
-
-    trace = benchmarks.add_parser(
-        "trace",
-        help="kernels, bytes and device waits of one steady step per route, the accelerator's code path "
-        "traced on any device (the stand-in when no GPU is at hand)",
-    )
-    trace.add_argument(
-        "--model", choices=trace_step.MODELS, default="resnet50", help="parameter shapes (mlp: train-step's)"
-    )
-    trace.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    trace.add_argument("--warmup", type=int, default=trace_step.DEFAULT_WARMUP, help="untraced steps first")
-    trace.add_argument(
-        "--compressors",
-        type=_names(trace_step.COMPRESSORS + trace_step.SHARED),
-        default=list(trace_step.COMPRESSORS),
-        help=f"ours, per route (default {','.join(trace_step.COMPRESSORS)}; also <sparsifier>-leader, "
-        "<sparsifier>-aggregate: with that shared index set; topk-reuse, regtopk-reuse: a step between exact "
-        "selections, exact_every > 1)",
-    )
-    _add_ratio(trace)
-    trace.add_argument(
-        "--routes",
-        type=_names(trace_step.ROUTES),
-        default=list(trace_step.ROUTES),
-        help=f"default all: {','.join(trace_step.ROUTES)} (local and ddp+handwritten-topk always run)",
-    )
-    trace.add_argument(
-        "--dropin-comm",
-        choices=DROPIN_COMMS,
-        default="auto",
-        help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed",
-    )
-    trace.add_argument("--seed", type=int, default=0)
-    trace.add_argument("--top", type=int, default=trace_step.TOP, help="operators listed per row in the JSON")
-    trace.add_argument("--json", default="results/trace.json", help="results file (default %(default)s)")
-    trace.add_argument(
-        "--plot", default="results/trace.png", help="ratios to the hand-written hook (default %(default)s)"
-    )
-    trace.set_defaults(run=_bench_trace)
 
 
 def run_command(parser: argparse.ArgumentParser, argv: Optional[List[str]]) -> int:

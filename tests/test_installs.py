@@ -62,9 +62,9 @@ print("ok", sorted(m for m in {missing!r} if sys.modules.get(m) is not None))
 """
 
 CASES = {
-    # the hvd-compress command and the modules its parser reads (bench trace's routes) load without torch
+    # the hvd-compress command and the trace benchmark's modules (its routes) load without torch
     "numpy": (("torch", "tensorflow"), "to_framework = lambda g: g",
-              ["hvd_compress.mpi", "hvd_compress.cli", "hvd_compress.bench.trace_step"]),
+              ["hvd_compress.mpi", "hvd_compress.cli", "benchmarks.trace_step"]),
     "torch": (("tensorflow", "keras", "tf_keras"), "import torch\nto_framework = torch.from_numpy",
               ["hvd_compress.torch"]),
     "tensorflow": (("torch",), "import tensorflow as tf\nto_framework = tf.constant",

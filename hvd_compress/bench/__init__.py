@@ -1,8 +1,8 @@
-"""Workloads of the ``hvd-compress`` command: the demo and the trace of a training step's routes.
+"""Workloads of the ``hvd-compress`` command: the demo, and the report helpers (tables, progress
+lines, figures) the repository's benchmarks share with it.
 
-The training-step timing benchmark, the paper reproductions and the link studies
-live in the repository's ``benchmarks/`` folder (``python -m benchmarks``), which
-is not installed.
+The training-step timing and trace benchmarks, the paper reproductions and the link studies
+live in the repository's ``benchmarks/`` folder (``python -m benchmarks``), which is not installed.
 """
 
 import contextlib

@@ -78,7 +78,7 @@ def on_host(a: torch.Tensor) -> bool:
 def accelerator_path() -> Iterator[None]:
     """CPU tensors take the branches an accelerator takes (same results), for the block's duration.
 
-    What a trace of the block sees (``hvd-compress bench trace``) is then what a GPU
+    What a trace of the block sees (``python -m benchmarks trace``) is then what a GPU
     would launch: the kernels and the bytes of the device code path, without a GPU.
     """
     global _host_shortcuts

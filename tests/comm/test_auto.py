@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import Auto, RegTopK, TernGrad, TopK  # noqa: E402
-from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from benchmarks.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.auto import BucketChoice, decide  # noqa: E402
 from hvd_compress.comm.exchange import open_exchange  # noqa: E402
 from hvd_compress.comm.threads import run_ranks  # noqa: E402

@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
-from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from benchmarks.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
 from hvd_compress.comm.threads import ThreadCommunicator, run_ranks  # noqa: E402

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import Auto, GaussianK, RegTopK, TopK  # noqa: E402
-from hvd_compress.bench.host_reads import count_host_reads  # noqa: E402
+from benchmarks.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
 from hvd_compress.comm.threads import run_ranks  # noqa: E402

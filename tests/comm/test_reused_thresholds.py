@@ -218,7 +218,7 @@ def test_nonfinite_gradient_on_a_reused_step_reaches_every_rank_and_keeps_the_st
 
 def test_steady_step_on_the_accelerator_path_reads_nothing_back():
     torch = pytest.importorskip("torch")
-    from hvd_compress.bench.host_reads import count_host_reads
+    from benchmarks.host_reads import count_host_reads
     from hvd_compress.comm.communicator import SingleProcessCommunicator
     from hvd_compress.comm.exchange import BucketExchange
     from hvd_compress.kernels import torch_ops

@@ -188,9 +188,9 @@ def handwritten_gradient(rank: int, step: int, bucket: int) -> np.ndarray:
 
 
 def handwritten_runs(rank: int) -> dict:
-    """The benchmarks' hand-written Top-k hook (``hvd_compress.bench.routes``): called on two buckets
+    """The benchmarks' hand-written Top-k hook (``benchmarks.routes``): called on two buckets
     for 3 steps (results and residuals), then in a DDP model of several buckets (replicas agree)."""
-    from hvd_compress.bench import routes
+    from benchmarks import routes
 
     state, calls = routes.HandwrittenTopKState(RATIO), {}
     for step in range(3):

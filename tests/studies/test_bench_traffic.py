@@ -5,7 +5,7 @@ import io
 import numpy as np
 
 from benchmarks import traffic
-from hvd_compress.bench.shapes import resnet50_shapes
+from benchmarks.shapes import resnet50_shapes
 
 
 def test_shared_index_traffic_is_flat_and_the_allgather_grows():

@@ -13,7 +13,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 from benchmarks import train_step  # noqa: E402
 from benchmarks.cli import main  # noqa: E402
-from hvd_compress.bench import routes  # noqa: E402
+from benchmarks import routes  # noqa: E402
 
 COLUMNS = {
     "route",

@@ -1,4 +1,4 @@
-"""``hvd-compress bench trace``: the counting rules on known operator sequences, the hand-written Top-k
+"""``python -m benchmarks trace``: the counting rules on known operator sequences, the hand-written Top-k
 hook it compares with, the shape models' sizes, and a tiny run of the command on the MLP (structure only,
 no thresholds)."""
 
@@ -12,9 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
-from hvd_compress.bench import routes, shapes, trace_step  # noqa: E402
-from hvd_compress.bench.trace import count_ops, difference, top  # noqa: E402
-from hvd_compress.cli import main  # noqa: E402
+from benchmarks import routes, shapes, trace_step  # noqa: E402
+from benchmarks.trace import count_ops, difference, top  # noqa: E402
+from benchmarks.cli import main  # noqa: E402
 
 F32 = 4
 
@@ -225,7 +225,7 @@ def test_a_shape_model_gives_every_parameter_its_gradient():
 # ------------------------------------------------------------------ command
 def test_cli_traces_the_mlp_and_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "trace.json", tmp_path / "trace.png"
-    argv = ["bench", "trace", "--model", "mlp", "--warmup", "1", "--compressors", "none,topk"]
+    argv = ["trace", "--model", "mlp", "--warmup", "1", "--compressors", "none,topk"]
     argv += ["--routes", "ours-dropin", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     results = json.loads(out.read_text())
@@ -283,4 +283,4 @@ def test_bad_options_are_refused_before_any_work():
     with pytest.raises(ValueError, match="model"):
         trace_step.run(model="vgg")
     with pytest.raises(SystemExit):  # argparse: exit status 2
-        main(["bench", "trace", "--model", "mlp", "--compressors", "auto-regtopk"])
+        main(["trace", "--model", "mlp", "--compressors", "auto-regtopk"])

@@ -25,10 +25,12 @@ def test_demo_writes_json(tmp_path, capsys):
 
 
 def test_a_moved_subcommand_says_where_it_went(capsys):
-    for argv in (["bench", "train-step"], ["bench", "train-step", "--model", "mlp", "--steps", "2", "--help"]):
+    for study, argv in [("train-step", ["bench", "train-step"]),
+                        ("train-step", ["bench", "train-step", "--model", "mlp", "--steps", "2", "--help"]),
+                        ("trace", ["bench", "trace", "--model", "resnet50", "--json", "x.json"])]:
         assert main(argv) == 2
         err = capsys.readouterr().err
-        assert "'bench train-step' moved" in err and "'python -m benchmarks train-step ...'" in err, err
+        assert f"'bench {study}' moved" in err and f"'python -m benchmarks {study} ...'" in err, err
 
 
 def test_simulate_linreg(capsys):
@@ -55,5 +57,5 @@ def test_python_m_benchmarks_lists_the_studies():
     )
     assert done.returncode == 0, done.stderr
     studies = ("linreg", "cnn", "gaussian", "terngrad", "convergence", "compress", "wire", "step", "scaling")
-    for study in studies + ("train-step",):
+    for study in studies + ("train-step", "trace", "select"):
         assert study in done.stdout

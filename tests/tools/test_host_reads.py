@@ -1,4 +1,4 @@
-"""``hvd_compress.bench.host_reads.count_host_reads``: every kind of read counted, originals restored."""
+"""``benchmarks.host_reads.count_host_reads``: every kind of read counted, originals restored."""
 
 import operator
 import threading
@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hvd_compress.bench.host_reads import METHODS, count_host_reads  # noqa: E402
+from benchmarks.host_reads import METHODS, count_host_reads  # noqa: E402
 
 READS = {
     "item": lambda t: t.item(),
@@ -102,7 +102,7 @@ def test_tensorflow_reads_are_counted_and_originals_restored(kind):
     tf = pytest.importorskip("tensorflow")
     from tensorflow.python.framework.ops import EagerTensor
 
-    from hvd_compress.bench.host_reads import TF_METHODS
+    from benchmarks.host_reads import TF_METHODS
 
     getters = {name: getattr(EagerTensor, name) for name in TF_METHODS}
     t = tf.constant(3)

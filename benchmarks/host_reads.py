@@ -1,6 +1,6 @@
 """Count the reads of tensor values into the host made while a block of code runs.
 
-    from hvd_compress.bench.host_reads import count_host_reads
+    from benchmarks.host_reads import count_host_reads
 
     with count_host_reads() as reads:
         loss.backward(); opt.step()

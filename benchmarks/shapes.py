@@ -91,7 +91,7 @@ def _module(names: List[str], shapes: List[Shape]) -> Any:
 
 
 class ShapeWorkload:
-    """A workload (the interface of :class:`~hvd_compress.bench.routes.MLPWorkload`) over a shape model."""
+    """A workload (the interface of :class:`~benchmarks.routes.MLPWorkload`) over a shape model."""
 
     def __init__(self, model: str, device: Any, seed: int) -> None:
         import torch

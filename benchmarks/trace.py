@@ -1,6 +1,6 @@
 """Count the kernels, bytes and device waits of a block of torch code: a ``TorchDispatchMode``.
 
-    from hvd_compress.bench.trace import count_ops
+    from benchmarks.trace import count_ops
 
     with count_ops() as counts:
         step()
@@ -37,7 +37,7 @@ counts stand for its kernels even when the block runs on the CPU):
   the block, or where the target is on a device). ``index_fill_(0, idx, 0)``
   takes the scalar as an argument: no wait. ``tolist``/``numpy`` of a CPU
   tensor dispatch nothing; :func:`count_ops` adds them from
-  :func:`~hvd_compress.bench.host_reads.count_host_reads` (``host_reads=True``).
+  :func:`~benchmarks.host_reads.count_host_reads` (``host_reads=True``).
 * **collective**: an operator of the ``c10d`` namespace (``all_reduce``,
   ``all_gather`` ... of ``torch.distributed``), counted in ``collectives``
   and not in ``ops``/``bytes`` (the link's work); Horovod's collectives run
@@ -264,7 +264,7 @@ def count_ops(host_reads: bool = True) -> Iterator[OpCounts]:
     ``host_reads``: also count ``tolist``/``numpy`` reads as waits (CPU blocks; on a device
     those reads are copies the dispatcher sees).
     """
-    from hvd_compress.bench.host_reads import count_host_reads
+    from benchmarks.host_reads import count_host_reads
 
     counts = OpCounts()
     threads = _Threads(counts)

@@ -1,4 +1,4 @@
-"""The routes of a one-rank training step that ``hvd-compress bench trace`` compares.
+"""The routes of a one-rank training step that ``python -m benchmarks trace`` compares.
 
 Each route is a step function over a fresh model of a workload (same seed,
 same synthetic batch): zero_grad, forward, backward, the gradient exchange and

@@ -1,10 +1,10 @@
-"""Kernels, bytes and device waits of one steady training step per route: ``hvd-compress bench trace``.
+"""Kernels, bytes and device waits of one steady training step per route: ``python -m benchmarks trace``.
 
 The stand-in for a GPU profile when no GPU is at hand. Each row builds a
-route of :mod:`hvd_compress.bench.routes` (:func:`~hvd_compress.bench.routes.build_route`,
+route of :mod:`benchmarks.routes` (:func:`~benchmarks.routes.build_route`,
 world size 1 in a one-rank gloo group, NCCL on CUDA), runs ``warmup`` steps
 (the plan, DDP's bucket rebuild and the header checks happen there), then
-traces one more step with :func:`hvd_compress.bench.trace.count_ops` (its
+traces one more step with :func:`benchmarks.trace.count_ops` (its
 docstring has the rules: kernels, bytes, device waits, collectives). The whole
 row runs inside :func:`hvd_compress.kernels.torch_ops.accelerator_path`, so on
 the CPU our kernels take the branches an accelerator takes (no numpy
@@ -13,15 +13,15 @@ selection): the trace counts what a GPU would launch.
 Rows: ``local`` (no exchange: what every other row is compared with; ``added``
 = the row minus ``local``), ``ddp`` (allreduce), ``ddp+fp16`` (torch's
 ``fp16_compress_hook``), ``ddp+handwritten-topk``
-(:func:`~hvd_compress.bench.routes.handwritten_topk_hook`, the peer:
+(:func:`~benchmarks.routes.handwritten_topk_hook`, the peer:
 ``ops_vs_handwritten`` = added ops / its added ops, same for bytes), then
 ``ours-ddp-hook``, ``ours-dropin`` and ``ours-stock-horovod`` per compressor.
 ``local`` and the hand-written hook always run.
 
-Models: ``resnet50`` and ``gpt2`` are :mod:`hvd_compress.bench.shapes` models
+Models: ``resnet50`` and ``gpt2`` are :mod:`benchmarks.shapes` models
 (the real parameter shapes and order, a cheap loss touching every parameter;
 no torchvision or transformers), ``mlp`` is
-:class:`~hvd_compress.bench.routes.MLPWorkload`. The forward and backward of these stand-ins are not the real models', but they are the same in
+:class:`~benchmarks.routes.MLPWorkload`. The forward and backward of these stand-ins are not the real models', but they are the same in
 every row, so the added figures are the exchange's alone.
 """
 
@@ -35,7 +35,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hvd_compress.bench import report
-from hvd_compress.bench import routes as step_routes
+from benchmarks import routes as step_routes
 
 MODELS = ("resnet50", "gpt2", "mlp")
 COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "terngrad")
@@ -62,14 +62,14 @@ def workload(model: str, device: Any, seed: int) -> Any:
     """The shape model of ``resnet50``/``gpt2``, or the MLP."""
     if model == "mlp":
         return step_routes.MLPWorkload(device, step_routes.MLP_BATCH, seed)
-    from hvd_compress.bench.shapes import ShapeWorkload
+    from benchmarks.shapes import ShapeWorkload
 
     return ShapeWorkload(model, device, seed)
 
 
 def trace_row(env: Any, route: str, compressor: str, warmup: int) -> Dict[str, Any]:
     """One row's counts over one steady step; a failure is the row's ``error``, never an exception."""
-    from hvd_compress.bench.trace import count_ops
+    from benchmarks.trace import count_ops
     from hvd_compress.kernels.torch_ops import accelerator_path
 
     row: Dict[str, Any] = {
@@ -106,8 +106,8 @@ def _ratio(value: int, base: Optional[int]) -> Optional[float]:
 
 def compare(rows: List[Dict[str, Any]], top: int) -> None:
     """Fill each row's added ops/bytes (vs ``local``), ratios to the hand-written hook and top added ops."""
-    from hvd_compress.bench.trace import difference
-    from hvd_compress.bench.trace import top as ranked
+    from benchmarks.trace import difference
+    from benchmarks.trace import top as ranked
 
     by_ops = [row.pop("by_op", None) for row in rows]
     local = next((i for i, r in enumerate(rows) if r["route"] == LOCAL and by_ops[i] is not None), None)
@@ -239,7 +239,7 @@ def _settings(v: Dict[str, Any], machine: Dict[str, Any], torch: Any, hvd: Any) 
         "optimizer": f"SGD lr {step_routes.LR:g} momentum 0.9",
         "code_path": "hvd_compress.kernels.torch_ops.accelerator_path() (no CPU-only numpy shortcuts)",
         "counting": (
-            "one steady step traced with a TorchDispatchMode (hvd_compress.bench.trace): ops = aten "
+            "one steady step traced with a TorchDispatchMode (benchmarks.trace): ops = aten "
             "operators that launch a kernel (views, allocations and metadata changes excluded); bytes = "
             "numel*itemsize of every tensor argument and result of those; device waits = operators that "
             "synchronise the host on CUDA (_local_scalar_dense, nonzero, masked_select, unique*, equal, "
