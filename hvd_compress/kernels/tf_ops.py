@@ -324,30 +324,29 @@ def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
 def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, offset: int = 0) -> tf.Tensor:
     """:func:`gaussiank_from`'s indices plus ``offset`` (int64) in ``width`` slots (at least as many as
     it selects: :func:`gaussiank_slots`), the unused ones ``spare``: no size depends on the data, so
-    nothing is read back to the host. A ``top_k`` of ``numel - j`` over the selected ``j`` puts them
-    in index order."""
-    numel = magnitude.shape[0]
-    final, trim = _threshold_rule(magnitude, threshold, *gaussiank_bounds(k))
-    rank = tf.where(magnitude > cast(final, magnitude.dtype), numel - tf.range(numel), 0)
-    top = tf.math.top_k(rank, min(width, numel), sorted=True)
-    used = (top.values > 0) & (tf.range(min(width, numel)) < tf.where(trim, k, width))
-    positions = tf.where(used, tf.cast(top.indices, tf.int64) + offset, np.int64(spare))
-    return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0)
+    nothing is read back to the host."""
+    return threshold_positions(magnitude, threshold, gaussiank_bounds(k), k, width, spare, offset)[0]
 
 
 def reused_positions(scores, threshold, k: int, spare: int, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
-    """:func:`reference.reused_threshold_select` of one row from its kept ``threshold`` (float64): ``(its
-    indices plus offset in k slots, the unused ones spare; the threshold to keep, float64)``. A ``top_k``
-    of ``numel - j`` over the marked ``j`` puts them in index order."""
-    numel, threshold = scores.shape[0], _float64(threshold)
-    marked = scores > cast(threshold, scores.dtype)
-    count = tf.math.count_nonzero(marked)
-    rank = tf.where(marked, numel - tf.range(numel), 0)
-    top = tf.math.top_k(rank, min(k, numel), sorted=True)
-    positions = tf.where(top.values > 0, tf.cast(top.indices, tf.int64) + offset, np.int64(spare))
-    low, high = reuse_bounds(k)
-    factor = tf.where(count > high, GAUSSIANK_GROW, tf.where(count < low, GAUSSIANK_SHRINK, 1.0))
-    return tf.concat([positions, tf.fill([k - min(k, numel)], np.int64(spare))], 0), threshold * tf.cast(factor, tf.float64)
+    """:func:`reference.reused_threshold_select` of one row from its kept ``threshold``: ``(its indices
+    plus offset in k slots, the unused ones spare; the threshold to keep, float64)``."""
+    return threshold_positions(scores, threshold, reuse_bounds(k), k, k, spare, offset)
+
+
+def threshold_positions(magnitude, threshold, bounds: Tuple[int, int], room: int, width: int, spare: int,
+                        offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``{j : magnitude_j > thr}`` plus ``offset`` (int64) in index order in ``width`` slots, the unused
+    ones ``spare``, ``thr`` the first ``threshold`` corrected toward a count in ``bounds``
+    (:func:`reference.threshold_choice`; a set it cuts keeps its first ``room``), and ``thr`` (float64).
+    A ``top_k`` of ``numel - j`` over the selected ``j`` puts them in index order."""
+    numel = magnitude.shape[0]
+    final, trim = _threshold_rule(magnitude, threshold, *bounds)
+    rank = tf.where(magnitude > cast(final, magnitude.dtype), numel - tf.range(numel), 0)
+    top = tf.math.top_k(rank, min(width, numel), sorted=True)
+    used = (top.values > 0) & (tf.range(min(width, numel)) < tf.where(trim, room, width))
+    positions = tf.where(used, tf.cast(top.indices, tf.int64) + offset, np.int64(spare))
+    return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0), final
 
 
 def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -318,12 +318,14 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
-    """:func:`reference.reused_threshold_select` of one tensor's scores (a per-tensor helper; the fused path
-    runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
-    marked = torch.nonzero(scores > _rounded(threshold, scores.dtype)).flatten()
-    low, high = reuse_bounds(k)
-    factor = GAUSSIANK_GROW if marked.shape[0] > high else GAUSSIANK_SHRINK if marked.shape[0] < low else 1.0
-    return marked[:k].to(index_dtype(scores.shape[0])), threshold * factor
+    """:func:`reference.reused_threshold_select` of one tensor's scores (counts read back: a per-tensor
+    helper; the fused path runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
+    def count(t: float) -> int:
+        return int(torch.count_nonzero(scores > _rounded(t, scores.dtype)))
+
+    chosen, _ = threshold_choice(count, threshold, *reuse_bounds(k))
+    selected = torch.nonzero(scores > _rounded(chosen, scores.dtype)).flatten()[:k]
+    return selected.to(index_dtype(scores.shape[0])), chosen
 
 
 def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:

@@ -23,6 +23,10 @@ Gaussian-k (``floor(4k/3)`` slots a row)::
                 one cumulative count over the marks and one binary search:
                 the marked entries in their row's slots, in index order
 
+Reused thresholds (Top-k and RegTop-k with ``exact_every > 1``, between exact selections): Gaussian-k's
+counting and marking passes from each row's kept threshold, toward ``[ceil(k/2), k]`` entries in
+``k`` slots (:meth:`Rows.reused`).
+
 Scores are non-negative with the sign bit clear (``|a|``, NaN included): read as integers of
 their width their order is the floats' order, NaN above +Inf, so ``torch.topk`` of the bits is
 exact for every float dtype and a tie is an equal bit pattern. On the CPU, outside
@@ -32,7 +36,6 @@ kernels' host shortcuts instead (numpy's selection, a loop over the rows), faste
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -130,14 +133,7 @@ class Rows:
         self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
         self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
-        self._gaussiank: Optional[Tuple[torch.Tensor, ...]] = None
-        #: each row's start, then its end (in ``cumsum`` positions), each slot's rank + 1, and per row
-        #: the counts that keep a reused threshold (:func:`reference.reuse_bounds`)
-        self._row_bounds = tensor(np.concatenate([starts, starts + np.repeat(
-            [n for _, count, n, _, _ in self.groups], [count for _, count, _, _, _ in self.groups])]))
-        self._next_rank = self.slot_rank + 1
-        bounds = np.array([reference.reuse_bounds(k) for k in row_k], dtype=np.int64).reshape(-1, 2)
-        self._reuse_bounds = (tensor(bounds[:, 0]), tensor(bounds[:, 1]))
+        self._tables: Dict[Any, Tuple[torch.Tensor, ...]] = {}
 
     def marks(self, size: int) -> torch.Tensor:
         """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
@@ -241,13 +237,16 @@ class Rows:
         first, mean = self.thresholds(a, ratio)
         if ops.on_host(a) if host is None else host:
             return self._gaussiank_host(magnitude, first), mean
-        return self._gaussiank_from(magnitude, first), mean
+        return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
-    def _gaussiank_from(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        """Every row's Gaussian-k selection from its ``first`` threshold (float64): all six thresholds a
-        row can meet counted in one pass per group, the rule applied to the counts, one pass marking
-        what the chosen threshold selects (cut to ``k`` where the rule cuts)."""
-        factors, outcomes, pow3, bounds, next_rank, counts = self._gaussiank_tables()
+    def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor,
+                      bounds_of: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` its ``first`` threshold
+        (float64) corrected toward a count in ``bounds_of(k)`` (:func:`reference.threshold_choice`):
+        ``(positions, thr)``. All six thresholds a row can meet are counted in one pass per group, the
+        rule is applied to the counts (a table of its outcomes), and one pass marks what the chosen
+        threshold selects (cut to ``k`` where the rule cuts)."""
+        factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
         if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
@@ -256,10 +255,10 @@ class Rows:
             limits = ops.cast(first[:, None] * factors, magnitude.dtype)
         for _, view, _, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
             torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
-        levels = torch.searchsorted(bounds, counts, right=True)  # 0 below 2k/3, 1 in range, 2 above 4k/3
+        levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
         limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
-        return self._marked(magnitude, limit, room, next_rank)
+        return self._marked(magnitude, limit, room, next_rank), first * factors.index_select(0, outcome.view(-1))
 
     def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: torch.Tensor,
                 next_rank: torch.Tensor) -> torch.Tensor:
@@ -276,17 +275,18 @@ class Rows:
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         return torch.cumsum(marks, 0, dtype=self.scan)
 
-    def _gaussiank_tables(self) -> Tuple[torch.Tensor, ...]:
-        """Built once: the factors (twice), the outcome table, powers of 3 (then zeros), each row's integer
-        bounds ``[ceil(2k/3), floor(4k/3) + 1]``, each slot's rank + 1, and the counts' buffer: six
-        counts per row, then ``k`` six times (the room of a cut set)."""
-        if self._gaussiank is None:
+    def _threshold_tables(self, bounds_of: Any) -> Tuple[torch.Tensor, ...]:
+        """Built once per rule: the factors (twice), the outcome table, powers of 3 (then zeros), each row's
+        integer bounds ``[low, high + 1]`` (``bounds_of(k)``), each slot's rank + 1, and the counts' buffer:
+        six counts per row, then ``k`` six times (the room of a cut set)."""
+        tables = self._tables.get(bounds_of)
+        if tables is None:
             nodes = len(reference.GAUSSIANK_FACTORS)
             bounds = [[low, high + 1] for start, count, n, k, width in self.groups for _ in range(count)
-                      for low, high in [reference.gaussiank_bounds(k)]]
+                      for low, high in [bounds_of(k)]]
             counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
             counts[:, nodes:] = self.k[:, None]
-            self._gaussiank = (
+            tables = self._tables[bounds_of] = (
                 torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
                 _OUTCOMES.to(self.device),
                 torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
@@ -294,26 +294,14 @@ class Rows:
                 self.slot_rank + 1,
                 counts,
             )
-        return self._gaussiank
+        return tables
 
     # ---------------------------------------------------------- reused thresholds
     def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
-        work order): ``(positions, the thresholds to keep)``, each row's first ``k`` entries above its
-        threshold in index order in its slots, the others ``spare``. One marking pass per group, the
-        cumulative count (each row's count: its value at the row's end minus at its start), one
-        binary search; the next thresholds from the counts, elementwise on the rows."""
-        limit = kept.to(scores.dtype)[:, None]  # rounded once, as numpy compares a float with an array
-        counted = self._counted(scores, limit)
-        ends = counted.index_select(0, self._row_bounds)
-        count = ends[self.count :] - ends[: self.count]
-        found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(self._next_rank))
-        positions = torch.where(self.slot_rank < torch.minimum(count, self.k).index_select(0, self.slot_row),
-                                found, self.spare)
-        low, high = self._reuse_bounds
-        factor = torch.where(count > high, reference.GAUSSIANK_GROW,
-                             torch.where(count < low, reference.GAUSSIANK_SHRINK, 1.0)).to(torch.float64)
-        return positions, kept * factor
+        work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
+        first slots, the others ``spare``: a counting pass and a marking pass per size group, no top-k."""
+        return self._by_threshold(scores, kept, reference.reuse_bounds)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""

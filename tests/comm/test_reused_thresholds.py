@@ -1,6 +1,6 @@
-"""Reused thresholds (``exact_every = T > 1``): Top-k's exact selection every T-th step of the run, and
-between, each tensor's first k entries above its kept threshold, the threshold moved by the count
-(hvd_compress.compressors.sparse_bucket, ``reference.reused_threshold_select``).
+"""Reused thresholds (``exact_every = T > 1``): Top-k's exact selection every T-th step of the run, each
+tensor's kept threshold corrected by one count between (hvd_compress.compressors.sparse_bucket,
+``reference.reused_threshold_select``).
 
 The oracle below is written from the rule alone, per tensor and rank, in numpy: the engine (Simulator,
 thread ranks; numpy's row selections, torch's the CPU's way and the accelerator's, TensorFlow's) must
@@ -32,10 +32,19 @@ def grads(step, ranks, drift=1.0):
 
 
 def oracle_select(scores, threshold, k):
-    """The first k entries above the threshold; the next threshold x1.5 above k entries, x0.5 below ceil(k/2)."""
-    marked = np.flatnonzero(scores > np.float32(threshold))
-    factor = 1.5 if marked.size > k else 0.5 if marked.size < (k + 1) // 2 else 1.0
-    return marked[:k], threshold * factor
+    """Gaussian-k's correction toward [ceil(k/2), k] entries above the threshold (x0.5 below, x1.5 above,
+    3 counts; else the smallest overshooting set, cut to its first k, or the last threshold tried)."""
+    low, high, factor, last, superset = (k + 1) // 2, k, 1.0, threshold, None
+    for _ in range(3):
+        current = threshold * factor
+        count = np.count_nonzero(scores > np.float32(current))
+        if low <= count <= high:
+            return np.flatnonzero(scores > np.float32(current)), current
+        if count > high and (superset is None or count < superset[0]):
+            superset = (count, current)
+        last, factor = current, factor * (0.5 if count < low else 1.5)
+    chosen = last if superset is None else superset[1]
+    return np.flatnonzero(scores > np.float32(chosen))[:k], chosen
 
 
 class Oracle:
@@ -237,30 +246,65 @@ def test_steady_step_on_the_accelerator_path_reads_nothing_back():
     assert not syncing, f"host reads in a steady step (one exact, one reused): {syncing} at {reads.sites.most_common(5)}"
 
 
-@pytest.mark.parametrize("above, factor", [
-    (8, 1.0),     # in [5, 10]: the threshold stays
-    (10, 1.0),    # the upper bound itself
-    (5, 1.0),     # the lower bound itself
-    (11, 1.5),    # one over: every entry above but the first 10 by index stays in the residual; x1.5
-    (4, 0.5),     # one under: all 4 sent; x0.5
-    (0, 0.5),     # none above
+@pytest.mark.parametrize("above, between, expected_count", [
+    (8, 0, 8),      # in [5, 10]: the kept threshold as it is
+    (10, 0, 10),    # the upper bound itself
+    (5, 0, 5),      # the lower bound itself
 ])
-def test_each_branch_of_the_rule_by_hand(above, factor):
-    """k = 10 slots, kept threshold 10: ``above`` entries of 20 among ones of 1; the set is the first
-    min(above, 10) of them in index order, the next threshold 10 x factor."""
+def test_a_count_in_range_keeps_the_threshold(above, between, expected_count):
+    """k = 10 accepts [ceil(10/2), 10] entries above the kept threshold 10: ``above`` entries of 20 (and
+    ones of 1 below)."""
     scores = np.ones(100, dtype=np.float32)
-    where = np.sort(np.random.default_rng(above).permutation(100)[:above])
+    where = np.random.default_rng(0).permutation(100)[:above]
     scores[where] = 20.0
     chosen, kept = reference.reused_threshold_select(scores, 10.0, 10)
-    assert kept == 10.0 * factor
-    np.testing.assert_array_equal(chosen, where[:10])
+    assert kept == 10.0
+    np.testing.assert_array_equal(chosen, np.sort(where))
+    assert chosen.size == expected_count
+
+
+def test_one_over_the_bound_grows_the_threshold():
+    """11 entries above 10 (> k = 10): x1.5, and the 8 above 15 are in range."""
+    scores = np.ones(60, dtype=np.float32)
+    scores[[3, 9, 17, 20, 33, 41, 50, 58]] = 20.0
+    scores[[5, 12, 44]] = 12.0
+    chosen, kept = reference.reused_threshold_select(scores, 10.0, 10)
+    assert kept == 15.0
+    np.testing.assert_array_equal(chosen, [3, 9, 17, 20, 33, 41, 50, 58])
+
+
+def test_one_under_the_bound_shrinks_the_threshold():
+    """4 entries above 10 (< ceil(10/2)): x0.5, and the 7 above 5 are in range."""
+    scores = np.ones(60, dtype=np.float32)
+    scores[[2, 30, 31, 59]] = 20.0
+    scores[[0, 7, 40]] = 6.0
+    chosen, kept = reference.reused_threshold_select(scores, 10.0, 10)
+    assert kept == 5.0
+    np.testing.assert_array_equal(chosen, [0, 2, 7, 30, 31, 40, 59])
+
+
+def test_an_overshoot_beyond_every_correction_keeps_the_first_k():
+    """Every threshold tried selects more than k: the smallest such set, cut to its first k indices."""
+    scores = np.full(50, 10.0, dtype=np.float32)
+    scores[::2] = 100.0
+    chosen, kept = reference.reused_threshold_select(scores, 1.0, 4)  # 1, 1.5, 2.25: all 50 above
+    np.testing.assert_array_equal(chosen, np.arange(4))
+    assert kept == 1.0
+
+
+def test_a_collapse_keeps_the_last_threshold_tried():
+    """Every threshold tried selects fewer than ceil(k/2): the last one (x0.25), and what it selects."""
+    scores = np.array([1.0, 2.0, 3.0, 40.0, 50.0], dtype=np.float32)
+    chosen, kept = reference.reused_threshold_select(scores, 200.0, 4)  # 200, 100, 50: none above
+    assert kept == 50.0
+    assert chosen.size == 0
 
 
 def test_a_score_equal_to_the_threshold_is_not_sent():
     """``score > thr``: an entry exactly at the kept threshold (the k-th largest of an exact step) stays."""
-    scores = np.array([3.0, 5.0, 5.0, 1.0, 7.0], dtype=np.float32)
-    chosen, kept = reference.reused_threshold_select(scores, 5.0, 2)
-    np.testing.assert_array_equal(chosen, [4])
+    scores = np.array([3.0, 5.0, 5.0, 1.0, 7.0, 0.5, 9.0], dtype=np.float32)
+    chosen, kept = reference.reused_threshold_select(scores, 5.0, 2)  # two above 5: in [1, 2]
+    np.testing.assert_array_equal(chosen, [4, 6])
     assert kept == 5.0
 
 
