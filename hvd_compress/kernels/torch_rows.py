@@ -239,13 +239,13 @@ class Rows:
             return self._gaussiank_host(magnitude, first), mean
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
-    def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor,
-                      bounds_of: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
+                      keep: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` its ``first`` threshold
         (float64) corrected toward a count in ``bounds_of(k)`` (:func:`reference.threshold_choice`):
-        ``(positions, thr)``. All six thresholds a row can meet are counted in one pass per group, the
-        rule is applied to the counts (a table of its outcomes), and one pass marks what the chosen
-        threshold selects (cut to ``k`` where the rule cuts)."""
+        ``(positions, thr if keep else None)``. All six thresholds a row can meet are counted in one pass
+        per group, the rule is applied to the counts (a table of its outcomes), and one pass marks what
+        the chosen threshold selects (cut to ``k`` where the rule cuts)."""
         factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
@@ -258,7 +258,8 @@ class Rows:
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
         limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
-        return self._marked(magnitude, limit, room, next_rank), first * factors.index_select(0, outcome.view(-1))
+        chosen = first * factors.index_select(0, outcome.view(-1)) if keep else None
+        return self._marked(magnitude, limit, room, next_rank), chosen
 
     def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: torch.Tensor,
                 next_rank: torch.Tensor) -> torch.Tensor:
@@ -301,7 +302,7 @@ class Rows:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
         work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
         first slots, the others ``spare``: a counting pass and a marking pass per size group, no top-k."""
-        return self._by_threshold(scores, kept, reference.reuse_bounds)
+        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""
