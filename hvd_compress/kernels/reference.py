@@ -343,26 +343,38 @@ def reuse_bounds(k: int) -> Tuple[int, int]:
     return (k + 1) // 2, k
 
 
+#: Entries a reused threshold's counts expect above it in their sample (``k / stride``).
+REUSE_SAMPLE = 64
+
+
+def reuse_stride(k: int) -> int:
+    """Every how many entries a reused threshold's counts look (:func:`reused_threshold_select`):
+    ``max(1, k // REUSE_SAMPLE)``, so about 64 sampled entries lie above a threshold in range."""
+    return max(1, k // REUSE_SAMPLE)
+
+
 def reused_threshold_select(scores: np.ndarray, threshold: float, k: int) -> Tuple[np.ndarray, float]:
     """One row's selection by a kept ``threshold`` into ``k`` slots: ``(indices ascending, the
     threshold to keep)``.
 
-    ``S = {j : score_j > thr}``, ``thr`` the kept threshold corrected as Gaussian-k
-    corrects its first (:func:`threshold_choice`: up to three counts, x0.5 below
-    ``ceil(k/2)``, x1.5 above ``k``) toward a count in :func:`reuse_bounds`; a set
-    beyond ``k`` (the correction's largest threshold still overshooting) keeps its
-    first ``k`` indices. On an accelerator the six thresholds the correction can meet
-    are counted in one pass, then one pass marks the chosen set. The threshold
-    chosen is kept for the next step, so it follows the scores as they drift; an
-    exact selection (every ``exact_every`` steps) sets it again to the ``k``-th
-    largest score. Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for
-    Distributed Deep Learning", PPoPP 2022, arXiv:2201.07598) likewise selects by a
-    threshold it recomputes exactly only every few steps. (Marking once against the
-    kept threshold and only moving it for the next step, without the in-step
-    correction, cost 1.3 points of accuracy on the Fashion-MNIST MLP: while the
-    threshold catches up, the cut keeps the lowest indices; docs/results.md.)
+    ``S = {j : score_j > thr}`` in index order, at most its first ``k``; ``thr`` the kept
+    threshold corrected as Gaussian-k corrects its first (:func:`threshold_choice`: up
+    to three counts, x0.5 below ``ceil(k/2)``, x1.5 above ``k``), where a count is
+    estimated from every ``s``-th entry, ``s`` = :func:`reuse_stride` (``s`` times the
+    entries of ``scores[::s]`` above ``thr``): on an accelerator the six thresholds the
+    correction can meet are counted on ``n/s`` entries, then one pass over the row marks
+    the chosen set. The threshold chosen is kept for the next step, so it follows the
+    scores as they drift; an exact selection (every ``exact_every`` steps) sets it again
+    to the ``k``-th largest score. Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce
+    for Distributed Deep Learning", PPoPP 2022, arXiv:2201.07598) likewise selects by a
+    threshold it recomputes exactly only every few steps. (Marking once against the kept
+    threshold and moving it only for the next step, without the in-step correction, cost
+    1.3 points of accuracy on the Fashion-MNIST MLP: while the threshold catches up, the
+    cut keeps the lowest indices; docs/results.md.)
     """
-    chosen, _ = threshold_choice(lambda t: int(np.count_nonzero(scores > t)), threshold, *reuse_bounds(k))
+    stride = reuse_stride(k)
+    sample = scores[::stride]
+    chosen, _ = threshold_choice(lambda t: stride * int(np.count_nonzero(sample > t)), threshold, *reuse_bounds(k))
     selected = np.flatnonzero(scores > chosen)[:k]
     return selected.astype(index_dtype(scores.shape[0])), chosen
 

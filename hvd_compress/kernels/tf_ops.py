@@ -48,7 +48,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     gaussiank_slots,
     normal_tail_quantile,
     num_selected,
+    REUSE_SAMPLE,
     reuse_bounds,
+    reuse_stride,
     threshold_choice,
 )
 
@@ -331,17 +333,18 @@ def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, of
 def reused_positions(scores, threshold, k: int, spare: int, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
     """:func:`reference.reused_threshold_select` of one row from its kept ``threshold``: ``(its indices
     plus offset in k slots, the unused ones spare; the threshold to keep, float64)``."""
-    return threshold_positions(scores, threshold, reuse_bounds(k), k, k, spare, offset)
+    return threshold_positions(scores, threshold, reuse_bounds(k), k, k, spare, offset, reuse_stride(k))
 
 
 def threshold_positions(magnitude, threshold, bounds: Tuple[int, int], room: int, width: int, spare: int,
-                        offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
+                        offset: int = 0, stride: int = 1) -> Tuple[tf.Tensor, tf.Tensor]:
     """``{j : magnitude_j > thr}`` plus ``offset`` (int64) in index order in ``width`` slots, the unused
-    ones ``spare``, ``thr`` the first ``threshold`` corrected toward a count in ``bounds``
-    (:func:`reference.threshold_choice`; a set it cuts keeps its first ``room``), and ``thr`` (float64).
-    A ``top_k`` of ``numel - j`` over the selected ``j`` puts them in index order."""
+    ones ``spare``, ``thr`` the first ``threshold`` corrected toward a count in ``bounds`` (counted on
+    every ``stride``-th entry, scaled; :func:`reference.threshold_choice`; a set it cuts keeps its first
+    ``room``), and ``thr`` (float64). A ``top_k`` of ``numel - j`` over the selected ``j`` puts them in
+    index order."""
     numel = magnitude.shape[0]
-    final, trim = _threshold_rule(magnitude, threshold, *bounds)
+    final, trim = _threshold_rule(magnitude, threshold, *bounds, stride)
     rank = tf.where(magnitude > cast(final, magnitude.dtype), numel - tf.range(numel), 0)
     top = tf.math.top_k(rank, min(width, numel), sorted=True)
     used = (top.values > 0) & (tf.range(min(width, numel)) < tf.where(trim, room, width))
@@ -357,19 +360,21 @@ def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Te
     return tf.cast(tf.boolean_mask(positions, positions < numel), index_dtype(numel)), chosen
 
 
-def _threshold_rule(magnitude, threshold, low: int, high: int) -> Tuple[tf.Tensor, tf.Tensor]:
+def _threshold_rule(magnitude, threshold, low: int, high: int, stride: int = 1) -> Tuple[tf.Tensor, tf.Tensor]:
     """:func:`reference.threshold_choice` unrolled: ``(the threshold it selects by, whether it cuts
     that set)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
     the steps' product, in float64, rounded once to ``a``'s dtype as numpy compares); scalar
     ``tf.where``s keep the round that settles."""
     numel = magnitude.shape[0]
 
+    sample = magnitude[::stride]
+
     def count_above(threshold):
-        return tf.cast(tf.math.count_nonzero(magnitude > cast(threshold, magnitude.dtype)), tf.float64)
+        return stride * tf.cast(tf.math.count_nonzero(sample > cast(threshold, magnitude.dtype)), tf.float64)
 
     first = chosen = last = superset = _float64(threshold)
     factor = tf.constant(1.0, tf.float64)
-    smallest = tf.constant(numel + 1.0, tf.float64)  # the lowest count above high seen so far
+    smallest = tf.constant(np.inf, tf.float64)  # the lowest count above high seen so far
     done = tf.constant(False)
     for _ in range(GAUSSIANK_ROUNDS):
         threshold = first * factor
@@ -384,7 +389,7 @@ def _threshold_rule(magnitude, threshold, low: int, high: int) -> Tuple[tf.Tenso
         step = tf.cast(tf.where(below, GAUSSIANK_SHRINK, GAUSSIANK_GROW), tf.float64)  # exact in float32
         factor = tf.where(moves, factor * step, factor)
         done = done | settles
-    trim = ~done & (smallest <= numel)
+    trim = ~done & (smallest < np.inf)
     return tf.where(done, chosen, tf.where(trim, superset, last)), trim
 
 

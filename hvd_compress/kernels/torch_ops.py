@@ -37,7 +37,9 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     masked,
     normal_tail_quantile,
     num_selected,
+    REUSE_SAMPLE,
     reuse_bounds,
+    reuse_stride,
     sum_along,
     threshold_choice,
 )
@@ -320,8 +322,11 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
 def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
     """:func:`reference.reused_threshold_select` of one tensor's scores (counts read back: a per-tensor
     helper; the fused path runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
+    stride = reuse_stride(k)
+    sample = scores[::stride]
+
     def count(t: float) -> int:
-        return int(torch.count_nonzero(scores > _rounded(t, scores.dtype)))
+        return stride * int(torch.count_nonzero(sample > _rounded(t, scores.dtype)))
 
     chosen, _ = threshold_choice(count, threshold, *reuse_bounds(k))
     selected = torch.nonzero(scores > _rounded(chosen, scores.dtype)).flatten()[:k]

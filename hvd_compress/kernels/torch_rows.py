@@ -134,6 +134,9 @@ class Rows:
         self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
         self._tables: Dict[Any, Tuple[torch.Tensor, ...]] = {}
+        #: each row's start and then its end, as positions of the cumulative count of marks
+        row_n = np.repeat([n for _, count, n, _, _ in self.groups], [count for _, count, _, _, _ in self.groups])
+        self._row_ends = tensor(np.concatenate([starts, starts + row_n.astype(np.int64)]))
 
     def marks(self, size: int) -> torch.Tensor:
         """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
@@ -240,12 +243,13 @@ class Rows:
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
     def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
-                      keep: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      keep: bool = False, stride_of: Any = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` its ``first`` threshold
         (float64) corrected toward a count in ``bounds_of(k)`` (:func:`reference.threshold_choice`):
         ``(positions, thr if keep else None)``. All six thresholds a row can meet are counted in one pass
-        per group, the rule is applied to the counts (a table of its outcomes), and one pass marks what
-        the chosen threshold selects (cut to ``k`` where the rule cuts)."""
+        per group (with ``stride_of``: on every ``stride_of(k)``-th entry, the counts scaled by it), the
+        rule is applied to the counts (a table of its outcomes), and one pass marks what the chosen
+        threshold selects (cut to ``k`` where the rule cuts)."""
         factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
@@ -253,19 +257,28 @@ class Rows:
             limits = torch.mul(first[:, None], factors, out=magnitude.new_empty((self.count, 2 * nodes)))
         else:
             limits = ops.cast(first[:, None] * factors, magnitude.dtype)
-        for _, view, _, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
-            torch.sum(torch.gt(view[:, :, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
+        for _, view, k, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
+            stride = stride_of(k) if stride_of else 1
+            torch.sum(torch.gt(view[:, ::stride, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
+            if stride > 1:
+                counts[r0:r1, :nodes].mul_(stride)
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
-        limit, room = limits.gather(1, outcome), counts.gather(1, outcome).view(-1)
+        limit = limits.gather(1, outcome)
+        room = counts.gather(1, outcome).view(-1) if stride_of is None else None  # sampled: count the marks
         chosen = first * factors.index_select(0, outcome.view(-1)) if keep else None
         return self._marked(magnitude, limit, room, next_rank), chosen
 
-    def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: torch.Tensor,
+    def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: Optional[torch.Tensor],
                 next_rank: torch.Tensor) -> torch.Tensor:
         """Per row the first ``room`` entries above its ``limit`` (a column), in index order in its slots,
-        the other slots ``spare``: one marking pass per group, one cumulative count, one binary search."""
+        the other slots ``spare``: one marking pass per group, one cumulative count, one binary search.
+        ``room=None``: every marked entry up to ``k`` (each row's marks: the count at its end minus at its
+        start)."""
         counted = self._counted(magnitude, limit)
+        if room is None:
+            ends = counted.index_select(0, self._row_ends)
+            room = torch.minimum(ends[self.count :] - ends[: self.count], self.k)
         found = torch.searchsorted(counted[1:], self._at_row_starts(counted).add_(next_rank))
         return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare)
 
@@ -301,8 +314,9 @@ class Rows:
     def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
         work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
-        first slots, the others ``spare``: a counting pass and a marking pass per size group, no top-k."""
-        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True)
+        first slots, the others ``spare``: a counting pass over every ``reuse_stride(k)``-th entry and a
+        marking pass per size group, no top-k."""
+        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True, stride_of=reference.reuse_stride)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""

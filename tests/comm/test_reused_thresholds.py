@@ -18,7 +18,8 @@ from hvd_compress.simulator import Simulator
 from tests import conformance
 from tests.helpers import topk_oracle
 
-SHAPES = {"w": (30, 40), "v": (40, 30), "b": (900,), "tiny": (7,)}
+#: "big": k = 1,920 at 3%, so its counts look at every 30th entry
+SHAPES = {"w": (30, 40), "v": (40, 30), "b": (900,), "tiny": (7,), "big": (64, 1000)}
 RATIO = 0.03
 EVERY = 4
 
@@ -33,13 +34,15 @@ def grads(step, ranks, drift=1.0):
 
 def oracle_select(scores, threshold, k):
     """Gaussian-k's correction toward [ceil(k/2), k] entries above the threshold (x0.5 below, x1.5 above,
-    3 counts; else the smallest overshooting set, cut to its first k, or the last threshold tried)."""
+    3 counts, each s times the count in every s-th entry, s = max(1, k // 64); else the smallest
+    overshooting set or the last threshold tried); the first k entries above the chosen threshold."""
     low, high, factor, last, superset = (k + 1) // 2, k, 1.0, threshold, None
+    stride = max(1, k // 64)
     for _ in range(3):
         current = threshold * factor
-        count = np.count_nonzero(scores > np.float32(current))
+        count = stride * np.count_nonzero(scores[::stride] > np.float32(current))
         if low <= count <= high:
-            return np.flatnonzero(scores > np.float32(current)), current
+            return np.flatnonzero(scores > np.float32(current))[:k], current
         if count > high and (superset is None or count < superset[0]):
             superset = (count, current)
         last, factor = current, factor * (0.5 if count < low else 1.5)
@@ -121,7 +124,7 @@ def test_simulator_equals_the_oracle_bit_for_bit(path):
             got, want = sim.step(in_framework(g, path)), oracle.exchange(g)
             for name in SHAPES:
                 np.testing.assert_array_equal(conformance.as_numpy(got[name]), want[name], err_msg=f"{step} {name}")
-        for name in ("w", "v", "b"):
+        for name in ("w", "v", "b", "big"):
             for r, residual in enumerate(sim.residuals(name)):
                 np.testing.assert_array_equal(conformance.as_numpy(residual).reshape(-1), oracle.residual[(name, r)])
     assert oracle.exact_steps == 3
@@ -298,6 +301,19 @@ def test_a_collapse_keeps_the_last_threshold_tried():
     chosen, kept = reference.reused_threshold_select(scores, 200.0, 4)  # 200, 100, 50: none above
     assert kept == 50.0
     assert chosen.size == 0
+
+
+def test_counts_come_from_every_stride_th_entry():
+    """k = 640 counts every 10th entry (x10): 500 entries of 20 all off the sample count as none, so the
+    threshold 10 (which a full count would keep: 500 in [320, 640]) falls to 2.5, and all 500 go."""
+    scores = np.ones(20_000, dtype=np.float32)
+    off_sample = np.flatnonzero(np.arange(20_000) % 10 != 0)
+    where = np.sort(np.random.default_rng(2).choice(off_sample, 500, replace=False))
+    scores[where] = 20.0
+    assert reference.reuse_stride(640) == 10
+    chosen, kept = reference.reused_threshold_select(scores, 10.0, 640)
+    assert kept == 2.5
+    np.testing.assert_array_equal(chosen, where)
 
 
 def test_a_score_equal_to_the_threshold_is_not_sent():
