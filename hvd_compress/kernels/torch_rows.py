@@ -247,10 +247,11 @@ class Rows:
         """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` its ``first`` threshold
         (float64) corrected toward a count in ``bounds_of(k)`` (:func:`reference.threshold_choice`):
         ``(positions, thr if keep else None)``. All six thresholds a row can meet are counted in one pass
-        per group (with ``stride_of``: on every ``stride_of(k)``-th entry, the counts scaled by it), the
-        rule is applied to the counts (a table of its outcomes), and one pass marks what the chosen
-        threshold selects (cut to ``k`` where the rule cuts)."""
-        factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of)
+        per group (with ``stride_of``: on every ``s = stride_of(k)``-th entry, against the bounds over
+        ``s``: ``s c < low`` is ``c < ceil(low / s)``, ``s c > high`` is ``c > floor(high / s)``), the rule is
+        applied to the counts (a table of its outcomes), and one pass marks what the chosen threshold
+        selects (cut to ``k`` where the rule cuts)."""
+        factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of, stride_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
         if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
@@ -260,8 +261,6 @@ class Rows:
         for _, view, k, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
             stride = stride_of(k) if stride_of else 1
             torch.sum(torch.gt(view[:, ::stride, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
-            if stride > 1:
-                counts[r0:r1, :nodes].mul_(stride)
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
         outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
         limit = limits.gather(1, outcome)
@@ -289,18 +288,19 @@ class Rows:
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         return torch.cumsum(marks, 0, dtype=self.scan)
 
-    def _threshold_tables(self, bounds_of: Any) -> Tuple[torch.Tensor, ...]:
+    def _threshold_tables(self, bounds_of: Any, stride_of: Any = None) -> Tuple[torch.Tensor, ...]:
         """Built once per rule: the factors (twice), the outcome table, powers of 3 (then zeros), each row's
-        integer bounds ``[low, high + 1]`` (``bounds_of(k)``), each slot's rank + 1, and the counts' buffer:
-        six counts per row, then ``k`` six times (the room of a cut set)."""
-        tables = self._tables.get(bounds_of)
+        integer bounds ``[low, high + 1]`` (``bounds_of(k)``; counted on every ``s``-th entry:
+        ``[ceil(low / s), floor(high / s) + 1]``), each slot's rank + 1, and the counts' buffer: six counts
+        per row, then ``k`` six times (the room of a cut set)."""
+        tables = self._tables.get((bounds_of, stride_of))
         if tables is None:
             nodes = len(reference.GAUSSIANK_FACTORS)
-            bounds = [[low, high + 1] for start, count, n, k, width in self.groups for _ in range(count)
-                      for low, high in [bounds_of(k)]]
+            bounds = [[-(-low // s), high // s + 1] for start, count, n, k, width in self.groups for _ in range(count)
+                      for (low, high), s in [(bounds_of(k), stride_of(k) if stride_of else 1)]]
             counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
             counts[:, nodes:] = self.k[:, None]
-            tables = self._tables[bounds_of] = (
+            tables = self._tables[(bounds_of, stride_of)] = (
                 torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
                 _OUTCOMES.to(self.device),
                 torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
