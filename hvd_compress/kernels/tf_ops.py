@@ -43,12 +43,12 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
+    REUSE_SAMPLE,
     gaussiank_bounds,
     gaussiank_correct,
     gaussiank_slots,
     normal_tail_quantile,
     num_selected,
-    REUSE_SAMPLE,
     reuse_bounds,
     reuse_stride,
     threshold_choice,
@@ -314,7 +314,7 @@ def gaussiank_select(a, ratio: float) -> tf.Tensor:
 
 def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
     """:func:`reference.gaussiank_correct` on ``|a|`` from a first ``threshold`` (float64 tensor or
-    number): :func:`_gaussiank_rule`'s threshold, one ``tf.where`` gathers the indices, and an
+    number): :func:`_threshold_rule`'s threshold, one ``tf.where`` gathers the indices, and an
     overshooting superset keeps its first ``k``."""
     numel = magnitude.shape[0]
     final, trim = _threshold_rule(magnitude, threshold, *gaussiank_bounds(k))
@@ -364,9 +364,8 @@ def _threshold_rule(magnitude, threshold, low: int, high: int, stride: int = 1) 
     """:func:`reference.threshold_choice` unrolled: ``(the threshold it selects by, whether it cuts
     that set)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
     the steps' product, in float64, rounded once to ``a``'s dtype as numpy compares); scalar
-    ``tf.where``s keep the round that settles."""
-    numel = magnitude.shape[0]
-
+    ``tf.where``s keep the round that settles. ``stride``: the counts look at every ``stride``-th entry
+    and are scaled by it (a reused threshold's, :func:`reference.reuse_stride`)."""
     sample = magnitude[::stride]
 
     def count_above(threshold):
