@@ -334,7 +334,7 @@ __all__ = [
     "resnet18_shapes",
     "allreduce_traffic",
     "allgather_traffic",
-    "wire",
+    "collective_traffic",
     "COMPRESSORS",
     "TARGETS",
 ]
