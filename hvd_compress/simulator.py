@@ -135,8 +135,6 @@ class Simulator:
             exchange.complete()
         results = [exchange.finish(average=True) for exchange in exchanges]
         self.collectives_per_rank = group.posted
-        for compressor in self.compressors:  # each tensor's state readable on the compressor, as after encode
-            compressor.state.flush_buckets()
         return {name: in_form_of(results[0][name], originals[name]) for name in grads}
 
     def _rank_arrays(self, name: str, per_rank: Sequence[Any]) -> List[Any]:
