@@ -78,7 +78,6 @@ class Rows:
             positions[slot : slot + chosen.shape[0]] = chosen + first
         return positions, np.array(first_thresholds, dtype=np.float64)
 
-
     def reused(self, scores: np.ndarray, kept: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64, work
         order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
