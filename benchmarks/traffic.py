@@ -45,7 +45,8 @@ def plan_bytes(compressor: Any, shapes: Sequence[tuple], world: int) -> Dict[str
     """One rank's steady step under ``compressor`` at ``world`` ranks: bytes handed to the collectives
     (``sent``), of which allgathered (``gathered``), and received over a ring (``received``)."""
     names = [f"t{i}" for i in range(len(shapes))]
-    plan = FusedBucket(compressor.bind(0, world), "traffic", names, list(shapes), np.zeros(0, np.float32), world)
+    plan = FusedBucket(compressor.bind(0, world), compressor.own_state, "traffic", names, list(shapes),
+                       np.zeros(0, np.float32), world)
     sent = plan.step_stats[0]
     gathered = 0
     if plan.codec is not None and not getattr(compressor, "shared", False) and hasattr(compressor, "indices"):

@@ -68,7 +68,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from hvd_compress.comm.exchange import BucketExchange, in_run_state
+from hvd_compress.comm.exchange import BucketExchange
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.state import WireStats
 from hvd_compress.compressors.validation import check_count
@@ -168,14 +168,9 @@ class InnerState(Compressor):
         self.inner.bind(rank, size)
         return self
 
-    def running(self, state: Any) -> Any:
-        return self.inner.running(state)
-
     def state_for(self, holder: Any, route: str, state: Any = None) -> Any:
         return self.inner.state_for(holder, route, state)
 
-    def adopt_loaded_state(self, ops: Any, like: Any) -> None:
-        self.inner.adopt_loaded_state(ops, like)
 
 
 class DenseView(InnerState):
@@ -230,8 +225,7 @@ class AutoExchange:
     def __init__(self, auto: "Auto", comm: Any, key: str, run: Any) -> None:
         self.auto, self.compressor, self.key = auto, auto, key
         self.run = run  # the route's CompressorState: the inner compressor's, its choices and statistics
-        with auto.running(run):
-            self.state = auto.choices.setdefault(key, BucketChoice())
+        self.state = auto.choices_in(run).setdefault(key, BucketChoice())
         self.mode = auto.mode(self.state)
         self.comm = WaitOnce(comm) if self.mode == "measure" else comm
         self.added: List[Tuple[str, Any]] = []
@@ -244,7 +238,7 @@ class AutoExchange:
     def _resolved(self) -> BucketExchange:
         if self.exchange is None:
             if self.mode == "decide":
-                self.mode = self.auto.settle(self.key, self.added, self.comm)
+                self.mode = self.auto.settle(self.key, self.added, self.comm, self.run)
             way = self.auto.way_measured(self.state) if self.mode == "measure" else self.mode
             compressor, suffix = self.auto.way(way)
             self.exchange = BucketExchange(compressor, self.comm, self.key + suffix, self.run)
@@ -252,7 +246,6 @@ class AutoExchange:
                 self.exchange.add(name, tensor)
         return self.exchange
 
-    @in_run_state
     def launch(self, complete: bool = True) -> None:
         """As :meth:`BucketExchange.launch`; a measuring exchange always waits for its collectives
         (so, like deciding, it needs every rank to reach the bucket in the same order)."""
@@ -275,18 +268,15 @@ class AutoExchange:
             ops = ops_for(tensors[0])
             flat = ops.concat([ops.reshape(t, (-1,)) for t in tensors])  # in the exchange's form
             comm.wait(comm.allreduce_async(flat, comm.SUM, f"{key}.auto.dense"))
-            self.auto.stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
+            self.auto.stats_in(self.run).add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark(), way] if timed else []
 
-    @in_run_state
     def complete(self) -> None:
         self._resolved().complete()
 
-    @in_run_state
     def in_flight(self) -> List[Any]:
         return self._resolved().in_flight()
 
-    @in_run_state
     def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
         exchange = self._resolved()
         if not self.marks:
@@ -337,21 +327,22 @@ class Auto(InnerState):
         self.clock = clock or WallClock()
         #: the sparsifier with its other index mode (``None``: nothing else is tried), sharing its state
         self.alternative = alternative_of(compressor, indices)
-        if not isinstance(compressor.state.stats, AutoStats):
-            compressor.state.stats = AutoStats(compressor.state.stats)
+        self.stats_in(compressor.own_state)
 
-    @property
-    def choices(self) -> Dict[str, BucketChoice]:
-        """Every bucket's measurements and choice, in the run state (a route's, or the inner compressor's own)."""
-        return self.state.route_data("auto.choices", dict)
+    def choices_in(self, run: Any) -> Dict[str, BucketChoice]:
+        """Every bucket's measurements and choice in the run state ``run`` (a route's, or the inner
+        compressor's own)."""
+        return run.route_data("auto.choices", dict)
 
-    @property
-    def stats(self) -> AutoStats:
-        """The run state's statistics, with the decisions (an :class:`AutoStats`)."""
-        run = self.state
+    def stats_in(self, run: Any) -> AutoStats:
+        """The statistics of the run state ``run``, with the decisions (an :class:`AutoStats`)."""
         if not isinstance(run.stats, AutoStats):
             run.stats = AutoStats(run.stats)
         return run.stats
+
+    #: :meth:`choices_in` and :meth:`stats_in` of the inner compressor's own state
+    choices = property(lambda self: self.choices_in(self.own_state))
+    stats = property(lambda self: self.stats_in(self.own_state))
 
     # the inner compressor's capabilities (its state: InnerState)
     payload_kind = property(lambda self: self.inner.payload_kind)
@@ -410,16 +401,16 @@ class Auto(InnerState):
     def encode_options(self, compressors, grads):
         return self.inner.encode_options([c.inner for c in compressors], grads)
 
-    def residual(self, name: str):
-        return self.inner.residual(name)
+    def residual(self, name: str, run: Any = None):
+        return self.inner.residual(name, run)
 
-    def velocity(self, name: str):
+    def velocity(self, name: str, run: Any = None):
         """The inner sparsifier's momentum-correction velocity of ``name`` (``None`` without)."""
         velocity = getattr(self.inner, "velocity", None)
-        return None if velocity is None else velocity(name)
+        return None if velocity is None else velocity(name, run)
 
-    def reset(self, name: Optional[str] = None) -> None:
-        self.inner.reset(name)
+    def reset(self, name: Optional[str] = None, run: Any = None) -> None:
+        self.inner.reset(name, run)
 
     def make_exchange(self, comm: Any, key: str, state: Any = None) -> AutoExchange:
         """The exchange of bucket ``key`` on the run state ``state`` (default: :attr:`state`; called by
@@ -450,16 +441,19 @@ class Auto(InnerState):
                   for way in ways]
         return (dense, *sparse)
 
-    def settle(self, key: str, added: List[Tuple[str, Any]], comm: Any,
+    def settle(self, key: str, added: List[Tuple[str, Any]], comm: Any, run: Any = None,
                mine: Optional[Tuple[float, ...]] = None) -> str:
         """Reduce this rank's ``[dense_ms, compressed_ms(, alternative_ms)]`` (default: :meth:`medians`) across
-        ranks (max), record the bucket's choice and return it; the same on every rank."""
-        state = self.choices.setdefault(key, BucketChoice())
+        ranks (max), record the bucket's choice in the run state ``run`` (default: the inner compressor's
+        own) and return it; the same on every rank."""
+        run = self.own_state if run is None else run
+        state = self.choices_in(run).setdefault(key, BucketChoice())
         like = added[0][1]
         ops = ops_for(like)
         local = ops.as_float32(list(mine or self.medians(state)), like=like)
         dense, compressed, *alternative = ops.to_list(comm.wait(comm.allreduce_async(local, comm.MAX, f"{key}.auto")))
-        self.stats.add(4 * (2 + len(alternative)), 0, 0, 0)  # the float32 timings
+        stats = self.stats_in(run)
+        stats.add(4 * (2 + len(alternative)), 0, 0, 0)  # the float32 timings
         choice = decide(dense, compressed, self.margin)
         if alternative and alternative[0] < compressed:
             other = decide(dense, alternative[0], self.margin)
@@ -468,7 +462,7 @@ class Auto(InnerState):
         state.choice, state.dense_ms, state.compressed_ms = choice, float(dense), float(compressed)
         state.alternative_ms = float(alternative[0]) if alternative else None
         state.decided_at, state.measured, state.samples = state.exchanges, 0, []
-        self.stats.decisions[key] = state.decision()
+        stats.decisions[key] = state.decision()
         if choice != previous and comm.rank == 0 and self.log:
             other = f", indices={self.alternative.indices} {alternative[0]:.2f} ms" if alternative else ""
             line = (f"hvd_compress: Auto: {key}: dense {dense:.2f} ms, {self.inner!r} {compressed:.2f} ms{other} "
@@ -476,27 +470,33 @@ class Auto(InnerState):
             self.log(line) if callable(self.log) else print(line, file=sys.stderr, flush=True)
         return choice
 
-    def remeasure(self) -> None:
-        """Measure every bucket again from its next exchange (call on every rank at the same step)."""
-        for state in self.choices.values():
+    def remeasure(self, run: Any = None) -> None:
+        """Measure every bucket again from its next exchange (call on every rank at the same step); ``run``:
+        a route's state (default: the inner compressor's own)."""
+        for state in self.choices_in(self.own_state if run is None else run).values():
             state.remeasure, state.measured, state.samples = True, 0, []
 
     # --------------------------------------------------------------- checkpoints
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner compressor's state plus every bucket's choice and measurements."""
-        return {"config": self.config(), "inner": self.inner.state_dict(),
-                "decisions": {key: state.public() for key, state in self.choices.items()}}
+    def state_dict(self, run: Any = None) -> Dict[str, Any]:
+        """The inner compressor's state plus every bucket's choice and measurements (of ``run``, a route's
+        state; default: the inner compressor's own)."""
+        inner = self.inner.state_dict(run)
+        choices = self.choices_in(self.own_state if run is None else run)
+        return {"config": self.config(), "inner": inner,
+                "decisions": {key: state.public() for key, state in choices.items()}}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any], run: Any = None) -> None:
         saved = state.get("config", {}).get("type")
         if saved != "Auto":
             raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
-        self.inner.load_state_dict(state["inner"])
-        self.choices.clear()
+        self.inner.load_state_dict(state["inner"], run)
+        run = self.own_state if run is None else run
+        choices, stats = self.choices_in(run), self.stats_in(run)
+        choices.clear()
         for key, entry in state.get("decisions", {}).items():
-            self.choices[key] = BucketChoice(**entry)
+            choices[key] = BucketChoice(**entry)
             if entry.get("choice") is not None:
-                self.stats.decisions[key] = self.choices[key].decision()
+                stats.decisions[key] = choices[key].decision()
 
     def __repr__(self) -> str:
         return f"Auto({self.inner!r}, warmup={self.warmup}, decide_every={self.decide_every})"

@@ -19,8 +19,7 @@ and decodes.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.kernels import computed_form, ops_for
 from hvd_compress.comm import fused
@@ -33,16 +32,6 @@ def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> An
     (``make_exchange``: :class:`~hvd_compress.comm.auto.Auto`), else a :class:`BucketExchange`."""
     make = getattr(compressor, "make_exchange", None)
     return make(comm, key, state) if make is not None else BucketExchange(compressor, comm, key, state)
-
-
-def in_run_state(method: Callable) -> Callable:
-    """An exchange's method run with ``self.compressor``'s steps on the exchange's run state ``self.run``."""
-    @functools.wraps(method)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self.compressor.running(self.run):
-            return method(self, *args, **kwargs)
-
-    return run
 
 
 def unsupported(compressor: Any, name: str, tensor: Any) -> Optional[str]:
@@ -59,7 +48,7 @@ def unsupported(compressor: Any, name: str, tensor: Any) -> Optional[str]:
 
 class BucketExchange:
     """One bucket's gradients and the collectives that move them, on the run state ``run`` (what the
-    route hands :func:`open_exchange`); every step of the compressor it makes runs on that state."""
+    route hands :func:`open_exchange`): its fused buckets, their statistics and random streams."""
 
     def __init__(self, compressor: Any, comm: Any, key: str, run: Any = None) -> None:
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
@@ -93,7 +82,6 @@ class BucketExchange:
             return [(self.key, *next(iter(by_form.values())))]
         return [(f"{self.key}.{i}", names, tensors) for i, (names, tensors) in enumerate(by_form.values())]
 
-    @in_run_state
     def launch(self, complete: bool = True) -> None:
         """Encode the bucket and start its collectives (asynchronous).
 
@@ -105,9 +93,8 @@ class BucketExchange:
         """
         for key, names, tensors in self.parts():
             bucket = fused.bucket_for(self.compressor, self.run, key, names, tensors, self.comm.size)
-            self.launched.append(bucket.launch(tensors, self.comm, complete))
+            self.launched.append(bucket.launch(tensors, self.comm, self.run, complete))
 
-    @in_run_state
     def complete(self) -> None:
         """Send what waited for another rank's data (see :meth:`launch`); the layout is agreed on first."""
         for step in self.launched:
@@ -117,7 +104,6 @@ class BucketExchange:
         """Handles of the collectives ``launch`` started (``finish`` waits for them)."""
         return [handle for step in self.launched for handle in step.handles.values()]
 
-    @in_run_state
     def finish(self, average: bool = True, order: Optional[List[str]] = None) -> Any:
         """Wait for the collectives; every tensor's average (or sum over ranks), in its shape, as
         ``{name: result}``; with ``order`` (names), the results flat and concatenated in that order."""

@@ -108,7 +108,7 @@ def _offsets(groups: List[Group]) -> Dict[int, int]:
 class FusedBucket:
     """Plan and state of one bucket on the fused path (see the module docstring)."""
 
-    def __init__(self, compressor: Any, key: str, names: List[str], shapes: List[tuple], like: Array,
+    def __init__(self, compressor: Any, run: Any, key: str, names: List[str], shapes: List[tuple], like: Array,
                  world: int) -> None:
         self.compressor, self.key, self.world = compressor, key, world
         self.names, self.shapes = list(names), [tuple(s) for s in shapes]
@@ -118,7 +118,7 @@ class FusedBucket:
         self.acc = ops.accumulation_dtype(self.dtype)
         #: an empty array of the bucket's dtype and device: where new buffers go
         self.like = ops.zeros(0, self.dtype, like)
-        self.config_hash = compressor.config_hash()
+        self.config_hash = compressor.config_hash(run)
         self.numels = [math.prod(s) for s in self.shapes]
         self.kinds = [compressor.fused_kind(n) for n in self.numels]
         self.groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind != "dense"])
@@ -186,32 +186,34 @@ class FusedBucket:
         return sent, numel * itemsize, values, numel
 
     # ------------------------------------------------------------------ layout
-    def matches(self, names: List[str], shapes: List[tuple], like: Array, world: int) -> bool:
+    def matches(self, names: List[str], shapes: List[tuple], like: Array, world: int, run: Any) -> bool:
         return (
             names == self.names
             and shapes == self.shapes
             and like.dtype == self.dtype
             and getattr(like, "device", None) == self.device
             and world == self.world
-            and self.compressor.config_hash() == self.config_hash
+            and self.compressor.config_hash(run) == self.config_hash
         )
 
-    def start_check(self, comm: Any) -> Any:
-        """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`)."""
+    def start_check(self, comm: Any, run: Any) -> Any:
+        """Start the allgather of ``[config hash, layout hash]`` (handle for :meth:`check`), counted in the
+        statistics of the run state ``run``."""
         config = wire.header_config(type(self.compressor).__name__, self.config_hash)
         header = self.ops.as_int64([[config, self.signature]], like=self.like)
-        self.compressor.stats.add(16, 0, 0, 0)  # two int64
+        run.stats.add(16, 0, 0, 0)  # two int64
         return comm.allgather_async(header, f"{self.key}.header", [1] * self.world)
 
-    def check(self, comm: Any, handle: Any = None) -> None:
+    def check(self, comm: Any, run: Any, handle: Any = None) -> None:
         """Once per layout: every rank runs the same configuration on the same layout (one host read).
 
         Transports that match collectives by order wait for it before anything else is
         issued; name-matched ones (Horovod) wait in ``finish``, before decoding, so that
         ``launch`` never blocks (ranks may launch their buckets in different orders).
         """
-        handle = self.start_check(comm) if handle is None else handle
-        check_header(comm, self.ops.to_list(comm.wait(handle)), self.key, self.compressor, f" on {self._describe()}")
+        handle = self.start_check(comm, run) if handle is None else handle
+        check_header(comm, self.ops.to_list(comm.wait(handle)), self.key, self.compressor, f" on {self._describe()}",
+                     run.note(self.compressor.rank))
         self.checked = True
 
     def _describe(self) -> str:
@@ -295,19 +297,20 @@ class FusedBucket:
 
     # ------------------------------------------------------------------ encode
     @float_errors_ignored
-    def launch(self, tensors: List[Array], comm: Any, complete: bool = True) -> "Launched":
-        """Encode the bucket and start its collectives.
+    def launch(self, tensors: List[Array], comm: Any, run: Any, complete: bool = True) -> "Launched":
+        """Encode the bucket and start its collectives, on the run state ``run`` that holds the bucket (its
+        statistics and random streams).
 
         ``complete=False``: return without waiting for any other rank; what needs a
         collective's result first (TernGrad's codes, drawn with the shared scale) is
         sent by ``Launched.complete()``.
         """
-        out = Launched(self, comm)
+        out = Launched(self, comm, run)
         if not self.checked:
             if comm.matches_by_order:
-                self.check(comm)
+                self.check(comm, run)
             else:
-                out.header = self.start_check(comm)
+                out.header = self.start_check(comm, run)
         dense = self._dense_input(tensors) if not self.momentum else self._dense_velocity_input(tensors, out)
         if dense is not None:
             send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
@@ -315,7 +318,7 @@ class FusedBucket:
         if self.compressed:
             g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
-        self.compressor.stats.add(*self.step_stats)
+        run.stats.add(*self.step_stats)
         self.exchanges += 1
         if complete:
             out.complete(comm)
@@ -364,8 +367,8 @@ class FusedBucket:
 class Launched:
     """One step of a :class:`FusedBucket`: the collectives in flight and what ``finish`` needs."""
 
-    def __init__(self, bucket: FusedBucket, comm: Any) -> None:
-        self.bucket = bucket
+    def __init__(self, bucket: FusedBucket, comm: Any, run: Any) -> None:
+        self.bucket, self.run = bucket, run  # the run state the step works on
         self.handles: Dict[str, Any] = {}
         self.rounds = Rounds(comm, bucket.key, self.handles)  # the codec's rounds of collectives
         self.residual: Optional[Array] = None
@@ -377,7 +380,7 @@ class Launched:
     def complete(self, comm: Any) -> None:
         """Check the layout if still pending, then start the rounds that waited for other ranks' data."""
         if self.header is not None:
-            self.bucket.check(comm, self.header)
+            self.bucket.check(comm, self.run, self.header)
             self.header = None
         self.rounds.advance()
 
@@ -443,9 +446,9 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
     """
     shapes = [tuple(t.shape) for t in tensors]
     bucket = run.buckets.get(key)
-    if bucket is not None and bucket.matches(names, shapes, tensors[0], world):
+    if bucket is not None and bucket.matches(names, shapes, tensors[0], world, run):
         return bucket
-    fresh = FusedBucket(compressor, key, names, shapes, tensors[0], world)
+    fresh = FusedBucket(compressor, run, key, names, shapes, tensors[0], world)  # built for ``run``, not holding it
     fresh.exchanges = run.exchanges  # where the run stands (a checkpoint's count, once loaded)
     wanted = set(names)
     for other_key, other in list(run.buckets.items()):
@@ -453,7 +456,7 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
             other.flush(run.memory)
             fresh.exchanges = max(fresh.exchanges, other.exchanges)
             del run.buckets[other_key]
-    compressor.adopt_loaded_state(fresh.ops, tensors[0])
+    run.adopt_loaded(fresh.ops, tensors[0])
     fresh.adopt(run.memory)
     run.buckets[key] = fresh
     return fresh

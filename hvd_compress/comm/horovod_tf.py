@@ -370,7 +370,7 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
         header = tf.constant([[config, header_hash(layout)]], tf.int64)
         rows = comm.wait(comm.allgather_async(header, f"{name}.agree")).numpy().tolist()
         compressor.stats.add(16, 0, 0, 0)
-    check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}")
+    check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}", compressor.state_note())
 
 
 def _graph() -> Any:

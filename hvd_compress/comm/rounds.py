@@ -82,15 +82,17 @@ class Rounds:
         self.left -= 1
 
 
-def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "") -> None:
+def check_header(comm: Any, rows: List[List[int]], key: str, compressor: Any, detail: str = "",
+                 note: str = "") -> None:
     """Raise the same ``ValueError`` on every rank when the ranks' ``[config hash, layout hash]`` differ,
-    or, in a world of one rank (nobody to differ from), when that rank holds another rank's state."""
-    if all(row[:2] == rows[0][:2] for row in rows) and (len(rows) > 1 or not compressor.state_note()):
+    or, in a world of one rank (nobody to differ from), when that rank holds another rank's state
+    (``note``: why, :meth:`~hvd_compress.compressors.state.CompressorState.note`)."""
+    if all(row[:2] == rows[0][:2] for row in rows) and (len(rows) > 1 or not note):
         return
     comm.fail_together()
     raise ValueError(
         f"hvd_compress: ranks disagree on '{key}' (compressor or its configuration, the names, shapes and "
         f"order of the gradients, or compressor state loaded from another rank): [config hash, layout hash] "
         f"per rank = {[row[:2] for row in rows]}{different_algorithms(row[0] for row in rows)}; "
-        f"this rank runs {compressor!r}{detail}{compressor.state_note()}"
+        f"this rank runs {compressor!r}{detail}{note}"
     )

@@ -18,10 +18,9 @@ import numpy as np
 
 from hvd_compress import kernels
 from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
-from hvd_compress.compressors.checkpoint import check_state, host_array, state_checksum, writer
+from hvd_compress.compressors.checkpoint import check_state, state_checksum, writer
 from hvd_compress.compressors.residual import TensorMemory
-from hvd_compress.compressors.state import (ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, running_on,
-                                            running_state, state_for_route)
+from hvd_compress.compressors.state import ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, state_for_route
 from hvd_compress.compressors.validation import check_count, check_nonfinite, checked
 
 
@@ -79,8 +78,9 @@ class Compressor:
     Configuration (``seed``, a subclass's ``ratio`` and options: :meth:`config`) lives on the
     object; what a run accumulates (per-tensor memory, random streams, fused buckets, statistics,
     route data) lives in a :class:`~hvd_compress.compressors.state.CompressorState`: the one a
-    route's exchange runs the steps on (:meth:`running`), else the compressor's own
-    (:attr:`own_state`). ``self.state`` is that state, ``self.memory`` its memory.
+    route hands its exchanges and passes as ``run`` to :meth:`state_dict` and the other calls
+    that read state, else the compressor's own (:attr:`own_state`, also ``self.state``;
+    ``self.memory`` its memory).
     """
 
     payload_kind = "dense"
@@ -100,17 +100,13 @@ class Compressor:
 
     @property
     def state(self) -> CompressorState:
-        """The state the steps work on: a route's while its exchange runs them (:meth:`running`), else
-        :attr:`own_state` (stock Horovod's, the Simulator's, a direct ``encode``'s)."""
-        return running_state(self) or self.own_state
+        """The compressor's own run state, :attr:`own_state` (stock Horovod's, the Simulator's, a direct
+        ``encode``'s; a route with a state of its own passes that one explicitly)."""
+        return self.own_state
 
     @state.setter
     def state(self, state: CompressorState) -> None:
         self.own_state = state
-
-    def running(self, state: CompressorState) -> Any:
-        """Context manager: this thread runs the compressor's steps on ``state`` within the block."""
-        return running_on(self, state)
 
     def state_for(self, holder: Any, route: str, state: Optional[CompressorState] = None) -> CompressorState:
         """The state the new route ``holder`` runs this compressor on
@@ -148,46 +144,31 @@ class Compressor:
         """Tell the compressor which rank of how many it runs on (random streams, wire format)."""
         if not 0 <= rank < size:
             raise ValueError(f"hvd_compress: rank {rank} is not in [0, {size})")
-        if (rank, size) != (self.rank, self.size):
-            self.rank, self.size = int(rank), int(size)
-            self.state.generators = {}
+        self.rank, self.size = int(rank), int(size)
         return self
 
     def generator(self, ops: Any, like: Any) -> Any:
-        """This rank's random stream for ``like``'s framework, seeded from ``(seed, rank)``."""
-        streams, saved = self.state.generators, self.state.saved_generators
-        if ops.__name__ not in streams:
-            stream = ops.generator(self.seed, self.rank, like)
-            if ops.__name__ in saved:
-                ops.set_generator_state(stream, saved.pop(ops.__name__))
-            streams[ops.__name__] = stream
-        return streams[ops.__name__]
+        """This rank's random stream for ``like``'s framework in the compressor's own state, seeded from
+        ``(seed, rank)`` (:meth:`~hvd_compress.compressors.state.CompressorState.generator`)."""
+        return self.own_state.generator(ops, self.seed, self.rank, like)
 
     def config(self) -> Dict[str, Any]:
         """Type and parameters; ranks must agree on it."""
         return {"type": type(self).__name__, **({"nonfinite": "raise"} if self.nonfinite == "raise" else {})}
 
-    def config_hash(self) -> int:
+    def config_hash(self, run: Optional[CompressorState] = None) -> int:
         """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike.
 
         A rank holding state that another rank saved (rank 0's checkpoint loaded on
         every rank) hashes differently, so the cross-rank check stops every rank.
+        ``run``: the state the steps run on (default: the compressor's own).
         """
-        note = self.state_note()
-        return header_hash((sorted(self.config().items()), note))
+        return header_hash((sorted(self.config().items()), self.state_note(run)))
 
-    def state_note(self) -> str:
-        """``""``, or why this rank's loaded state is not its own (for the cross-rank check's error)."""
-        if self.state.origin is None:
-            return ""
-        rank, world = self.state.origin
-        if rank == self.rank:
-            return ""
-        return (  # this rank's number in it: ranks that all hold one other rank's state differ too
-            f"; rank {self.rank}'s state was loaded from rank {rank}'s checkpoint (of {world} ranks): residuals are "
-            f"per rank, so save compressor state on every rank and load each rank's own, or call "
-            f"reset() after loading to start error feedback afresh"
-        )
+    def state_note(self, run: Optional[CompressorState] = None) -> str:
+        """``""``, or why this rank's loaded state (``run``, default the compressor's own) is not its own
+        (for the cross-rank check's error)."""
+        return (self.own_state if run is None else run).note(self.rank)
 
     @property
     def route(self) -> Optional[str]:
@@ -218,19 +199,8 @@ class Compressor:
         ops = kernels.ops_for(tensor, name)
         flat = ops.reshape(tensor, (-1,))
         check_gradient(flat, ops, name, type(self).__name__)
-        self.adopt_loaded_state(ops, flat)
+        self.own_state.adopt_loaded(ops, flat)
         return flat, tuple(tensor.shape), ops
-
-    def adopt_loaded_state(self, ops: Any, like: Any) -> None:
-        """Move loaded state written by another framework (a numpy residual for torch gradients...)
-        into ``ops``'s, next to ``like``: once after each ``load_state_dict``, not in a step."""
-        if not self.state.loaded_elsewhere:
-            return
-        self.state.loaded_elsewhere = False
-        for name in self.memory.names():
-            for key, value in list(self.memory.slots(name).items()):
-                if value is not None and kernels.ops_for(value, name) is not ops:
-                    self.memory.set(name, key, ops.from_host(host_array(value), like))
 
     def decode(
         self,
@@ -305,50 +275,46 @@ class Compressor:
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""
 
-    def residual(self, name: str) -> Optional[np.ndarray]:
-        """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none)."""
-        self.state.flush_buckets()
-        residual = self.memory.peek(name, "residual")
-        if residual is None:
-            return None
-        return kernels.ops_for(residual).reshape(residual, self.memory.shape(name))
+    def residual(self, name: str, run: Optional[CompressorState] = None) -> Optional[np.ndarray]:
+        """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none); ``run``: a
+        route's state (default: the compressor's own)."""
+        return (self.own_state if run is None else run).array(name, "residual")
 
-    def reset(self, name: Optional[str] = None) -> None:
-        """Drop the state of one tensor, or of all."""
-        self.state.drop_buckets(name)
-        self.memory.reset(name)
+    def reset(self, name: Optional[str] = None, run: Optional[CompressorState] = None) -> None:
+        """Drop the state of one tensor, or of all (in ``run``, default the compressor's own)."""
+        run = self.own_state if run is None else run
+        run.drop_buckets(name)
+        run.memory.reset(name)
         if name is None:
-            self.state.origin = None
+            run.origin = None
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Residuals, per-tensor state and the random stream, for checkpoints."""
-        check_one_state(self, "state_dict")
-        self.state.flush_buckets()
-        state = {"config": self.config(), "tensors": self.memory.state_dict(), "rank": self.rank,
-                 "world": self.size, "route": self.route}
+    def state_dict(self, run: Optional[CompressorState] = None) -> Dict[str, Any]:
+        """Residuals, per-tensor state and the random stream, for checkpoints (of ``run``, a route's
+        state; default: the compressor's own)."""
+        run = check_one_state(self, "state_dict", run)
+        run.flush_buckets()
+        state = {"config": self.config(), "tensors": run.memory.state_dict(), "rank": self.rank,
+                 "world": self.size, "route": run.route}
         if getattr(self, "shared", False) or getattr(self, "exact_every", 1) > 1:  # the leader's turn of a
-            state["exchanges"] = self.state.exchanged()  # shared index set, the schedule of exact selections
+            state["exchanges"] = run.exchanged()  # shared index set, the schedule of exact selections
         state["generators"] = {
-            **self.state.saved_generators,
-            **{
-                module: kernels.module(module).generator_state(stream)
-                for module, stream in self.state.generators.items()
-            },
+            **run.saved_generators,
+            **{module: kernels.module(module).generator_state(stream) for module, stream in run.generators.items()},
         }
         state["checksum"] = state_checksum(state)
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` after checking it completely (:func:`~hvd_compress.compressors.checkpoint.check_state`).
+    def load_state_dict(self, state: Dict[str, Any], run: Optional[CompressorState] = None) -> None:
+        """Restore :meth:`state_dict` into ``run`` (a route's state; default: the compressor's own) after
+        checking it completely (:func:`~hvd_compress.compressors.checkpoint.check_state`).
 
         The state is this rank's: loading another rank's (rank 0's checkpoint on every
         rank) stops every rank at the first exchange with an error saying so. Resumed
         on another number of ranks, each rank keeps the residuals it saved (ranks that
         saved none start from zero; residuals of ranks no longer present are not applied).
         """
-        check_one_state(self, "load_state_dict")
+        run = check_one_state(self, "load_state_dict", run)
         check_state(state, self)
-        run = self.state
         run.buckets = {}
         run.memory.load_state_dict(state["tensors"])
         run.loaded_elsewhere = bool(state["tensors"])

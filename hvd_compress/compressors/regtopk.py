@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from hvd_compress import kernels
 from hvd_compress.compressors.sparse import DENSE_BELOW, LargestScores, Sparsifier
+from hvd_compress.compressors.state import CompressorState
 from hvd_compress.compressors.validation import check_temperature, checked
 
 
@@ -58,14 +59,16 @@ class RegTopK(LargestScores, Sparsifier):
     def config(self) -> Dict[str, Any]:
         return {**super().config(), "mu": self.mu}
 
-    def distortion(self, name: str):
-        """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any)."""
-        self.state.flush_buckets()
-        idx = self.memory.peek(name, "posterior_indices")
+    def distortion(self, name: str, run: Optional[CompressorState] = None):
+        """Posterior distortion ``D`` of ``name`` used by its next selection (``None`` before any); ``run``:
+        a route's state (default: the compressor's own)."""
+        run = self.own_state if run is None else run
+        run.flush_buckets()
+        idx = run.memory.peek(name, "posterior_indices")
         if idx is None:
             return None
-        values = self.memory.peek(name, "posterior_values")
-        numel = math.prod(self.memory.shape(name))
+        values = run.memory.peek(name, "posterior_values")
+        numel = math.prod(run.memory.shape(name))
         return kernels.ops_for(values).regtopk_expand(idx, values, numel)
 
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:

@@ -96,7 +96,7 @@ class SharedIndexCodec(SparseBucketCodec):
             idx, probe = yield from self._leader_set(bucket, a)
             age = None
         else:
-            idx, probe, age = self._aggregate_set(bucket, a)
+            idx, probe, age = self._aggregate_set(bucket, a, step.run)
         message, values = self.framed(bucket, a, idx, probe, step)
         received = yield [Send("values", "sum", message)]
         return self._decoded(bucket, received["values"], idx, values, age)
@@ -113,13 +113,13 @@ class SharedIndexCodec(SparseBucketCodec):
         received = yield [Send("leader", "sum", chosen)]
         return ops.cast(received["leader"], ops.int64), probe
 
-    def _aggregate_set(self, bucket: Any, a: Array) -> Tuple[Array, Array, Any]:
+    def _aggregate_set(self, bucket: Any, a: Array, run: Any) -> Tuple[Array, Array, Any]:
         """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
-        position (and ``None`` for the age)."""
+        position (and ``None`` for the age; counted in the statistics of the run state ``run``)."""
         ops, probe = bucket.ops, self.rows.largest(abs(a))
         if self.rate is None:
             unsent = bucket.n_compressed - self.k_total  # beyond a steady step's statistics
-            bucket.compressor.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
+            run.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
             return ops.as_int64(np.arange(bucket.n_compressed), bucket.like), probe, None
         age = self.age + 1
         return self.rows.topk(self.rate * age)[0], probe, age

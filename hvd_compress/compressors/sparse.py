@@ -29,9 +29,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Dict, List, Optional
 
-from hvd_compress import kernels
 from hvd_compress.kernels import reference
 from hvd_compress.compressors.base import Compressor, check_ratio, dense_sum
+from hvd_compress.compressors.state import CompressorState
 from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.compressors.validation import (
     check_bool, check_count, check_exact_every, check_indices, check_momentum, checked,
@@ -241,13 +241,10 @@ class Sparsifier(Compressor):
         return (f"{self.size} ranks x k = {self.k(numel)} >= {numel} elements, where allgathering sparse "
                 "payloads would move more bytes than")
 
-    def velocity(self, name: str) -> Optional[Any]:
-        """Momentum-correction velocity ``u`` of ``name`` in the tensor's shape (``None`` if it has none)."""
-        self.state.flush_buckets()
-        velocity = self.memory.peek(name, "velocity")
-        if velocity is None:
-            return None
-        return kernels.ops_for(velocity).reshape(velocity, self.memory.shape(name))
+    def velocity(self, name: str, run: Optional[CompressorState] = None) -> Optional[Any]:
+        """Momentum-correction velocity ``u`` of ``name`` in the tensor's shape (``None`` if it has none);
+        ``run``: a route's state (default: the compressor's own)."""
+        return (self.own_state if run is None else run).array(name, "velocity")
 
     def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
         numel = flat.shape[0]

@@ -16,19 +16,21 @@ rebuilt.
 
 The route owns the state: the drop-in and MPI optimizers and the DDP hook each hold one
 (:func:`state_for_route`: the compressor's own, ``compressor.own_state``, while no other live
-route holds it, else a new one) and hand it to the exchanges, which run the compressor's steps
-inside :func:`running_on` (``compressor.running(state)``): there, for the calling thread,
-``compressor.state`` is the route's. Elsewhere it is the compressor's own (stock Horovod's
-``compression=`` route, the Simulator, direct ``encode`` calls).
+route holds it, else a new one) and hand it to the exchanges explicitly
+(:func:`~hvd_compress.comm.exchange.open_exchange`), whose steps work on it (``step.run``);
+checkpoints and inspection take it as an argument (``compressor.state_dict(run)``). Calls
+without one use the compressor's own (stock Horovod's ``compression=`` route, the Simulator,
+direct ``encode`` calls).
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from hvd_compress import kernels
+from hvd_compress.compressors.checkpoint import host_array
 from hvd_compress.compressors.residual import TensorMemory
 from hvd_compress.wire import SparsePayload
 
@@ -72,13 +74,16 @@ class WireStats:
 class CompressorState:
     """One compressor's run state (module docstring)."""
 
+    generator_rank: Optional[int] = None  # also for states pickled before it was kept
+
     def __init__(self) -> None:
         #: per-tensor arrays by name (residual, velocity, posterior, ...)
         self.memory = TensorMemory()
         #: bucket key -> fused bucket (``hvd_compress.comm.fused.FusedBucket``): its plan and the
         #: bucket-shaped state it holds until :meth:`flush_buckets`
         self.buckets: Dict[str, Any] = {}
-        #: kernel module name -> this rank's random stream; streams loaded before their framework ran
+        #: kernel module name -> the random stream of rank ``generator_rank``; streams loaded before
+        #: their framework ran
         self.generators: Dict[str, Any] = {}
         self.saved_generators: Dict[str, Any] = {}
         #: (rank, world) that saved the loaded state, ``None`` when it is this rank's own or none was loaded
@@ -104,6 +109,47 @@ class CompressorState:
             self._route_data[key] = make()
         return self._route_data[key]
 
+    def generator(self, ops: Any, seed: int, rank: int, like: Any) -> Any:
+        """Rank ``rank``'s random stream for ``like``'s framework, seeded from ``(seed, rank)``; a stream
+        loaded from a checkpoint continues where it was saved."""
+        if self.generator_rank != rank:
+            self.generators, self.generator_rank = {}, rank
+        if ops.__name__ not in self.generators:
+            stream = ops.generator(seed, rank, like)
+            if ops.__name__ in self.saved_generators:
+                ops.set_generator_state(stream, self.saved_generators.pop(ops.__name__))
+            self.generators[ops.__name__] = stream
+        return self.generators[ops.__name__]
+
+    def adopt_loaded(self, ops: Any, like: Any) -> None:
+        """Move loaded arrays written by another framework (a numpy residual for torch gradients...)
+        into ``ops``'s, next to ``like``: once after each load, not in a step."""
+        if not self.loaded_elsewhere:
+            return
+        self.loaded_elsewhere = False
+        for name in self.memory.names():
+            for key, value in list(self.memory.slots(name).items()):
+                if value is not None and kernels.ops_for(value, name) is not ops:
+                    self.memory.set(name, key, ops.from_host(host_array(value), like))
+
+    def note(self, rank: int) -> str:
+        """``""``, or why the state rank ``rank`` runs on is not its own (for the cross-rank check's error)."""
+        if self.origin is None or self.origin[0] == rank:
+            return ""
+        origin, world = self.origin
+        return (  # this rank's number in it: ranks that all hold one other rank's state differ too
+            f"; rank {rank}'s state was loaded from rank {origin}'s checkpoint (of {world} ranks): residuals are "
+            f"per rank, so save compressor state on every rank and load each rank's own, or call "
+            f"reset() after loading to start error feedback afresh"
+        )
+
+    def array(self, name: str, key: str) -> Any:
+        """Tensor ``name``'s ``key`` array (``"residual"``, ``"velocity"``...) in the tensor's shape, the
+        fused buckets written out first; ``None`` when it has none."""
+        self.flush_buckets()
+        value = self.memory.peek(name, key)
+        return None if value is None else kernels.ops_for(value).reshape(value, self.memory.shape(name))
+
     def flush_buckets(self) -> None:
         """Write the fused buckets' state into the per-name memory (checkpoints, inspection)."""
         for bucket in self.buckets.values():
@@ -118,41 +164,6 @@ class CompressorState:
         for key, bucket in list(self.buckets.items()):
             if name is None or name in bucket.names:
                 del self.buckets[key]
-
-
-#: per thread: ``id(compressor) -> the state a route runs it on`` while one of the route's exchanges runs
-_RUNNING = threading.local()
-
-
-def running_state(compressor: Any) -> Optional[CompressorState]:
-    """The state ``compressor``'s steps work on in this thread (:func:`running_on`), ``None`` outside."""
-    states = getattr(_RUNNING, "states", None)
-    return states.get(id(compressor)) if states else None
-
-
-class running_on:  # noqa: N801  (used as a function: ``with running_on(compressor, state):``)
-    """Within the block (this thread only), ``compressor.state`` is ``state``: a route's exchange runs the
-    compressor's steps on the route's state, so one compressor serves several routes at once. (A class,
-    not a generator: it is entered several times per bucket and step.)"""
-
-    __slots__ = ("compressor", "state", "before")
-
-    def __init__(self, compressor: Any, state: CompressorState) -> None:
-        self.compressor, self.state, self.before = compressor, state, None
-
-    def __enter__(self) -> Any:
-        states = _RUNNING.__dict__.setdefault("states", {})
-        key = id(self.compressor)
-        self.before = states.get(key)
-        states[key] = self.state
-        return self.compressor
-
-    def __exit__(self, *exc: Any) -> None:
-        states = _RUNNING.states
-        if self.before is None:
-            del states[id(self.compressor)]
-        else:
-            states[id(self.compressor)] = self.before
 
 
 def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[CompressorState] = None
@@ -177,16 +188,20 @@ def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[Co
 ROUTE_REFERENCES = ("_own_state_holder", "_other_route_states")
 
 
-def check_one_state(compressor: Any, call: str) -> None:
-    """Refuse ``compressor.<call>()`` outside a route's step while live routes run the compressor on
-    states of their own besides its own: which state is meant is the route's to say."""
+def check_one_state(compressor: Any, call: str, run: Optional[CompressorState]) -> CompressorState:
+    """The state ``compressor.<call>(run)`` works on: ``run``, else the compressor's own, refused while
+    live routes run the compressor on states of their own besides it (which one is meant is the
+    route's to say)."""
+    if run is not None:
+        return run
     others = len(getattr(compressor, "_other_route_states", ()))
-    if others and running_state(compressor) is None:
+    if others:
         holder = getattr(compressor, "_own_state_holder", None)
         routes = others + (holder is not None and holder() is not None)
         raise RuntimeError(
             f"hvd_compress: {compressor!r} runs on {routes} route{'s' * (routes != 1)}, each with a run state of "
             f"its own; "
             f"call {call}() on the route whose state you mean: optimizer.{call}() (its 'hvd_compress' "
-            f"entry), the DDP hook's CompressionState.{call}(), or compressor.running(route.compression_state)"
+            f"entry), the DDP hook's CompressionState.{call}(), or compressor.{call}(run=route.compression_state)"
         )
+    return compressor.own_state

@@ -50,7 +50,7 @@ class TernaryBucketCodec:
         a = bucket.compensated(g)
         local, bound = ops.terngrad_bucket_scales(a, bucket.groups, self.compressor.clip)
         local = ops.cast(local, bucket.acc)  # max|clip(g)| of every compressed tensor
-        uniform = self._uniform(bucket, a)
+        uniform = self._uniform(bucket, a, step.run)
         sanitized = ops.nonfinite_to_zero(local)
         flags = ops.cast(sanitized != local, bucket.acc)  # a scale (>= 0) is NaN or +Inf
         count = len(bucket.compressed)
@@ -67,11 +67,13 @@ class TernaryBucketCodec:
         received = yield [scales, self._codes_send(bucket, a, bound, uniform, sanitized, step)]
         return self._decode_own_scales(bucket, received)
 
-    def _uniform(self, bucket: Any, a: Array) -> Array:
-        """Every compressed tensor's uniforms from this rank's stream, drawn in the order the tensors were added."""
+    def _uniform(self, bucket: Any, a: Array, run: Any) -> Array:
+        """Every compressed tensor's uniforms from this rank's stream in the run state ``run``, drawn in the
+        order the tensors were added."""
         ops = bucket.ops
         uniform = ops.empty(bucket.n_compressed, ops.float32, bucket.like)
-        generator = self.compressor.generator(ops, a)
+        comp = self.compressor
+        generator = run.generator(ops, comp.seed, comp.rank, a)
         parts = {}
         for i in sorted(bucket.compressed):
             start = bucket.offsets[i]

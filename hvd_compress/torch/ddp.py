@@ -94,8 +94,7 @@ class CompressionState:
         self.__init__(state["compressor"], process_group=None, compression_state=state.get("compression_state"))
 
     def state_dict(self) -> Dict[str, Any]:
-        with self.compressor.running(self.compression_state):
-            return self.compressor.state_dict()
+        return self.compressor.state_dict(self.compression_state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The compressor's, refusing state whose tensors this hook names none of (written by a route
@@ -107,8 +106,7 @@ class CompressionState:
                 known = lambda name: re.fullmatch(r"ddp\.bucket\d+\.\d+", name) is not None  # noqa: E731
                 advice = " (without named_parameters= it names parameters ddp.bucket<index>.<position>)"
             check_names(state["tensors"], writer(state), known, "this ddp_hook's CompressionState", advice)
-        with self.compressor.running(self.compression_state):
-            self.compressor.load_state_dict(state)
+        self.compressor.load_state_dict(state, self.compression_state)
 
     def communicator(self) -> TorchDistCommunicator:
         if self._comm is None or self._comm.group is not self.process_group:

@@ -309,8 +309,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
-        with self._compression.running(self.compression_state):
-            state["hvd_compress"] = self._compression.state_dict()
+        state["hvd_compress"] = self._compression.state_dict(self.compression_state)
         return state
 
     def load_state_dict(self, state_dict):
@@ -321,8 +320,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             advice = " (without named_parameters= it names its parameters param.<i>)" if self._named_by_position else ""
             check_names(compressor_state.get("tensors") or {}, writer(compressor_state), self._params.__contains__,
                         f"this {self.compression_state.route}", advice)
-            with self._compression.running(self.compression_state):
-                self._compression.load_state_dict(compressor_state)
+            self._compression.load_state_dict(compressor_state, self.compression_state)
 
 
 def _weak_hook(optimizer: _DistributedOptimizer) -> Any:

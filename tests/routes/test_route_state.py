@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 import hvd_compress.torch as hvd  # noqa: E402
 from hvd_compress import RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.comm.exchange import open_exchange  # noqa: E402
 from hvd_compress.comm.threads import run_ranks  # noqa: E402
 from tests.distributed import route_checkpoints as moves  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
@@ -78,9 +79,9 @@ def test_the_first_route_runs_on_the_compressors_own_state_and_a_second_on_a_new
     step(second, models[1], 10 * torch.randn(3, 40))
     saved_first, saved_second = first.state_dict()["hvd_compress"], second.state_dict()["hvd_compress"]
     assert saved_first["checksum"] != saved_second["checksum"]
-    with compression.running(second.compression_state):
-        assert torch.equal(compression.residual("weight"), second.compression_state.memory.peek("weight", "residual"))
-        assert compression.state_dict()["checksum"] == saved_second["checksum"]
+    assert torch.equal(compression.residual("weight", second.compression_state),
+                       second.compression_state.memory.peek("weight", "residual"))
+    assert compression.state_dict(second.compression_state)["checksum"] == saved_second["checksum"]
     assert not torch.equal(compression.residual("weight"), second.compression_state.memory.peek("weight", "residual"))
     counts = [(s.numel, s.values_sent) for s in (first.compression_state.stats, second.compression_state.stats)]
     assert counts[1] == (2 * counts[0][0], 2 * counts[0][1]) and counts[0][1] > 0  # two steps against one
@@ -104,8 +105,10 @@ def test_a_ddp_hook_state_pickles_with_its_own_run_state(make):
     hooks = [hvd.CompressionState(compression) for _ in range(2)]
     assert hooks[0].compression_state is compression.state and hooks[1].compression_state is not compression.state
     for hook, scale in zip(hooks, (1.0, 10.0)):
-        with compression.running(hook.compression_state):
-            compression.encode(scale * torch.randn(100), "ddp.bucket0.0")
+        exchange = open_exchange(compression, SingleProcessCommunicator(), "ddp.bucket0", hook.compression_state)
+        exchange.add("ddp.bucket0.0", scale * torch.randn(100))
+        exchange.launch()
+        exchange.finish()
     copies = [pickle.loads(pickle.dumps(hook)) for hook in hooks]
     for hook, copy in zip(hooks, copies):
         assert copy.state_dict()["checksum"] == hook.state_dict()["checksum"]

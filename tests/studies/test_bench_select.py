@@ -39,9 +39,9 @@ def test_the_engine_rows_run_what_the_route_runs(monkeypatch):
     launched = []
     original = fused.FusedBucket.launch
 
-    def spy(bucket, tensors, comm, complete=True):
+    def spy(bucket, tensors, comm, run, complete=True):
         launched.append((type(bucket.compressor).__name__, bucket.residual is not None, tensors[0].numel()))
-        return original(bucket, tensors, comm, complete)
+        return original(bucket, tensors, comm, run, complete)
 
     monkeypatch.setattr(fused.FusedBucket, "launch", spy)
     results = select.run(device="cpu", sizes=[5000], ratios=[0.01], repeats=1, rows=["gaussiank"],
