@@ -4,8 +4,9 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
     from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
 
-``HorovodCompression(compressor)`` is the same as Horovod's ``compression=`` wrapper
-(:mod:`hvd_compress.comm.horovod_compression`); a compressor passed directly runs through it.
+They are the algorithms of :mod:`hvd_compress.compressors` with Horovod's ``compress``/``decompress``
+(:class:`HorovodInterface`, :mod:`hvd_compress.comm.horovod_compression`);
+``HorovodCompression(compressor)`` gives any other compressor that interface.
 
 ``DensityWarmup(compressor, warmup_steps, start)`` is Deep Gradient Compression's
 density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
@@ -22,18 +23,18 @@ kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
 in one process on the routes' bucket engine.
 """
 
-from hvd_compress.compressors import (
+from hvd_compress.compressors import Compression, DensityWarmup
+from hvd_compress.comm.auto import Auto
+from hvd_compress.comm.horovod_compression import (
     FP16,
-    Compression,
-    DensityWarmup,
     GaussianK,
+    HorovodCompression,
+    HorovodInterface,
     NoneCompressor,
     RegTopK,
     TernGrad,
     TopK,
 )
-from hvd_compress.comm.auto import Auto
-from hvd_compress.comm.horovod_compression import HorovodCompression
 from hvd_compress.comm.nonfinite import NonFiniteGradientError
 
 __version__ = "0.1.0"
@@ -48,6 +49,7 @@ __all__ = [
     "FP16",
     "Compression",
     "HorovodCompression",
+    "HorovodInterface",
     "DensityWarmup",
     "NonFiniteGradientError",
     "__version__",

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.comm.horovod_compression import HorovodInterface
 from hvd_compress.compressors.base import Compressor
 from hvd_compress.compressors.state import WireStats
 from hvd_compress.compressors.validation import check_count
@@ -292,7 +293,7 @@ class AutoExchange:
         return results
 
 
-class Auto(InnerState):
+class Auto(HorovodInterface, InnerState):
     """Per bucket, the cheaper of ``compressor`` and a dense allreduce, measured (see the module docstring).
 
     ``warmup``: timed exchanges per measurement (after one untimed); ``decide_every``: exchanges

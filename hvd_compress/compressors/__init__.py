@@ -1,4 +1,9 @@
-"""Compressors: the numpy specification (``reference``) and the algorithm classes.
+"""Compressors: the algorithm classes, the name table and ``Compression``.
+
+The classes here are the algorithms (options, the per-tensor definition, the bucket codec);
+the public ones, ``hvd_compress.TopK`` and the others, add Horovod's ``compress``/``decompress``
+(:mod:`hvd_compress.comm.horovod_compression`, a higher layer, which registers them under the
+names of the table). The numpy specification is :mod:`hvd_compress.kernels.reference`.
 
 ``Compression`` mirrors Horovod's ``hvd.Compression``. Every entry is a factory
 that makes a new compressor with its own state: ``Compression.topk(0.01)``,
@@ -42,7 +47,7 @@ class DenseFactory:
             self._protocol = self.cls()
         return self._protocol
 
-    def compress(self, tensor: Any):
+    def compress(self, tensor: Any):  # the registered class: one with Horovod's interface
         return self._for_horovod().compress(tensor)
 
     def decompress(self, tensor: Any, ctx: Any):
@@ -115,15 +120,6 @@ class Compression(metaclass=_Names):
 
     register = staticmethod(registry.register)
     unregister = staticmethod(registry.unregister)
-
-
-# the built-in compressors, with the header numbers they have always had
-registry.register("none", NoneCompressor, factory=DenseFactory("none", NoneCompressor), number=1)
-registry.register("fp16", FP16, factory=DenseFactory("fp16", FP16), number=2)
-registry.register("topk", TopK, number=3)
-registry.register("gaussiank", GaussianK, number=4)
-registry.register("regtopk", RegTopK, number=5)
-registry.register("terngrad", TernGrad, number=6)
 
 
 __all__ = [

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -227,16 +226,6 @@ class Compressor:
             total = ops.divide(total, len(payloads))
         return ops.reshape(ops.cast(total, dtype), shape)
 
-    # --------------------------------------------- Horovod's Compressor interface
-    def compress(self, tensor: Any, name: Optional[str] = None):
-        """Horovod ``Compressor.compress`` for a compressor passed directly as ``compression=``:
-        ``HorovodCompression(self).compress`` (:mod:`hvd_compress.comm.horovod_compression`)."""
-        return horovod_interface(self).compress(tensor, name)
-
-    def decompress(self, tensor: Any, ctx: Any):
-        """Horovod ``Compressor.decompress``: ``HorovodCompression(self).decompress``."""
-        return horovod_interface(self).decompress(tensor, ctx)
-
     @property
     def dense_only(self) -> bool:
         """Every tensor travels as a dense payload (None, FP16): once the ranks' header agrees, a
@@ -350,22 +339,6 @@ class Compressor:
 
     def _observe(self, name: str, total: Any, ops: Any) -> None:
         """Hook for compressors that learn from the aggregate; default: nothing."""
-
-
-#: The module of Horovod's ``compression=`` wrapper, a higher layer: looked up by name, never
-#: imported from here (``import hvd_compress`` loads it).
-HOROVOD_INTERFACE = "hvd_compress.comm.horovod_compression"
-
-
-def horovod_interface(compressor: Compressor) -> Any:
-    """``HorovodCompression(compressor)``, the wrapper Horovod's ``compress``/``decompress`` run through."""
-    module = sys.modules.get(HOROVOD_INTERFACE)
-    if module is None:
-        raise RuntimeError(
-            "hvd_compress: the Horovod interface is not loaded; import hvd_compress (not only its submodules' "
-            "files) before passing a compressor to Horovod"
-        )
-    return module.HorovodCompression(compressor)
 
 
 def payload_tensor(payload: Any) -> Any:

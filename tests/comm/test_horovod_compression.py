@@ -1,11 +1,32 @@
-"""Horovod's ``compression=`` wrapper, and a compressor passed to Horovod directly running through it."""
-
-import sys
+"""Horovod's ``compression=`` interface: the public compressors carry it, the algorithms do not, and the
+wrapper gives it to any compressor."""
 
 import pytest
 
-from hvd_compress import FP16, Compression, HorovodCompression, TopK
-from hvd_compress.compressors.base import HOROVOD_INTERFACE, horovod_interface
+import hvd_compress
+from hvd_compress import FP16, Auto, Compression, HorovodCompression, HorovodInterface, TopK
+from hvd_compress.compressors import registry
+from hvd_compress.compressors.base import Compressor
+from hvd_compress.compressors.sparse import LargestScores, Sparsifier
+
+PUBLIC = ("NoneCompressor", "FP16", "TopK", "GaussianK", "RegTopK", "TernGrad")
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_each_public_compressor_is_its_algorithm_with_horovods_interface(name):
+    public, algorithm = getattr(hvd_compress, name), getattr(hvd_compress.compressors, name)
+    assert issubclass(public, HorovodInterface) and issubclass(public, algorithm) and public is not algorithm
+    assert not hasattr(algorithm, "compress") and not hasattr(Compressor, "decompress")  # no glue below
+    assert public.__name__ == algorithm.__name__ and public.__doc__ == algorithm.__doc__  # config type, header
+
+
+def test_the_name_table_makes_the_public_classes():
+    for name in ("topk", "gaussiank", "regtopk", "terngrad"):
+        assert registry.factory(name) is getattr(hvd_compress, registry.factory(name).__name__)
+    assert type(Compression.by_name("regtopk", 0.1)) is hvd_compress.RegTopK
+    assert type(Compression.topk(0.1)) is TopK and type(Compression.fp16()) is FP16
+    assert isinstance(Compression.fp16._for_horovod(), HorovodInterface)
+    assert isinstance(Auto(TopK(0.1)), HorovodInterface)
 
 
 def test_the_wrapper_makes_a_compressor_of_a_factory_and_keeps_an_instance():
@@ -16,22 +37,18 @@ def test_the_wrapper_makes_a_compressor_of_a_factory_and_keeps_an_instance():
     assert repr(HorovodCompression(topk)) == f"HorovodCompression({topk!r})"
 
 
-def test_a_compressor_passed_directly_runs_the_wrapper():
-    fp16 = FP16()
-    wrapper = horovod_interface(fp16)
-    assert isinstance(wrapper, HorovodCompression) and wrapper.compressor is fp16
-
-
 def test_wrapper_and_compressor_send_the_same():
     torch = pytest.importorskip("torch")
     grad = torch.tensor([1.0, 2.5, -3.0])
-    direct, wrapped = FP16(), HorovodCompression(FP16())
+    direct, wrapped = FP16(), HorovodCompression(hvd_compress.compressors.FP16())
     (sent, ctx), (sent_wrapped, ctx_wrapped) = direct.compress(grad), wrapped.compress(grad)
     assert sent.dtype == sent_wrapped.dtype
     assert torch.equal(direct.decompress(sent, ctx), wrapped.decompress(sent_wrapped, ctx_wrapped))
 
 
-def test_without_the_package_a_compressor_says_what_to_import(monkeypatch):
-    monkeypatch.delitem(sys.modules, HOROVOD_INTERFACE)
-    with pytest.raises(RuntimeError, match="import hvd_compress"):
-        TopK(0.01).compress(object())
+def test_a_compressor_of_your_own_takes_the_interface_by_deriving_from_it():
+    class Mine(HorovodInterface, LargestScores, Sparsifier):
+        pass
+
+    mine = Mine(0.1)
+    assert mine.compress.__func__ is HorovodInterface.compress and isinstance(mine, Compressor)
