@@ -172,3 +172,32 @@ def test_no_library_function_is_longer_than_the_limit():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def run_time_reaches(source: str, where: str) -> List[str]:
+    """Thread-local state and lookups of loaded modules in ``sys.modules`` (other than a third-party
+    module's literal name) in ``source``: couplings that no import shows. (The kernels' lazy
+    ``import_module`` of a framework's own kernel modules, from a fixed list, is an import.)"""
+    def ours(key: ast.AST) -> bool:
+        return not (isinstance(key, ast.Constant) and not str(key.value).startswith("hvd_compress"))
+
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, ast.Attribute) and node.attr == "local" and getattr(node.value, "id", "") == "threading":
+            found.append(f"{where}:{node.lineno}: threading.local")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "sys.modules.get":
+            if node.args and ours(node.args[0]):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules" and ours(node.slice):
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+def test_no_thread_local_state_and_no_module_looked_up_by_name():
+    """Run state is handed down explicitly and layers meet through imports only."""
+    found = [hit for module, path in modules().items() for hit in run_time_reaches(path.read_text(), module)]
+    assert not found, "\n".join(found)
+    probe = ("import sys, threading\n_S = threading.local()\nm = sys.modules.get(NAME)\n"
+             "n = sys.modules['hvd_compress.y']\nk = sys.modules.get('keras')\n")
+    assert [hit.split(": ")[1] for hit in run_time_reaches(probe, "probe")] == [
+        "threading.local", "sys.modules.get(NAME)", "sys.modules['hvd_compress.y']"]
