@@ -62,7 +62,7 @@ class Simulator:
             compressor = copy.deepcopy(compression)
             if seed is not None:
                 compressor.seed = int(seed)
-            compressor.route = "Simulator"
+            compressor.state.route = "Simulator"
             self.compressors.append(compressor.bind(rank, n_ranks))
         #: what each rank handed to the collectives in the last step (bytes)
         self.bytes_sent_per_rank: List[int] = [0] * n_ranks
@@ -175,6 +175,7 @@ class Simulator:
         for compressor, rank_state in zip(self.compressors, state["ranks"]):
             compressor.load_state_dict(rank_state)
         for compressor in self.compressors:  # each rank's own state, in rank order
-            if compressor.state_note():
-                raise ValueError(f"hvd_compress: the Simulator's states are not in rank order{compressor.state_note()}")
+            note = compressor.state.note(compressor.rank)
+            if note:
+                raise ValueError(f"hvd_compress: the Simulator's states are not in rank order{note}")
         self.steps = int(state.get("steps", 0))

@@ -163,7 +163,6 @@ class InnerState(Compressor):
     size = property(lambda self: self.inner.size)
     seed = property(lambda self: self.inner.seed)
     nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
-    route = property(lambda self: self.inner.route, lambda self, value: setattr(self.inner, "route", value))
 
     def bind(self, rank: int, size: int) -> "InnerState":
         self.inner.bind(rank, size)

@@ -266,8 +266,8 @@ def compress(compressor: Any, tensor: Any, name: Optional[str] = None):
     if name is None:
         name = calls.next_name(warn=not dense)
     seen = (name, tuple(tensor.shape), tensor.dtype)
-    if compressor.route is None:
-        compressor.route = "horovod.torch"
+    if compressor.state.route is None:
+        compressor.state.route = "horovod.torch"
     exchange = open_exchange(compressor, _communicator(), f"hvd_compress.{name}")
     exchange.add(name, tensor)
     if dense:

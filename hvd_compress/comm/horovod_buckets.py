@@ -108,7 +108,7 @@ class Plan:
         self.buckets = cut([(names[p], p) for p in reversed(params)], cap_bytes())
         self.bucket_of = {n: b for b, members in enumerate(self.buckets) for n in members}
         if compressor is not None:
-            compressor.route = ROUTE
+            compressor.state.route = ROUTE
             run = compressor.state
             check_names(run.memory.restored(), run.loaded_route, self.bucket_of.__contains__,
                         f"this {ROUTE}", " (without named_parameters= Horovod names parameters "

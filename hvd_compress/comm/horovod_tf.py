@@ -370,7 +370,8 @@ def check_agreement(compressor: Any, name: str, tensor: Any) -> None:
         header = tf.constant([[config, header_hash(layout)]], tf.int64)
         rows = comm.wait(comm.allgather_async(header, f"{name}.agree")).numpy().tolist()
         compressor.stats.add(16, 0, 0, 0)
-    check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}", compressor.state_note())
+    check_header(comm, rows, name, compressor, f" on {layout[1]} {layout[2]}",
+                 compressor.state.note(compressor.rank))
 
 
 def _graph() -> Any:
@@ -429,7 +430,7 @@ def compress(compressor: Any, tensor: Any):
     pending = _calls(compressor).pending
     try:
         name = _name(compressor, tensor)
-        compressor.route = "horovod.tensorflow"
+        compressor.state.route = "horovod.tensorflow"
         check_agreement(compressor, name, tensor)
     except BaseException:  # the group goes with the step: no later step exchanges its tensors
         pending.pop(_graph(), None)

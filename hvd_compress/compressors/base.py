@@ -133,11 +133,6 @@ class Compressor:
         """What the compressor's steps sent (``state.stats``; read-only here: ``stats.reset()`` clears it)."""
         return self.state.stats
 
-    @property
-    def loaded_route(self) -> str:
-        """The route that wrote the state last loaded (``""``: none, or not recorded)."""
-        return self.state.loaded_route
-
     # ------------------------------------------------------------------ setup
     def bind(self, rank: int, size: int) -> "Compressor":
         """Tell the compressor which rank of how many it runs on (random streams, wire format)."""
@@ -162,23 +157,7 @@ class Compressor:
         every rank) hashes differently, so the cross-rank check stops every rank.
         ``run``: the state the steps run on (default: the compressor's own).
         """
-        return header_hash((sorted(self.config().items()), self.state_note(run)))
-
-    def state_note(self, run: Optional[CompressorState] = None) -> str:
-        """``""``, or why this rank's loaded state (``run``, default the compressor's own) is not its own
-        (for the cross-rank check's error)."""
-        return (self.own_state if run is None else run).note(self.rank)
-
-    @property
-    def route(self) -> Optional[str]:
-        """The route that runs on :attr:`state` (``hvd_compress.torch.DistributedOptimizer``,
-        ``horovod.torch.DistributedOptimizer``, ``Simulator``...; ``None`` before any), which
-        :meth:`state_dict` records so that a route refusing the state can name its writer."""
-        return self.state.route
-
-    @route.setter
-    def route(self, name: str) -> None:
-        self.state.route = str(name)
+        return header_hash((sorted(self.config().items()), (self.own_state if run is None else run).note(self.rank)))
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -237,10 +216,6 @@ class Compressor:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
         return "dense"
 
-    def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
-        """Scores a fused sparse bucket selects by (sparsifiers)."""
-        raise NotImplementedError
-
     def encode_options(self, compressors: Sequence["Compressor"],
                        grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
         """For ranks stepped tensor by tensor (the Simulator's compressors without a bucket codec, the
@@ -254,12 +229,6 @@ class Compressor:
         arrays are the bucket's kernel module's, ``bucket.ops``);
         compressors that send every tensor dense have none."""
         raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
-
-    def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
-        """Hook: the sum over ranks of a fused bucket's compressed part, what this rank sent
-        (``(positions, values)``), the per-tensor flags and each slot's tensor; returns the
-        bucket's new posterior (RegTop-k) or ``None``."""
-        return None
 
     def warn_dense(self, name: str, numel: int) -> None:
         """Hook: ``name`` now travels dense though the algorithm would compress it."""

@@ -25,7 +25,7 @@ A checkpoint records the route that wrote it (``route``: ``hvd_compress.torch.Di
 State moves between routes: each rank's state is the same dict whatever wrote it, residuals of any
 shape of the tensor's size, arrays of any framework (moved at the first step). A rank's state belongs to
 that rank (``rank``): one holding another rank's is stopped, on every rank, by the exchanges' first
-cross-rank check (``Compressor.state_note``), the Simulator at its ``load_state_dict``; the number of
+cross-rank check (``CompressorState.note``), the Simulator at its ``load_state_dict``; the number of
 ranks may change between save and resume (``world``: ranks no longer present leave their residuals
 behind). What cannot move is
 refused, naming the writer: a whole Simulator or optimizer checkpoint handed to a compressor

@@ -204,6 +204,12 @@ class Sparsifier(Compressor):
         """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""
         return abs(a)
 
+    def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
+        """Hook: the sum over ranks of a fused bucket's compressed part, what this rank sent
+        (``(positions, values)``), the per-tensor flags and each slot's tensor; returns the
+        bucket's new posterior (RegTop-k) or ``None``."""
+        return None
+
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """A fused bucket's selection, ``(positions, probe)``: per row (tensor) of the work buffer ``a``
         what :meth:`_select` chooses on that row alone, ``k`` slots a row, as work positions (row

@@ -36,7 +36,7 @@ class GradientExchange:
 
     def __init__(self, compression: Any, communicator: Optional[Any] = None, average: bool = True) -> None:
         self.compressor = compression
-        compression.route = "hvd_compress.tensorflow"
+        compression.state.route = "hvd_compress.tensorflow"
         self.communicator = communicator
         self.average = average
 

@@ -23,7 +23,7 @@ def test_state_records_its_rank_and_round_trips():
     fresh = TopK(0.1, dense_below=0).bind(1, 2)
     fresh.load_state_dict(state)
     np.testing.assert_array_equal(fresh.residual("w"), state["tensors"]["w"]["residual"])
-    assert fresh.state_note() == ""
+    assert fresh.state.note(fresh.rank) == ""
 
 
 def test_state_of_another_rank_changes_the_config_hash_and_says_what_to_do():
@@ -32,17 +32,17 @@ def test_state_of_another_rank_changes_the_config_hash_and_says_what_to_do():
     before = mine.config_hash()
     mine.load_state_dict(state)
     assert mine.config_hash() != before  # every rank's cross-rank check stops
-    assert "loaded from rank 1's checkpoint (of 2 ranks)" in mine.state_note()
-    assert "load each rank's own" in mine.state_note()
+    assert "loaded from rank 1's checkpoint (of 2 ranks)" in mine.state.note(mine.rank)
+    assert "load each rank's own" in mine.state.note(mine.rank)
     mine.reset()  # the documented way out: start error feedback afresh
-    assert mine.config_hash() == before and mine.state_note() == ""
+    assert mine.config_hash() == before and mine.state.note(mine.rank) == ""
 
 
 def test_empty_state_of_another_rank_is_harmless():
     state = TopK(0.1).state_dict()  # saved before any exchange
     mine = TopK(0.1).bind(1, 2)
     mine.load_state_dict(state)
-    assert mine.state_note() == ""
+    assert mine.state.note(mine.rank) == ""
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_every_rank_holding_the_same_other_ranks_state_differs_in_the_cross_rank
     for compressor in ranks:
         compressor.load_state_dict(state)
     assert ranks[0].config_hash() != ranks[1].config_hash()
-    assert "rank 0's state was loaded from rank 3's checkpoint (of 4 ranks)" in ranks[0].state_note()
+    assert "rank 0's state was loaded from rank 3's checkpoint (of 4 ranks)" in ranks[0].state.note(ranks[0].rank)
 
 
 def test_a_resized_run_keeps_each_ranks_own_state():
@@ -240,7 +240,7 @@ def test_a_resized_run_keeps_each_ranks_own_state():
     state = edited(trained_state(), world=4)
     mine = TopK(0.1, dense_below=0).bind(1, 2)
     mine.load_state_dict(state)
-    assert mine.state_note() == ""
+    assert mine.state.note(mine.rank) == ""
 
 
 def test_a_single_rank_holding_another_ranks_state_stops_at_its_first_exchange():
