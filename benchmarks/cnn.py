@@ -36,7 +36,7 @@ import numpy as np
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import single_threaded_blas
 from hvd_compress.bench.report import progress_bar, pyplot, require_packages, save_figure
-from hvd_compress.compressors import Compression, Compressor
+from hvd_compress.algorithms import Compression, Compressor
 from hvd_compress.simulator import Simulator
 
 #: Densities of the sparsifiers in ``simulate cnn``.

@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks.output import publish
 from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
-from hvd_compress.compressors import Compression
+from hvd_compress.algorithms import Compression
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from hvd_compress.kernels.reference import num_selected
 
@@ -205,7 +205,7 @@ def run(
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Measure, write ``compress.json`` and ``compress.png`` to ``out``, print the table; returns the results."""
-    from hvd_compress.compressors.base import check_ratio
+    from hvd_compress.algorithms.base import check_ratio
 
     torch = require("torch", "torch")
     if plot and out is not None:

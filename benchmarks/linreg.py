@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import single_threaded_blas
 from hvd_compress.bench.report import progress_bar, pyplot, require_packages, save_figure
-from hvd_compress.compressors import Compressor
+from hvd_compress.algorithms import Compressor
 from hvd_compress.simulator import Simulator
 
 
@@ -151,7 +151,7 @@ def study(
     Writes ``linreg.json`` (curves subsampled) and ``linreg.png`` (log scale) to
     ``out`` when given and prints the table; returns the results.
     """
-    from hvd_compress.compressors import NoneCompressor, RegTopK, TopK
+    from hvd_compress.algorithms import NoneCompressor, RegTopK, TopK
 
     require_packages(torch=False, plots=plot and out is not None)
     if int(steps) < 1:

@@ -15,7 +15,7 @@ goes through its backend but nothing crosses a network. Routes:
 * per compressor: ``ours-ddp-hook`` (:func:`hvd_compress.torch.ddp_hook`),
   ``ours-dropin`` (:class:`hvd_compress.torch.DistributedOptimizer`, over
   Horovod when ``horovod.torch`` imports and initialises, else over
-  :class:`~hvd_compress.comm.torch_dist.TorchDistCommunicator`; ``dropin_comm``
+  :class:`~hvd_compress.transport.torch_dist.TorchDistCommunicator`; ``dropin_comm``
   picks one) and ``ours-stock-horovod`` (``horovod.torch.DistributedOptimizer``
   with our compressor; skipped, with a note, without Horovod). Stock Horovod
   registers no gradient hooks at world size 1 (so nothing would be
@@ -155,7 +155,7 @@ def make_compressor(name: str, ratio: float) -> Any:
     ``<sparsifier>-leader``, ``<sparsifier>-aggregate``: with that shared index set; ``<sparsifier>-reuse<T>``:
     reused thresholds, exact every ``T`` steps (``-reuse`` alone: every step after the first reuses, what a
     step between exact selections costs)."""
-    from hvd_compress.compressors import Compression
+    from hvd_compress.algorithms import Compression
 
     if name.startswith(AUTO_PREFIX):
         from hvd_compress import Auto
@@ -209,7 +209,7 @@ def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable
         if env.dropin_comm == "horovod" and env.hvd is None:
             raise RuntimeError("--dropin-comm horovod, but horovod.torch did not import or initialise")
         if not use_horovod:
-            from hvd_compress.comm.torch_dist import TorchDistCommunicator
+            from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
             communicator = TorchDistCommunicator()
         info["communicator"] = "horovod" if use_horovod else "torch.distributed"

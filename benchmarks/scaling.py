@@ -72,8 +72,8 @@ from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import report
 from benchmarks.compress import format_size
 from benchmarks.wire import numel, resnet18_shapes
-from hvd_compress.compressors import TopK
-from hvd_compress.compressors.base import check_ratio
+from hvd_compress.algorithms import TopK
+from hvd_compress.algorithms.base import check_ratio
 from hvd_compress.kernels.reference import num_selected
 from hvd_compress.wire import ternary_lanes, ternary_wire_format, two_bit_bytes
 
@@ -185,7 +185,7 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
     """The measured collectives on this rank's buffers, as the library's exchange issues them."""
     import torch
 
-    from hvd_compress.compressors import TernGrad
+    from hvd_compress.algorithms import TernGrad
     from hvd_compress.kernels import torch_ops
 
     n, rank = comm.size, comm.rank
@@ -234,7 +234,7 @@ def worker(config: Dict[str, Any]) -> None:
     """One rank: every collective, one warm-up and ``repeats`` timed runs each."""
     import torch.distributed as dist
 
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     cluster.init_gloo(config)
     comm = TorchDistCommunicator()

@@ -10,9 +10,9 @@ tailed; ``r`` a smaller draw of the same law), median of ``repeats`` after a few
 * ``torch.topk``: ``torch.topk(|g + r|, k)`` (unsorted), the plain error-feedback selection;
 * ``topk``: the library's Top-k as the routes run it: the launch of one bucket holding the
   gradient, as the drop-in optimizer launches each of its buckets
-  (:func:`~hvd_compress.comm.exchange.open_exchange`, ``add``, ``launch``: the fused
-  bucket's :meth:`~hvd_compress.comm.fused.FusedBucket.launch`) on a world of one
-  (:class:`~hvd_compress.comm.communicator.SingleProcessCommunicator`, whose collectives
+  (:func:`~hvd_compress.engine.exchange.open_exchange`, ``add``, ``launch``: the fused
+  bucket's :meth:`~hvd_compress.engine.fused.FusedBucket.launch`) on a world of one
+  (:class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`, whose collectives
   hand back their input): the bucket's copy of the gradient, ``a = g + r``, the scores, the
   exact selection (:class:`~hvd_compress.kernels.torch_rows.Rows`: ``torch.topk`` of the
   scores' bits, ties to the lower index), the values, the residual, the message. The
@@ -92,10 +92,10 @@ def engine(name: str, **options: Any) -> Callable[[Case], Callable[[], Any]]:
     """The drop-in's exchange of one bucket holding the gradient, compressor ``name`` with ``options``
     (module docstring)."""
     def row(case: Case) -> Callable[[], Any]:
-        from hvd_compress.comm.communicator import SingleProcessCommunicator
-        from hvd_compress.comm.exchange import open_exchange
-        from hvd_compress.compressors import Compression
-        from hvd_compress.compressors.state import CompressorState
+        from hvd_compress.transport.communicator import SingleProcessCommunicator
+        from hvd_compress.engine.exchange import open_exchange
+        from hvd_compress.algorithms import Compression
+        from hvd_compress.algorithms.state import CompressorState
 
         compressor = Compression.by_name(name, case.ratio, dense_below=0, **options)
         comm, run = SingleProcessCommunicator(), CompressorState()
@@ -160,7 +160,7 @@ def median_ms(fn: Callable[[], Any], repeats: int, ms: Callable[[Callable[[], An
 # ------------------------------------------------------------------- run
 def _check(device: str, sizes: Sequence[int], ratios: Sequence[float], repeats: int, rows: Sequence[str],
            code_path: str, torch: Any) -> None:
-    from hvd_compress.compressors.base import check_ratio
+    from hvd_compress.algorithms.base import check_ratio
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"hvd_compress: device must be cpu or cuda, got {device!r}")

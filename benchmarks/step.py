@@ -4,9 +4,9 @@ N processes (default 4), each in its own network namespace of
 ``ci/netns_cluster.sh`` (every node a full-duplex link of RATE; ``--link none``:
 plain processes on localhost), join a gloo ``torch.distributed`` group and run
 the library's real exchange path: ``hvd_compress.torch.DistributedOptimizer``
-over :class:`~hvd_compress.comm.torch_dist.TorchDistCommunicator`, whose hooks
+over :class:`~hvd_compress.transport.torch_dist.TorchDistCommunicator`, whose hooks
 fuse each 25 MB bucket of gradients into a few collectives
-(:class:`~hvd_compress.comm.exchange.BucketExchange`) started while backward
+(:class:`~hvd_compress.engine.exchange.BucketExchange`) started while backward
 goes on. The dense baseline is the same optimizer with ``NoneCompressor``: one
 fp32 allreduce-Sum of each bucket over the same gloo transport.
 
@@ -74,7 +74,7 @@ from benchmarks.wire import (
     resnet18_label,
     resnet18_shapes,
 )
-from hvd_compress.compressors.base import check_ratio
+from hvd_compress.algorithms.base import check_ratio
 
 DEFAULT_RATES = ("1gbit", "10gbit")
 #: ``auto-<name>`` rows: ``Auto(<name>)`` measures each bucket both ways, then sends it the cheaper way.
@@ -258,7 +258,7 @@ def time_codec(compressor: Any, clock: Clock) -> None:
 
 
 def make_compressor(name: str, ratio: float) -> Any:
-    from hvd_compress.compressors import Compression
+    from hvd_compress.algorithms import Compression
 
     if name.startswith(AUTO_PREFIX):
         from hvd_compress import Auto
@@ -355,7 +355,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
 
 def worker(config: Dict[str, Any]) -> None:
     """One rank: every compressor in turn, in one gloo process group."""
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     cluster.init_gloo(config)
     shapes = [(name, tuple(shape)) for name, shape in resnet18_shapes(config["scale"])]

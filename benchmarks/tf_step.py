@@ -128,7 +128,7 @@ def make_step(row: str, model: Any, lr: float) -> Callable[[Any, Any], Any]:
 
 def use_collectives(row: str) -> None:
     """Before running ``row``: the TF communicator runs its queue grouped, or one by one for ``:one-by-one`` rows."""
-    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
+    from hvd_compress.horovod.tensorflow_hooks import HorovodTensorFlowCommunicator
 
     HorovodTensorFlowCommunicator.grouped = not row.endswith(ONE_BY_ONE)
 

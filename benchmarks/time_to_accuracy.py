@@ -7,7 +7,7 @@ N processes (default 4), each in its own network namespace of
 group and train the convergence study's MLP (:func:`benchmarks.convergence.make_model`)
 on Fashion-MNIST (or digits) through the library's drop-in
 ``hvd_compress.torch.DistributedOptimizer`` over
-:class:`~hvd_compress.comm.torch_dist.TorchDistCommunicator`. Every step each
+:class:`~hvd_compress.transport.torch_dist.TorchDistCommunicator`. Every step each
 rank takes its own ``batch_per_rank`` rows of the global batch (the same
 permutation on every rank, a fresh one per epoch, as the Simulator's study).
 
@@ -210,7 +210,7 @@ def train_run(name: str, training: Training, data: Any, base: Any, config: Dict[
 def worker(config: Dict[str, Any]) -> None:
     """One rank: dense, the compressor and Auto in turn, in one gloo process group."""
     from benchmarks.datasets import load
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     cluster.init_gloo(config)
     training = Training(**config["training"])

@@ -184,7 +184,7 @@ def run(
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Trace every row, write the JSON and the PNG (when given), print the table; returns the results."""
-    from hvd_compress.compressors.base import check_ratio
+    from hvd_compress.algorithms.base import check_ratio
 
     report.require_packages(torch=True, plots=plot_path is not None)
     import torch

@@ -1,7 +1,7 @@
 """``python -m benchmarks traffic``: what one rank sends and receives per step as N grows, per index mode.
 
 For a model's parameter shapes (ResNet-50's by default, ``benchmarks.shapes``) and each world
-size N, the bucket engine's own plan (:class:`~hvd_compress.comm.fused.FusedBucket`, the whole model
+size N, the bucket engine's own plan (:class:`~hvd_compress.engine.fused.FusedBucket`, the whole model
 as one bucket, at world size N) gives what one rank hands the collectives in a steady step, split by
 collective: the dense part's allreduce, the compressed part's allgathers (``indices="gather"``) or
 allreduces (``"leader"``, ``"aggregate"``). What a rank then receives over a ring:
@@ -29,8 +29,8 @@ import numpy as np
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import report
 from benchmarks.shapes import SHAPES
-from hvd_compress.comm.fused import FusedBucket
-from hvd_compress.compressors import Compression
+from hvd_compress.engine.fused import FusedBucket
+from hvd_compress.algorithms import Compression
 from hvd_compress.simulator import Simulator
 
 DEFAULT_RANKS = (2, 4, 8, 16, 64, 256, 1024)
@@ -119,7 +119,7 @@ def run(model: str = "resnet50", compressor: str = "topk", ratio: float = 0.01,
         "settings": {"model": model, "parameters": sum(int(np.prod(s)) for s in shapes), "tensors": len(shapes),
                      "compressor": compressor, "ratio": ratio, "ranks": list(ranks),
                      "received": "allreduce 2 (N-1)/N x the bytes handed to it, allgather (N-1) x",
-                     "plan": "hvd_compress.comm.fused.FusedBucket of the whole model at world size N"},
+                     "plan": "hvd_compress.engine.fused.FusedBucket of the whole model at world size N"},
         "rows": rows,
         "break_even_vs_fp16": {mode: break_even(rows, mode, fp16) for mode in MODES},
         "counted": checks,

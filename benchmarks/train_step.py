@@ -362,7 +362,7 @@ def run(
 
     ``profile``: each row also records ``profile`` (kernels and device milliseconds of one more steady
     step, :mod:`benchmarks.step_profile`) and ``profile_added`` (those minus the ``local`` row's)."""
-    from hvd_compress.compressors.base import check_ratio
+    from hvd_compress.algorithms.base import check_ratio
 
     report.require_packages(torch=True, plots=plot_path is not None)
     import torch

@@ -37,9 +37,9 @@ import numpy as np
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import report
 from benchmarks.compress import format_size, gradient
-from hvd_compress.compressors import Compression
-from hvd_compress.compressors.base import check_ratio
-from hvd_compress.compressors.sparse import DENSE_BELOW
+from hvd_compress.algorithms import Compression
+from hvd_compress.algorithms.base import check_ratio
+from hvd_compress.algorithms.sparse import DENSE_BELOW
 from hvd_compress.simulator import Simulator
 
 #: Compressors measured, in table order.

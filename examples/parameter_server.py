@@ -60,7 +60,7 @@ on the hot path):
   Errors are printed with every line prefixed ``[rank R]``. Errors raised
   before the run starts (ranks that disagree on the configuration: every rank
   raises alike) and anywhere else in the script are handled by the hook of
-  :func:`hvd_compress.comm.mpi.install_abort_on_error`, which ``async_sgd``
+  :func:`hvd_compress.transport.mpi.install_abort_on_error`, which ``async_sgd``
   installs: uncaught, they abort the job too.
 """
 
@@ -74,8 +74,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from hvd_compress.comm.mpi import install_abort_on_error, report_error
-from hvd_compress.compressors import old_keyword
+from hvd_compress.transport.mpi import install_abort_on_error, report_error
+from hvd_compress.algorithms import old_keyword
 
 __all__ = ["async_sgd", "clip_lambda", "AsyncSGDResult", "WorkerTimeoutError", "worker_rng"]
 
@@ -210,7 +210,7 @@ def _dtype_code(dtype: Any) -> int:
 def _compressor_for(compressor: Any, worker: int) -> Any:
     if compressor is None:
         return None
-    from hvd_compress.compressors.base import Compressor
+    from hvd_compress.algorithms.base import Compressor
 
     if isinstance(compressor, Compressor):
         return compressor

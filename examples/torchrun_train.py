@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hvd_compress import Compression
-from hvd_compress.comm.torch_dist import TorchDistCommunicator
+from hvd_compress.transport.torch_dist import TorchDistCommunicator
 from hvd_compress.torch import DistributedOptimizer
 
 if __package__:  # python -m examples.torchrun_train

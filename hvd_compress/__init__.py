@@ -4,17 +4,17 @@ Compressors (each usable as ``compression=`` in Horovod's ``DistributedOptimizer
 
     from hvd_compress import TopK, GaussianK, RegTopK, TernGrad, NoneCompressor, FP16, Compression
 
-They are the algorithms of :mod:`hvd_compress.compressors` with Horovod's ``compress``/``decompress``
-(:class:`HorovodInterface`, :mod:`hvd_compress.comm.horovod_compression`);
+They are the algorithms of :mod:`hvd_compress.algorithms` with Horovod's ``compress``/``decompress``
+(:class:`HorovodInterface`, :mod:`hvd_compress.horovod.interface`);
 ``HorovodCompression(compressor)`` gives any other compressor that interface.
 
 ``DensityWarmup(compressor, warmup_steps, start)`` is Deep Gradient Compression's
 density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
-(:mod:`hvd_compress.compressors.schedule`).
+(:mod:`hvd_compress.algorithms.schedule`).
 
 ``Auto(compressor)`` measures, per bucket, the compressed exchange against a dense
 allreduce on the real link and sends each bucket the cheaper way
-(:mod:`hvd_compress.comm.auto`).
+(:mod:`hvd_compress.engine.auto`).
 
 Every compressor has a communication-free ``encode(tensor, name) -> payload`` and
 ``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
@@ -23,10 +23,10 @@ kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
 in one process on the routes' bucket engine.
 """
 
-from hvd_compress.compressors import Compression, DensityWarmup
-from hvd_compress.comm.auto import Auto
-from hvd_compress.comm.horovod_compression import (
+from hvd_compress.algorithms import Compression, DensityWarmup
+from hvd_compress.horovod.interface import (
     FP16,
+    Auto,
     GaussianK,
     HorovodCompression,
     HorovodInterface,
@@ -35,7 +35,7 @@ from hvd_compress.comm.horovod_compression import (
     TernGrad,
     TopK,
 )
-from hvd_compress.comm.nonfinite import NonFiniteGradientError
+from hvd_compress.engine.nonfinite import NonFiniteGradientError
 
 __version__ = "0.1.0"
 

@@ -2,9 +2,9 @@
 
 Every rank owns a deep copy of the compressor (its own residuals, RegTop-k
 posterior and random stream, seeded from ``(seed, rank)``). One :meth:`Simulator.step`
-runs the bucket engine every route runs (:class:`~hvd_compress.comm.exchange.BucketExchange`,
-:mod:`~hvd_compress.comm.fused`) on every rank, the whole step as one bucket, over the
-collectives of :mod:`~hvd_compress.comm.lockstep` (sums and gathers in rank order, no
+runs the bucket engine every route runs (:class:`~hvd_compress.engine.exchange.BucketExchange`,
+:mod:`~hvd_compress.engine.fused`) on every rank, the whole step as one bucket, over the
+collectives of :mod:`~hvd_compress.transport.lockstep` (sums and gathers in rank order, no
 threads): every rank launches the bucket, then every rank completes it (TernGrad's codes
 after the shared scales' allreduce-Max), then every rank finishes it. So the averages,
 residuals and bytes are a real route's (``bytes_sent_per_rank``: what each rank handed to
@@ -29,12 +29,12 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.compressors import Compressor, as_compressor
+from hvd_compress.algorithms import Compressor, as_compressor
 from hvd_compress.kernels import in_form_of
-from hvd_compress.compressors.base import as_tensor
-from hvd_compress.compressors.checkpoint import writer
-from hvd_compress.comm.exchange import open_exchange
-from hvd_compress.comm.lockstep import LockstepGroup
+from hvd_compress.algorithms.base import as_tensor
+from hvd_compress.algorithms.checkpoint import writer
+from hvd_compress.engine.exchange import open_exchange
+from hvd_compress.transport.lockstep import LockstepGroup
 from hvd_compress.wire import array_nbytes
 
 
@@ -121,7 +121,7 @@ class Simulator:
         return out
 
     def _engine_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
-        """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.comm.lockstep`):
+        """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.transport.lockstep`):
         the whole step is one bucket; every rank launches, then completes, then finishes it."""
         group = LockstepGroup(self.n_ranks)
         exchanges = []

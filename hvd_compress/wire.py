@@ -44,7 +44,7 @@ def header_hash(value: Any) -> int:
 
 
 #: algorithm numbers a header can carry (:func:`header_config`): compressor class name -> number,
-#: filled by :func:`register_algorithm` (``hvd_compress.compressors.registry`` registers the built-in
+#: filled by :func:`register_algorithm` (``hvd_compress.algorithms.registry`` registers the built-in
 #: compressors with fixed numbers, so headers and their errors never change between releases)
 _ALGORITHM_NUMBERS: Dict[str, int] = {}
 

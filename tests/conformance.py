@@ -11,7 +11,7 @@ when the compressor breaks a contract the exchanges and the Simulator rely on:
 - :func:`check_conserves_mass`: with error feedback, over any steps and on every
   rank, produced = sent + residual (``sum_t g_t = sum_t sent_t + r_T``);
 - :func:`check_thread_ranks_equal_per_tensor_spec`: the real per-rank exchange
-  (:class:`~hvd_compress.comm.exchange.BucketExchange` over thread ranks, the bucket engine)
+  (:class:`~hvd_compress.engine.exchange.BucketExchange` over thread ranks, the bucket engine)
   gives the averages of the per-tensor spec (:class:`tests.oracle.PerTensorRanks`: the
   compressor's own ``encode``/``decode``, tensor by tensor);
 - :func:`check_thread_ranks_equal_simulator`: the same exchange gives the Simulator's averages
@@ -39,8 +39,8 @@ from typing import Any, Callable, Dict, List
 import numpy as np
 import pytest
 
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
 from tests.oracle import PerTensorRanks

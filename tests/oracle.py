@@ -2,12 +2,12 @@
 
 :class:`PerTensorRanks` steps N copies of a compressor tensor by tensor, through the compressors'
 own ``encode`` and ``decode`` (the algorithm's definition, one tensor at a time) and nothing of
-:mod:`hvd_compress.comm`: per tensor, in the order given, every rank encodes its gradient, the
+:mod:`hvd_compress.engine`: per tensor, in the order given, every rank encodes its gradient, the
 payloads are "allgathered" (the list in rank order) and every rank decodes the average
 (sparse payloads: scatter-add; ternary: packed integer sum). TernGrad with scalar sharing learns
 the shared scales first (``encode_options``: the allreduce-Max of every rank's per-layer scales).
 
-The engine (:mod:`hvd_compress.comm.fused`; the Simulator runs it) must give the same averages
+The engine (:mod:`hvd_compress.engine.fused`; the Simulator runs it) must give the same averages
 and residuals bit for bit; its bytes differ where its wire does (a flag per compressed tensor,
 the layout check's header, Gaussian-k's ``floor(4k/3)`` slots), so ``bytes_sent_per_rank`` here
 is the per-tensor payloads' ``nbytes``.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from hvd_compress.compressors import as_compressor
-from hvd_compress.compressors.base import as_tensor
+from hvd_compress.algorithms import as_compressor
+from hvd_compress.algorithms.base import as_tensor
 from hvd_compress.kernels import in_form_of
 
 

@@ -26,8 +26,8 @@ for missing in {missing!r}:
 import numpy as np
 import hvd_compress
 from hvd_compress import Compression
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
 
 SHAPES = {{"w": (40, 50), "b": (7,)}}

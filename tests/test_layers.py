@@ -2,7 +2,8 @@
 
 Layers, lowest first (docs/design.md explains each):
 
-    wire -> kernels -> compressors -> comm -> hvd_compress (the package facade) -> routes -> tools
+    wire -> kernels -> algorithms -> engine and transports -> stock Horovod -> hvd_compress (the package
+    facade) -> routes -> tools
 
 Every ``import`` of an ``hvd_compress`` module counts, at module level or inside a
 function (a lazy import is still an arrow). A module may import its own layer
@@ -20,8 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hvd_compress"
 LAYERS = [
     ("wire", ["hvd_compress.wire"]),
     ("kernels", ["hvd_compress.kernels"]),
-    ("compressors", ["hvd_compress.compressors"]),
-    ("comm", ["hvd_compress.comm", "hvd_compress.simulator"]),
+    ("algorithms", ["hvd_compress.algorithms"]),
+    ("engine and transports", ["hvd_compress.engine", "hvd_compress.transport", "hvd_compress.simulator"]),
+    ("stock Horovod", ["hvd_compress.horovod"]),
     ("package", ["hvd_compress"]),
     ("routes", ["hvd_compress.torch", "hvd_compress.tensorflow", "hvd_compress.keras", "hvd_compress.mpi"]),
     ("tools", ["hvd_compress.bench", "hvd_compress.cli"]),
@@ -123,12 +125,12 @@ def test_the_import_graph_has_no_circle():
 
 def test_the_walker_sees_lazy_and_relative_imports(tmp_path):
     """The checks above can fail: a lazy import inside a function is found."""
-    source = "def f():\n    from hvd_compress.comm import horovod\n    from . import sparse\n"
+    source = "def f():\n    from hvd_compress.engine import fused\n    from . import sparse\n"
     probe = tmp_path / "base.py"
     probe.write_text(source)
-    found = imports_of("hvd_compress.compressors.base", probe, {"hvd_compress.comm.horovod",
-                                                                "hvd_compress.compressors.sparse"})
-    assert found == {"hvd_compress.comm.horovod", "hvd_compress.compressors.sparse"}
+    found = imports_of("hvd_compress.algorithms.base", probe, {"hvd_compress.engine.fused",
+                                                               "hvd_compress.algorithms.sparse"})
+    assert found == {"hvd_compress.engine.fused", "hvd_compress.algorithms.sparse"}
 
 
 #: what the exchanges and routes call a compressor in their code
@@ -149,10 +151,10 @@ def private_compressor_reads(source: str, where: str) -> List[str]:
 
 
 def test_the_exchanges_read_no_private_compressor_attribute():
-    """comm, routes and the simulator use the compressor's public API and ``compressor.state``."""
+    """The engine, transports, routes and the simulator use the compressor's public API and ``compressor.state``."""
     found = []
     for module, path in modules().items():
-        if layer_of(module) >= layer_of("hvd_compress.comm"):
+        if layer_of(module) >= layer_of("hvd_compress.engine"):
             found += private_compressor_reads(path.read_text(), module)
     assert not found, "\n".join(found)
     assert private_compressor_reads("compressor._buckets.pop(k)\nx = self.compressor.__dict__", "probe") == [

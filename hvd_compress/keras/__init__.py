@@ -31,8 +31,8 @@ import sys
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401
-from hvd_compress.compressors import as_compressor
-from hvd_compress.compressors.validation import check_single_momentum
+from hvd_compress.algorithms import as_compressor
+from hvd_compress.algorithms.validation import check_single_momentum
 from hvd_compress.keras.versions import KERAS, KERAS3, broadcast_variables, uses_keras3  # noqa: F401
 
 if KERAS3:

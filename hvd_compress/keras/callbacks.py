@@ -48,8 +48,8 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.keras import callbacks as horovod_callbacks
 
-from hvd_compress.compressors.base import Compressor, check_ratio
-from hvd_compress.compressors.schedule import (check_has_density, check_start, check_warmup_steps, reached_target,
+from hvd_compress.algorithms.base import Compressor, check_ratio
+from hvd_compress.algorithms.schedule import (check_has_density, check_start, check_warmup_steps, reached_target,
                                                warmup_density)
 from hvd_compress.keras.versions import KERAS3, broadcast_variables
 
@@ -234,7 +234,7 @@ class _CompressorCallback(tf.keras.callbacks.Callback):
 class CompressionStatsCallback(_CompressorCallback):
     """Writes per-epoch compression statistics of this rank into the epoch's ``logs``.
 
-    From the compressor's :class:`~hvd_compress.compressors.base.WireStats`,
+    From the compressor's :class:`~hvd_compress.algorithms.base.WireStats`,
     reset at ``on_epoch_begin`` and read at ``on_epoch_end``:
 
     - ``compression_bytes``: payload bytes this rank handed to the collectives
@@ -250,7 +250,7 @@ class CompressionStatsCallback(_CompressorCallback):
       with error feedback (Top-k, Gaussian-k, RegTop-k; TernGrad with
       ``error_feedback=True``), absent otherwise;
     - ``compression_dense_buckets``, ``compression_compressed_buckets``: with
-      :class:`~hvd_compress.comm.auto.Auto`, the buckets it decided to send dense and compressed.
+      :class:`~hvd_compress.engine.auto.Auto`, the buckets it decided to send dense and compressed.
 
     ``compressor_or_optimizer``: the compressor, an optimizer of
     :func:`hvd_compress.keras.DistributedOptimizer`, or ``None`` for
@@ -297,7 +297,7 @@ class DensityWarmupCallback(_CompressorCallback):
         density(e) = rho                          for e >= W
 
     a geometric sequence from ``s`` that would reach ``rho`` at epoch ``W``
-    (:func:`hvd_compress.compressors.schedule.warmup_density`, the formula of
+    (:func:`hvd_compress.algorithms.schedule.warmup_density`, the formula of
     the framework-free :class:`hvd_compress.DensityWarmup` schedule too).
     ``s = 0.25, W = 4, rho = 0.001`` gives 25%, 6.3%, 1.6%, 0.40%, then 0.1%
     (the paper's 25%, 6.25%, 1.5625%, 0.39% is this sequence for
@@ -334,7 +334,7 @@ class DensityWarmupCallback(_CompressorCallback):
         self.target = target
 
     def density(self, epoch: int) -> float:
-        """The density of (0-based) ``epoch``: :func:`~hvd_compress.compressors.schedule.warmup_density`."""
+        """The density of (0-based) ``epoch``: :func:`~hvd_compress.algorithms.schedule.warmup_density`."""
         self._resolve()  # sets the target
         return warmup_density(epoch, self.warmup_epochs, self.start, self.target)
 

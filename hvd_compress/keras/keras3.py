@@ -35,8 +35,9 @@ import tensorflow as tf
 from keras.src.utils import tracking
 from tensorflow.python.ops import control_flow_util
 
-from hvd_compress import compressors
-from hvd_compress.comm.communicator import Communicator
+from hvd_compress import algorithms
+from hvd_compress.horovod import interface
+from hvd_compress.transport.communicator import Communicator
 from hvd_compress.tensorflow import exchange_for
 from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint, load_state_bytes, state_bytes
 
@@ -57,16 +58,16 @@ def check_backend() -> None:
 check_backend()
 
 
-def compressor_config(compressor: compressors.Compressor) -> Dict[str, Any]:
+def compressor_config(compressor: algorithms.Compressor) -> Dict[str, Any]:
     """Type, parameters and seed: what :func:`compressor_from_config` rebuilds the compressor from."""
     return {**compressor.config(), "seed": compressor.seed}
 
 
-def compressor_from_config(config: Dict[str, Any]) -> compressors.Compressor:
+def compressor_from_config(config: Dict[str, Any]) -> algorithms.Compressor:
     """A new compressor of :func:`compressor_config`'s type and parameters (no state)."""
     options = dict(config)
-    cls = getattr(compressors, str(options.pop("type", "")), None)
-    if not (isinstance(cls, type) and issubclass(cls, compressors.Compressor)):
+    cls = getattr(interface, str(options.pop("type", "")), None)  # the public compressors
+    if not (isinstance(cls, type) and issubclass(cls, algorithms.Compressor)):
         raise ValueError(f"hvd_compress: unknown compressor in the optimizer config: {config!r}")
     return cls(**options)
 
@@ -91,7 +92,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(
         self,
         inner_optimizer: keras.optimizers.Optimizer,
-        compression: Optional[compressors.Compressor] = None,
+        compression: Optional[algorithms.Compressor] = None,
         op: Any = None,
         gradient_predivide_factor: float = 1.0,
         communicator: Optional[Communicator] = None,
@@ -103,7 +104,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 f"(such as keras.optimizers.SGD(0.1)), got {type(inner_optimizer).__module__}."
                 f"{type(inner_optimizer).__name__}"
             )
-        compression = compressors.as_compressor(compression)
+        compression = algorithms.as_compressor(compression)
         import horovod.tensorflow as hvd
 
         super().__init__(learning_rate=0.0, name=name or f"Distributed{type(inner_optimizer).__name__}")

@@ -5,7 +5,7 @@ compressor classes hold the state (residuals, RegTop-k's distortion, random
 generators) and call these. Torch and TensorFlow kernels implement the same
 functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
 and TernGrad given the same random draws, the same threshold rule for Gaussian-k.
-The last section holds what the fused bucket path (``hvd_compress.comm.fused``) needs
+The last section holds what the fused bucket path (``hvd_compress.engine.fused``) needs
 beside them: buffers, indexed reads and writes, and TernGrad's steps of every row of
 a bucket; on numpy each row is the per-tensor function's.
 
@@ -588,7 +588,7 @@ def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], nume
 
 
 # --------------------------------------------------------------------------- #
-# Fused buckets (hvd_compress.comm.fused): buffers, and every tensor's step at once
+# Fused buckets (hvd_compress.engine.fused): buffers, and every tensor's step at once
 # --------------------------------------------------------------------------- #
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.reference_rows"

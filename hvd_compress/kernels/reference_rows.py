@@ -1,7 +1,7 @@
 """Row selections of the fused path on numpy: the reference's selection of every row of a bucket.
 
 The numpy counterpart of :class:`hvd_compress.kernels.torch_rows.Rows` (same layout, same
-results): a fused bucket (:mod:`hvd_compress.comm.fused`) lays its compressed tensors out
+results): a fused bucket (:mod:`hvd_compress.engine.fused`) lays its compressed tensors out
 in one flat work buffer, those of equal size next to each other, and each row (tensor)
 selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_select` selects
 on it alone, as work positions in a fixed number of slots per row. On the host nothing

@@ -1,7 +1,7 @@
 """Row selections of the fused path on TensorFlow: the TF kernels' selection of every row of a bucket.
 
 The TensorFlow counterpart of :class:`hvd_compress.kernels.reference_rows.Rows` (same layout,
-same results): a fused bucket (:mod:`hvd_compress.comm.fused`) lays its compressed tensors out
+same results): a fused bucket (:mod:`hvd_compress.engine.fused`) lays its compressed tensors out
 in one flat work buffer, those of equal size next to each other, and each row (tensor) selects
 what :func:`tf_ops.topk_indices` or :func:`tf_ops.gaussiank_select` selects on it alone (which
 is :func:`reference.topk_indices`, and :func:`reference.gaussiank_select` from the kernels' own

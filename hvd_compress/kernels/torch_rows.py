@@ -1,6 +1,6 @@
 """Row selections of the fused torch path: Top-k and Gaussian-k of every tensor of a bucket at once.
 
-The fused path (:mod:`hvd_compress.comm.fused`) lays a bucket's compressed tensors out in one
+The fused path (:mod:`hvd_compress.engine.fused`) lays a bucket's compressed tensors out in one
 flat work buffer, those of equal size next to each other. A :class:`Rows` is that layout
 (groups of equal-length rows) and selects for every row what :func:`reference.topk_indices` or
 :func:`reference.gaussiank_select` selects on that row alone, as work positions in a fixed

@@ -8,11 +8,11 @@
 Run with ``mpirun -np N python train.py``. The optimizer is
 :func:`hvd_compress.torch.optimizer.DistributedOptimizer` (fused buckets,
 overlap with backward, residuals in ``state_dict``) on an
-:class:`~hvd_compress.comm.mpi.MPICommunicator`. MPI initializes when this
+:class:`~hvd_compress.transport.mpi.MPICommunicator`. MPI initializes when this
 module's functions first need it (mpi4py initializes on ``from mpi4py import MPI``).
 From then on an uncaught exception on any rank prints its traceback (lines
 prefixed ``[rank R]``) and aborts the whole job instead of hanging it
-(:func:`~hvd_compress.comm.mpi.install_abort_on_error`;
+(:func:`~hvd_compress.transport.mpi.install_abort_on_error`;
 ``HVD_COMPRESS_MPI_ABORT_ON_ERROR=0`` turns this off).
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01), like Horovod's)
-from hvd_compress.comm.communicator import Communicator
-from hvd_compress.comm.mpi import MPICommunicator, cuda_aware  # noqa: F401
+from hvd_compress.transport.communicator import Communicator
+from hvd_compress.transport.mpi import MPICommunicator, cuda_aware  # noqa: F401
 
 Average = "average"
 Sum = "sum"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01), like Horovod's)
-from hvd_compress.compressors import as_compressor
+from hvd_compress.algorithms import as_compressor
 from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: F401
 from hvd_compress.tensorflow.gradients import GradientExchange
 

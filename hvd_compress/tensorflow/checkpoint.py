@@ -2,7 +2,7 @@
 
 The state is created per gradient on first use, so a checkpoint may be
 restored before it exists; :class:`CompressionCheckpoint` therefore saves the
-compressor's whole :meth:`~hvd_compress.compressors.base.Compressor.state_dict`
+compressor's whole :meth:`~hvd_compress.algorithms.base.Compressor.state_dict`
 as one serialized tensor and restores it at once with ``load_state_dict``::
 
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt,

@@ -3,9 +3,9 @@
 :class:`GradientExchange` replaces the ``_allreduce_grads`` function of
 Horovod's ``DistributedGradientTape`` and Keras ``DistributedOptimizer``: the
 gradients of one step, keyed by their variables' names, travel in one
-:class:`~hvd_compress.comm.exchange.BucketExchange` per dtype (one header, one
+:class:`~hvd_compress.engine.exchange.BucketExchange` per dtype (one header, one
 allgather of indices, one of values, or TernGrad's scale Max and packed code
-sum), run as a single op (:func:`hvd_compress.comm.horovod_tf.eagerly`).
+sum), run as a single op (:func:`hvd_compress.horovod.tensorflow_hooks.eagerly`).
 Horovod's handling of local variables, ``backward_passes_per_step`` and
 ``tf.IndexedSlices`` stays as it is.
 """
@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import tensorflow as tf
 
-from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator, eagerly, exchange
+from hvd_compress.horovod.tensorflow_hooks import HorovodTensorFlowCommunicator, eagerly, exchange
 
 
 def variable_names(variables: Sequence[Any]) -> List[str]:
@@ -46,7 +46,7 @@ class GradientExchange:
             self.communicator = HorovodTensorFlowCommunicator()
         return self.communicator
 
-    @tf.autograph.experimental.do_not_convert  # called while a step is traced: see comm/horovod_tf.py
+    @tf.autograph.experimental.do_not_convert  # called while a step is traced: see horovod/tensorflow_hooks.py
     def __call__(
         self,
         grads: Sequence[Any],

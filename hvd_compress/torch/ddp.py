@@ -6,11 +6,11 @@
 
 DDP hands the hook one bucket at a time; ``bucket.gradients()`` are the
 bucket's parameters' local gradients, views of its flat buffer. The hook runs
-them through the same :class:`~hvd_compress.comm.exchange.BucketExchange` as
+them through the same :class:`~hvd_compress.engine.exchange.BucketExchange` as
 the drop-in optimizer and the stock Horovod route (the fused torch path: one
 header check per layout, then sizes known in advance, a few kernels per bucket,
 nothing read back to the host), over a
-:class:`~hvd_compress.comm.torch_dist.TorchDistCommunicator` of the process
+:class:`~hvd_compress.transport.torch_dist.TorchDistCommunicator` of the process
 group, and returns a ``torch.futures.Future`` of the bucket's averaged flat
 gradient: all the bucket's collectives are asynchronous, and the decode runs
 when they have completed (``collect_all(...).then``) while backward goes on.
@@ -44,17 +44,17 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hvd_compress.comm.exchange import open_exchange
-from hvd_compress.comm.torch_dist import TorchDistCommunicator
-from hvd_compress.compressors import as_compressor, old_keyword
-from hvd_compress.compressors.checkpoint import check_names, writer
+from hvd_compress.engine.exchange import open_exchange
+from hvd_compress.transport.torch_dist import TorchDistCommunicator
+from hvd_compress.algorithms import as_compressor, old_keyword
+from hvd_compress.algorithms.checkpoint import check_names, writer
 
 ROUTE = "hvd_compress.torch.ddp_hook"
 
 
 class CompressionState:
     """State of :func:`ddp_hook`: the compressor, the run state it runs on (``compression_state``, a
-    :class:`~hvd_compress.compressors.state.CompressorState`: residuals keyed by parameter, random
+    :class:`~hvd_compress.algorithms.state.CompressorState`: residuals keyed by parameter, random
     streams, fused plans, statistics; the compressor's own when no other route holds it, so one
     compressor can serve several models) and the group.
 
@@ -98,7 +98,7 @@ class CompressionState:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The compressor's, refusing state whose tensors this hook names none of (written by a route
-        that names parameters otherwise: :func:`~hvd_compress.compressors.checkpoint.check_names`)."""
+        that names parameters otherwise: :func:`~hvd_compress.algorithms.checkpoint.check_names`)."""
         if isinstance(state, dict) and isinstance(state.get("tensors"), dict):
             if self._named:
                 known, advice = self._named.__contains__, ""

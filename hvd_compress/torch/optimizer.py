@@ -5,7 +5,7 @@ once into buckets (reverse registration order, the order backward produces
 gradients; one dtype and device per bucket; at most ``bucket_cap_mb`` of
 gradients each), identical on every rank. A hook on each parameter counts its
 gradient in; when a bucket is complete its tensors are encoded and its fused
-collectives start (:class:`~hvd_compress.comm.exchange.BucketExchange`) while
+collectives start (:class:`~hvd_compress.engine.exchange.BucketExchange`) while
 backward goes on. ``synchronize()`` launches what is left, waits, and writes the
 averaged gradients back: at the end of the backward that completed every bucket
 (as DDP does, so that what reads ``p.grad`` after ``backward()``, such as
@@ -21,7 +21,7 @@ they launch in bucket order (a bucket waits for the buckets before it).
 
 The optimizer runs its compressor on a run state of its own,
 ``optimizer.compression_state`` (a
-:class:`~hvd_compress.compressors.state.CompressorState`: residuals keyed by
+:class:`~hvd_compress.algorithms.state.CompressorState`: residuals keyed by
 parameter name, random streams, fused plans, statistics), so one compressor can
 serve several optimizers without mixing their residuals. The state is saved in
 ``optimizer.state_dict()`` under ``"hvd_compress"``, so a checkpoint resumes
@@ -38,12 +38,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from hvd_compress.comm.exchange import BucketExchange, open_exchange
-from hvd_compress.comm.nonfinite import raise_if_nonfinite
-from hvd_compress.compressors import Compressor, as_compressor
-from hvd_compress.compressors.base import NonFiniteGradientError
-from hvd_compress.compressors.checkpoint import check_names, writer
-from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
+from hvd_compress.engine.exchange import BucketExchange, open_exchange
+from hvd_compress.engine.nonfinite import raise_if_nonfinite
+from hvd_compress.algorithms import Compressor, as_compressor
+from hvd_compress.algorithms.base import NonFiniteGradientError
+from hvd_compress.algorithms.checkpoint import check_names, writer
+from hvd_compress.algorithms.validation import check_single_momentum, param_group_momenta
 
 
 ROUTE = "hvd_compress.torch.DistributedOptimizer"
@@ -95,7 +95,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         super(self.__class__, self).__init__(params)
         if communicator is None:
-            from hvd_compress.comm.communicator import HorovodTorchCommunicator
+            from hvd_compress.transport.communicator import HorovodTorchCommunicator
 
             communicator = HorovodTorchCommunicator()
         self._comm = communicator
@@ -402,8 +402,8 @@ def DistributedOptimizer(
 
     Arguments as ``horovod.torch.DistributedOptimizer``; in addition ``bucket_cap_mb``
     (gradient bytes per fused bucket), ``communicator`` (default: Horovod's;
-    any :class:`~hvd_compress.comm.communicator.Communicator`) and ``nonfinite``
-    (``"raise"``: :class:`~hvd_compress.comm.nonfinite.NonFiniteGradientError` on every
+    any :class:`~hvd_compress.transport.communicator.Communicator`) and ``nonfinite``
+    (``"raise"``: :class:`~hvd_compress.engine.nonfinite.NonFiniteGradientError` on every
     rank at a step whose gradients hold NaN/Inf, one host read per step; default: the
     compressor's ``nonfinite``, ``"propagate"``: NaN/Inf reach every rank's gradient as
     in a dense allreduce). ``compression`` is one of our compressors (default: none).

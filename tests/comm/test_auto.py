@@ -9,9 +9,9 @@ torch = pytest.importorskip("torch")
 
 from hvd_compress import Auto, RegTopK, TernGrad, TopK  # noqa: E402
 from benchmarks.host_reads import count_host_reads  # noqa: E402
-from hvd_compress.comm.auto import BucketChoice, decide  # noqa: E402
-from hvd_compress.comm.exchange import open_exchange  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.engine.auto import BucketChoice, decide  # noqa: E402
+from hvd_compress.engine.exchange import open_exchange  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
 SHAPES = {"w1": (64, 32), "w2": (48, 40), "b": (8,)}

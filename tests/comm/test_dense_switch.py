@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
 from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.simulator import Simulator
 from tests.oracle import PerTensorRanks

@@ -1,6 +1,6 @@
-"""The fused bucket (:mod:`hvd_compress.comm.fused`) against the per-tensor compressors.
+"""The fused bucket (:mod:`hvd_compress.engine.fused`) against the per-tensor compressors.
 
-Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on buckets
+Thread ranks run :class:`~hvd_compress.engine.exchange.BucketExchange` on buckets
 of several tensors (sizes repeated, so tensors share a top-k call; small ones
 dense) and must equal the per-tensor spec (:class:`tests.oracle.PerTensorRanks`, which
 encodes tensor by tensor with the compressors' own ``encode``/``decode``), over several steps, for every fused compressor and
@@ -25,9 +25,9 @@ torch = pytest.importorskip("torch")
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from benchmarks.host_reads import count_host_reads  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
-from hvd_compress.comm.threads import ThreadCommunicator, run_ranks  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.engine.exchange import BucketExchange  # noqa: E402
+from hvd_compress.transport.threads import ThreadCommunicator, run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests import conformance  # noqa: E402

@@ -1,7 +1,7 @@
-"""Momentum correction on the fused bucket (:mod:`hvd_compress.comm.fused`; torch tensors, numpy
+"""Momentum correction on the fused bucket (:mod:`hvd_compress.engine.fused`; torch tensors, numpy
 arrays and TensorFlow tensors) against the per-tensor compressors (:class:`tests.oracle.PerTensorRanks`).
 
-Thread ranks run :class:`~hvd_compress.comm.exchange.BucketExchange` on a bucket
+Thread ranks run :class:`~hvd_compress.engine.exchange.BucketExchange` on a bucket
 holding compressed tensors (sizes repeated), a tensor under ``dense_below`` and
 one sent dense because ``N k >= d``; the results, residuals and velocities must be
 the per-tensor spec's bit for bit, on numpy, on
@@ -24,9 +24,9 @@ torch = pytest.importorskip("torch")
 
 from hvd_compress import Auto, GaussianK, RegTopK, TopK  # noqa: E402
 from benchmarks.host_reads import count_host_reads  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.engine.exchange import BucketExchange  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from tests.oracle import PerTensorRanks  # noqa: E402
 from tests.comm.test_fused import way_of  # noqa: E402

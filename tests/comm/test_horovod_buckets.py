@@ -1,4 +1,4 @@
-"""Stock horovod.torch's buckets (``hvd_compress.comm.horovod_buckets``) in one process: the plan is the
+"""Stock horovod.torch's buckets (``hvd_compress.horovod.torch_buckets``) in one process: the plan is the
 optimizer's parameters in reverse order, cut by dtype and bytes, and a step's results do not depend on
 the order in which Horovod hands over the gradients. (Multi-process runs: tests/distributed.)"""
 
@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import TopK  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.comm.horovod import _Calls  # noqa: E402
-from hvd_compress.comm.horovod_buckets import CAP_ENV, Plan, cut  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.horovod.torch_hooks import _Calls  # noqa: E402
+from hvd_compress.horovod.torch_buckets import CAP_ENV, Plan, cut  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
 
@@ -154,7 +154,7 @@ class NoBfloat16Horovod:
 
 
 def horovod_of_one_rank():
-    from hvd_compress.comm.communicator import HorovodCommunicator, HorovodTorchCommunicator
+    from hvd_compress.transport.communicator import HorovodCommunicator, HorovodTorchCommunicator
 
     comm = HorovodTorchCommunicator.__new__(HorovodTorchCommunicator)
     HorovodCommunicator.__init__(comm, NoBfloat16Horovod())
@@ -178,7 +178,7 @@ def test_bfloat16_gradients_reach_horovod_only_as_dtypes_it_carries(compression)
     from its second step, Horovod's own allreduce of the gradient (``_direct``). Nothing bfloat16
     reaches Horovod; the results are bfloat16 and equal the Simulator's bit for bit."""
     from hvd_compress import Compression
-    from hvd_compress.comm import horovod
+    from hvd_compress.horovod import torch_hooks as horovod
 
     def make():
         return Compression.by_name(compression, 0.25, **({} if compression == "none" else {"dense_below": 10}))

@@ -5,16 +5,16 @@ import pytest
 
 import hvd_compress
 from hvd_compress import FP16, Auto, Compression, HorovodCompression, HorovodInterface, TopK
-from hvd_compress.compressors import registry
-from hvd_compress.compressors.base import Compressor
-from hvd_compress.compressors.sparse import LargestScores, Sparsifier
+from hvd_compress.algorithms import registry
+from hvd_compress.algorithms.base import Compressor
+from hvd_compress.algorithms.sparse import LargestScores, Sparsifier
 
 PUBLIC = ("NoneCompressor", "FP16", "TopK", "GaussianK", "RegTopK", "TernGrad")
 
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_each_public_compressor_is_its_algorithm_with_horovods_interface(name):
-    public, algorithm = getattr(hvd_compress, name), getattr(hvd_compress.compressors, name)
+    public, algorithm = getattr(hvd_compress, name), getattr(hvd_compress.algorithms, name)
     assert issubclass(public, HorovodInterface) and issubclass(public, algorithm) and public is not algorithm
     assert not hasattr(algorithm, "compress") and not hasattr(Compressor, "decompress")  # no glue below
     assert public.__name__ == algorithm.__name__ and public.__doc__ == algorithm.__doc__  # config type, header
@@ -40,7 +40,7 @@ def test_the_wrapper_makes_a_compressor_of_a_factory_and_keeps_an_instance():
 def test_wrapper_and_compressor_send_the_same():
     torch = pytest.importorskip("torch")
     grad = torch.tensor([1.0, 2.5, -3.0])
-    direct, wrapped = FP16(), HorovodCompression(hvd_compress.compressors.FP16())
+    direct, wrapped = FP16(), HorovodCompression(hvd_compress.algorithms.FP16())
     (sent, ctx), (sent_wrapped, ctx_wrapped) = direct.compress(grad), wrapped.compress(grad)
     assert sent.dtype == sent_wrapped.dtype
     assert torch.equal(direct.decompress(sent, ctx), wrapped.decompress(sent_wrapped, ctx_wrapped))

@@ -20,8 +20,8 @@ require("tensorflow")
 import tensorflow as tf  # noqa: E402
 
 from hvd_compress import Compression  # noqa: E402
-from hvd_compress.comm import horovod_tf  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.horovod import tensorflow_hooks as horovod_tf  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
 
 #: a matrix, a bias (under dense_below: Horovod's own allreduce), a float16 matrix
 SHAPES = [((64, 32), np.float32), ((10,), np.float32), ((48, 32), np.float16)]

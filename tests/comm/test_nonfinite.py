@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
 from tests import conformance
 
 # numpy's "invalid value encountered in multiply" (0 * Inf) on every NaN step was noise: none now

@@ -1,5 +1,5 @@
 """Reused thresholds (``exact_every = T > 1``): Top-k's exact selection every T-th step of the run, each
-tensor's kept threshold corrected by one count between (hvd_compress.compressors.sparse_bucket,
+tensor's kept threshold corrected by one count between (hvd_compress.algorithms.sparse_bucket,
 ``reference.reused_threshold_select``).
 
 The oracle below is written from the rule alone, per tensor and rank, in numpy: the engine (Simulator,
@@ -231,8 +231,8 @@ def test_nonfinite_gradient_on_a_reused_step_reaches_every_rank_and_keeps_the_st
 def test_steady_step_on_the_accelerator_path_reads_nothing_back():
     torch = pytest.importorskip("torch")
     from benchmarks.host_reads import count_host_reads
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
-    from hvd_compress.comm.exchange import BucketExchange
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
+    from hvd_compress.engine.exchange import BucketExchange
     from hvd_compress.kernels import torch_ops
 
     compressor, comm = TopK(0.05, exact_every=2, dense_below=0), SingleProcessCommunicator()

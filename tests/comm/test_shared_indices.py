@@ -1,5 +1,5 @@
 """Shared index sets (``indices='leader'`` / ``'aggregate'``): one index set per tensor for every rank,
-its values summed by an allreduce (hvd_compress.compressors.shared_bucket).
+its values summed by an allreduce (hvd_compress.algorithms.shared_bucket).
 
 The oracle below is written from the rule alone, per tensor, in numpy: the engine (Simulator, thread
 ranks) must equal it bit for bit; the bytes per rank must not grow with the ranks.
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
 from tests import conformance
 from tests.helpers import topk_oracle

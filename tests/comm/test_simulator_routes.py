@@ -1,7 +1,7 @@
 """The Simulator runs the routes' engine: its bytes per rank and step are a real route's.
 
-Thread ranks (:mod:`hvd_compress.comm.threads`: one thread per rank, the real
-:class:`~hvd_compress.comm.exchange.BucketExchange`) and the Simulator step the same random
+Thread ranks (:mod:`hvd_compress.transport.threads`: one thread per rank, the real
+:class:`~hvd_compress.engine.exchange.BucketExchange`) and the Simulator step the same random
 gradients (not multiples of 0.5) for every built-in compressor at N = 2 and 4: every rank hands
 the collectives the bytes the Simulator counts for it (the layout check's header at the first
 step included; Gaussian-k's ``floor(4k/3)`` slots per tensor), and the averages are equal bit for
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Auto, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.comm.exchange import open_exchange
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.engine.exchange import open_exchange
+from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
 
 #: a layer the sparsifiers compress at N = 4 (k = 41, N k < d), a matrix, and a bias sent dense

@@ -12,8 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import RegTopK, TopK  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.comm.exchange import BucketExchange  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.engine.exchange import BucketExchange  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 
 SHAPES = {"w": (40, 50), "v": (2000,), "u": (40, 50)}

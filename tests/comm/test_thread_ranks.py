@@ -1,9 +1,9 @@
-"""Thread ranks (hvd_compress.comm.threads): the real per-rank exchange code, N ranks in one process."""
+"""Thread ranks (hvd_compress.transport.threads): the real per-rank exchange code, N ranks in one process."""
 
 import numpy as np
 import pytest
 
-from hvd_compress.comm.threads import run_ranks
+from hvd_compress.transport.threads import run_ranks
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])

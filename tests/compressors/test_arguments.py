@@ -1,4 +1,4 @@
-"""Compressor arguments are checked at construction and on assignment (``hvd_compress.compressors.validation``).
+"""Compressor arguments are checked at construction and on assignment (``hvd_compress.algorithms.validation``).
 
 - booleans must be bools (``'no'`` is not False), ``dense_below`` and ``seed``
   ints >= 0, ``mu`` a number in float32's normal range, ``clip`` a number >= 1 or
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Compression, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors.validation import GAUSSIANK_MIN_RATIO
+from hvd_compress.algorithms.validation import GAUSSIANK_MIN_RATIO
 from hvd_compress.simulator import Simulator
 
 SPARSE = {"topk": TopK, "gaussiank": GaussianK, "regtopk": RegTopK}

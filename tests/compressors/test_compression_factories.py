@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Compression, NoneCompressor, TopK
-from hvd_compress.compressors import as_compressor
+from hvd_compress.algorithms import as_compressor
 from hvd_compress.simulator import Simulator
 
 
@@ -46,7 +46,7 @@ def test_a_class_that_needs_arguments_says_so():
 
 
 def test_compressor_keyword_is_the_old_name_of_compression():
-    from hvd_compress.compressors import old_keyword
+    from hvd_compress.algorithms import old_keyword
 
     made = TopK(0.1)
     assert old_keyword(made, None, "f") is made

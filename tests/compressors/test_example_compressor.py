@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from hvd_compress import TopK
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
-from hvd_compress.compressors.sparse import Sparsifier
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
+from hvd_compress.algorithms.sparse import Sparsifier
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import SparsePayload
 from tests import conformance

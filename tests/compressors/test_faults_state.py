@@ -190,7 +190,7 @@ def test_residual_in_the_parameters_shape_loads_into_a_per_tensor_route():
 # --------------------------------------------------------------------------- #
 def edited(state, **fields):
     """``state`` with ``fields`` changed and its checksum recomputed (an edit the checksum cannot see)."""
-    from hvd_compress.compressors.checkpoint import state_checksum
+    from hvd_compress.algorithms.checkpoint import state_checksum
 
     state = {**state, **fields}
     state["checksum"] = state_checksum(state)
@@ -246,8 +246,8 @@ def test_a_resized_run_keeps_each_ranks_own_state():
 def test_a_single_rank_holding_another_ranks_state_stops_at_its_first_exchange():
     """A world of one rank has nobody to differ from: its header check refuses the state itself."""
     torch = pytest.importorskip("torch")
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
-    from hvd_compress.comm.exchange import open_exchange
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
+    from hvd_compress.engine.exchange import open_exchange
 
     compressor = TopK(0.1, dense_below=0)
     compressor.load_state_dict(trained_state())  # rank 1's

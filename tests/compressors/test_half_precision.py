@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.comm.communicator import SingleProcessCommunicator
-from hvd_compress.comm.exchange import BucketExchange
+from hvd_compress.transport.communicator import SingleProcessCommunicator
+from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.simulator import Simulator
 
 NUMEL, STEPS, ENTRY = 256, 300, 600.0

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.comm.threads import run_ranks
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.horovod_buckets import Plan
+from hvd_compress.transport.threads import run_ranks
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.horovod.torch_buckets import Plan
 from hvd_compress.kernels import reference
 from hvd_compress.simulator import Simulator
 from tests.oracle import PerTensorRanks
@@ -189,7 +189,7 @@ def test_momentum_zero_is_todays_compressor(kind):
 def test_drop_in_optimizer_refuses_an_optimizer_with_momentum():
     torch = pytest.importorskip("torch")
     import hvd_compress.torch as hvd_torch
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
 
     net = torch.nn.Linear(4, 2)
     groups = [{"params": [net.weight]}, {"params": [net.bias], "momentum": 0.9}]
@@ -226,7 +226,7 @@ def test_double_momentum_error_shows_the_configured_ratio_under_a_warmup():
     torch = pytest.importorskip("torch")
     from hvd_compress import DensityWarmup
     import hvd_compress.torch as hvd_torch
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
 
     net = torch.nn.Linear(4, 2)
     compression = TopK(0.01, momentum=0.9)
@@ -243,7 +243,7 @@ def test_adam_betas_count_as_a_momentum_and_the_error_shows_the_configured_ratio
     """torch's Adam-family ``betas[0]`` is a momentum of its own; a warm-up made first has the compressor
     at its start density, and the error names the ratio the user wrote."""
     from hvd_compress import DensityWarmup
-    from hvd_compress.compressors.validation import check_single_momentum, param_group_momenta
+    from hvd_compress.algorithms.validation import check_single_momentum, param_group_momenta
 
     compressor = RegTopK(0.01, momentum=0.9)
     DensityWarmup(compressor, warmup_steps=3, start=0.25)

@@ -30,11 +30,11 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Compression
-from hvd_compress.comm.exchange import BucketExchange
-from hvd_compress.comm.threads import run_ranks
-from hvd_compress.compressors.base import Compressor, dense_sum
-from hvd_compress.compressors.rounds import Send
-from hvd_compress.compressors.validation import check_count, checked
+from hvd_compress.engine.exchange import BucketExchange
+from hvd_compress.transport.threads import run_ranks
+from hvd_compress.algorithms.base import Compressor, dense_sum
+from hvd_compress.algorithms.rounds import Send
+from hvd_compress.algorithms.validation import check_count, checked
 from hvd_compress.simulator import Simulator
 from hvd_compress.wire import FIRST_FREE_NUMBER, DensePayload, header_config, register_algorithm, ternary_lanes
 from tests import conformance

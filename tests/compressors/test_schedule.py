@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Auto, DensityWarmup, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.compressors.schedule import warmup_density
+from hvd_compress.algorithms.schedule import warmup_density
 from hvd_compress.kernels.reference import num_selected
 from hvd_compress.simulator import Simulator
 

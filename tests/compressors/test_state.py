@@ -9,8 +9,8 @@ import pickle
 import numpy as np
 import pytest
 
-from hvd_compress.comm.auto import Auto
-from hvd_compress.compressors.state import CompressorState
+from hvd_compress import Auto
+from hvd_compress.algorithms.state import CompressorState
 from hvd_compress.simulator import Simulator
 
 from tests.helpers import ALL_COMPRESSORS

@@ -88,7 +88,7 @@ RUNS = [("det", "det", "none"), ("det_topk", "det", "topk"), ("arrival", "arriva
 def _compressor(name: str):
     if name == "none":
         return None
-    from hvd_compress.compressors import TopK
+    from hvd_compress.algorithms import TopK
 
     return lambda worker: TopK(0.1, dense_below=0)
 

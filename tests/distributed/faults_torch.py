@@ -82,7 +82,7 @@ def replicas_agree(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def bucket_cap(mib: Optional[str]) -> Iterator[None]:
     """Stock horovod.torch's bucket size (``HVD_COMPRESS_BUCKET_CAP_MB``) for optimizers built inside."""
-    from hvd_compress.comm.horovod_buckets import CAP_ENV
+    from hvd_compress.horovod.torch_buckets import CAP_ENV
 
     saved = os.environ.get(CAP_ENV)
     if mib is not None:
@@ -222,7 +222,7 @@ def every_tensor_dense() -> dict:
     no names pile up over the steps, no warning repeats, and every step's bytes are counted."""
     import warnings
 
-    from hvd_compress.comm.horovod import _calls
+    from hvd_compress.horovod.torch_hooks import _calls
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.Linear(8, 4))

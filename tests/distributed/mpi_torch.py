@@ -1,4 +1,4 @@
-"""Workloads for :mod:`hvd_compress.comm.mpi` and :mod:`hvd_compress.mpi`, run under ``mpirun``.
+"""Workloads for :mod:`hvd_compress.transport.mpi` and :mod:`hvd_compress.mpi`, run under ``mpirun``.
 
 ``collectives --out PREFIX``: every rank checks MPICommunicator's collectives
 against numpy (every rank can compute every rank's input: they are seeded by
@@ -10,7 +10,7 @@ the MPI optimizer; each rank writes ``PREFIX.switch.<rank>`` (JSON: its relative
 error, the bytes handed to the collectives, the bytes ``compressor.stats`` counted).
 
 ``buckets --compression NAMES... --out FILE``: numpy buckets (:func:`bucket_gradients`) through
-:class:`~hvd_compress.comm.exchange.BucketExchange` over the MPICommunicator, the fused path; each
+:class:`~hvd_compress.engine.exchange.BucketExchange` over the MPICommunicator, the fused path; each
 rank writes ``FILE.buckets.<rank>.npz`` (``name/step/tensor``: the average).
 
 ``train --compression NAMES... --out FILE``: trains
@@ -179,10 +179,10 @@ def check_collectives(comm) -> int:
 
 # --------------------------------------------------------------------- training
 class ByteCounter:
-    """Sums the bytes handed to :class:`~hvd_compress.comm.mpi.MPICommunicator`'s collectives."""
+    """Sums the bytes handed to :class:`~hvd_compress.transport.mpi.MPICommunicator`'s collectives."""
 
     def __init__(self) -> None:
-        from hvd_compress.comm.mpi import MPICommunicator
+        from hvd_compress.transport.mpi import MPICommunicator
 
         self.bytes = 0
         for attr in ("allreduce_async", "allgather_async"):
@@ -266,7 +266,7 @@ def bucket_gradients(rank: int, step: int) -> Dict[str, np.ndarray]:
 
 def numpy_buckets(comm, names, steps: int) -> Dict[str, np.ndarray]:
     """``{name/step/tensor: average}`` of numpy buckets exchanged over ``comm`` (the fused path)."""
-    from hvd_compress.comm.exchange import BucketExchange
+    from hvd_compress.engine.exchange import BucketExchange
 
     out = {}
     for name in names:

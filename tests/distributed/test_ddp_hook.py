@@ -321,7 +321,7 @@ def checkpoints_between_routes(rank: int) -> dict:
     or the Simulator, and the other way round (``tests/distributed/route_checkpoints.py``): how far
     each run is from the Simulator's without a break; and the messages of what is refused (the
     hook's positional names without named_parameters=)."""
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     def gather(state):
         states = [None] * RANKS

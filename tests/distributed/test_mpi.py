@@ -11,7 +11,7 @@
   left uncaught, every rank prints it (``[rank R]`` lines) and the job aborts;
 - an exception on rank 1 alone during training (in the script, or a NaN gradient
   Gaussian-k rejects) ends the 2-process job within seconds, not a hang, with
-  rank 1's traceback in the output (the abort hook of ``hvd_compress.comm.mpi``);
+  rank 1's traceback in the output (the abort hook of ``hvd_compress.transport.mpi``);
   ``HVD_COMPRESS_MPI_ABORT_ON_ERROR=0`` does not install it;
 - ``examples/mpi_train.py`` trains (1 epoch, 2 processes): its loss decreases.
 
@@ -218,7 +218,7 @@ def test_uncaught_mismatch_is_reported_by_every_rank(tmp_path):
 
 
 def test_abort_hook_opt_out(monkeypatch):
-    from hvd_compress.comm import mpi
+    from hvd_compress.transport import mpi
 
     monkeypatch.setenv("HVD_COMPRESS_MPI_ABORT_ON_ERROR", "0")
     monkeypatch.setattr(mpi, "_ABORT_HOOK_INSTALLED", False)

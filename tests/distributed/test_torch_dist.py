@@ -62,7 +62,7 @@ def check_collectives(comm, rank):
 
 
 def job(rank, out):
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     comm = TorchDistCommunicator()
     result = {"failures": check_collectives(comm, rank), "params": {}}

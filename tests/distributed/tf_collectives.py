@@ -1,5 +1,5 @@
 """Run by ``test_horovod_tf.py`` under ``horovodrun``: the collectives of
-:class:`~hvd_compress.comm.horovod_tf.HorovodTensorFlowCommunicator`, queued together and run at the
+:class:`~hvd_compress.horovod.tensorflow_hooks.HorovodTensorFlowCommunicator`, queued together and run at the
 first ``wait`` (allgathers as one grouped allgather; with two ranks the allreduces gathered and
 reduced on each rank), against Horovod's own eager allgather and allreduce of the same tensors,
 called one by one; then the same collectives of numpy arrays (an exchange computing on the host), whose
@@ -45,7 +45,7 @@ def run_queued(comm, cases: list, prefix: str) -> list:
 def main() -> None:
     import horovod.tensorflow as hvd
 
-    from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator
+    from hvd_compress.horovod.tensorflow_hooks import HorovodTensorFlowCommunicator
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -109,8 +109,8 @@ class ByteCounter:
     def __init__(self) -> None:
         import horovod.tensorflow as hvd
 
-        from hvd_compress.comm import horovod_tf
-        from hvd_compress.comm.horovod_tf import HorovodTensorFlowCommunicator as comm
+        from hvd_compress.horovod import tensorflow_hooks as horovod_tf
+        from hvd_compress.horovod.tensorflow_hooks import HorovodTensorFlowCommunicator as comm
 
         self.bytes = self.horovod = 0
         self.exchanged: List[int] = []

@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd_torch  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 
 RANKS, STEPS, INF_STEP, SCALE = 2, 4, 1, 2.0**10

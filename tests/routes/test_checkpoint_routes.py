@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import TopK  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests.distributed import route_checkpoints as moves  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_what_cannot_move_is_refused_naming_its_writer():
     model = torch.nn.Linear(40, 50)
     import hvd_compress.torch as hvd
 
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
 
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=TopK(0.05),
                                    named_parameters=model.named_parameters(), communicator=SingleProcessCommunicator())

@@ -1,7 +1,7 @@
 """End-to-end training on one CUDA device: the drop-in optimizer on thread ranks, over NCCL and MPI.
 
 - ``hvd_compress.torch.DistributedOptimizer`` on 3 thread ranks
-  (:func:`~hvd_compress.comm.threads.run_ranks`), each training a CUDA copy of
+  (:func:`~hvd_compress.transport.threads.run_ranks`), each training a CUDA copy of
   the small model of ``tests/distributed/torch_horovod.py`` with every compressor:
   all ranks end with the same parameters, bit for bit (the sparse sum adds in rank
   order, so replicas cannot drift apart), residuals stay on the GPU, and the
@@ -16,7 +16,7 @@
   Simulator of one rank on CUDA;
 - the DDP hook over NCCL, world size 1: equal to the Simulator of one rank on CUDA;
 - a steady step of the drop-in optimizer (world size 1, over NCCL and over the
-  in-process :class:`~hvd_compress.comm.communicator.SingleProcessCommunicator`)
+  in-process :class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`)
   captured whole in ``torch.cuda.graph`` (forward, backward with the exchange in its
   gradient hooks, ``step()``) and replayed: the parameters after each replay equal those
   after the same eager steps, with and without state across steps (the fused bucket
@@ -42,7 +42,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd_torch  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 
@@ -165,7 +165,7 @@ def nccl_world_of_one(tmp_path):
 
 
 def test_drop_in_optimizer_over_nccl_world_size_1(nccl_world_of_one):
-    from hvd_compress.comm.torch_dist import TorchDistCommunicator
+    from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
     comm = TorchDistCommunicator()
     assert (comm.rank, comm.size) == (0, 1)
@@ -213,7 +213,7 @@ def graph_communicator(request, tmp_path, monkeypatch):
     """A world of one for the capture: in-process, or ``torch.distributed`` over NCCL, initialised as
     torch's CUDA-graph notes ask (no asynchronous NCCL error handling during capture)."""
     if request.param == "single-process":
-        from hvd_compress.comm.communicator import SingleProcessCommunicator
+        from hvd_compress.transport.communicator import SingleProcessCommunicator
 
         yield lambda: SingleProcessCommunicator()
         return
@@ -224,7 +224,7 @@ def graph_communicator(request, tmp_path, monkeypatch):
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
     try:
-        from hvd_compress.comm.torch_dist import TorchDistCommunicator
+        from hvd_compress.transport.torch_dist import TorchDistCommunicator
 
         yield TorchDistCommunicator
     finally:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd_torch  # noqa: E402
 from hvd_compress import DensityWarmup  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 

@@ -93,7 +93,7 @@ def keras3():
 def distributed(keras3, compression, **options):
     import keras
 
-    from hvd_compress.comm.communicator import SingleProcessCommunicator
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
 
     return keras3.DistributedOptimizer(
         keras.optimizers.SGD(0.1), compression, communicator=SingleProcessCommunicator(), **options

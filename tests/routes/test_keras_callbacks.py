@@ -27,7 +27,7 @@ except ImportError as error:
     pytest.skip(f"hvd_compress.keras is not usable here: {error}", allow_module_level=True)
 
 from hvd_compress import FP16, DensityWarmup, NoneCompressor, TernGrad, TopK  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.kernels.reference import num_selected  # noqa: E402
 from hvd_compress.keras.callbacks import CompressionStatsCallback, DensityWarmupCallback  # noqa: E402
 

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd  # noqa: E402
 from hvd_compress import RegTopK, TernGrad, TopK  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
-from hvd_compress.comm.exchange import open_exchange  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.engine.exchange import open_exchange  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from tests.distributed import route_checkpoints as moves  # noqa: E402
 from tests.distributed import torch_horovod as workload  # noqa: E402
 

@@ -12,7 +12,7 @@ require("tensorflow")
 import tensorflow as tf  # noqa: E402
 
 from hvd_compress import Compression  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.tensorflow.gradients import GradientExchange  # noqa: E402
 
 

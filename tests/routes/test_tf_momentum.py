@@ -14,7 +14,7 @@ require("tensorflow")
 import tensorflow as tf  # noqa: E402
 
 from hvd_compress import RegTopK, TopK  # noqa: E402
-from hvd_compress.comm.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 from hvd_compress.tensorflow.gradients import GradientExchange  # noqa: E402
 

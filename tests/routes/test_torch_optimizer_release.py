@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import hvd_compress.torch as hvd_torch  # noqa: E402
 from hvd_compress import TopK  # noqa: E402
-from hvd_compress.comm.threads import run_ranks  # noqa: E402
+from hvd_compress.transport.threads import run_ranks  # noqa: E402
 
 
 def _trained(comm, model):

@@ -34,7 +34,7 @@ def test_cli_times_every_row_and_writes_json_and_png(tmp_path, capsys):
 def test_the_engine_rows_run_what_the_route_runs(monkeypatch):
     """``topk``/``gaussiank`` time the fused bucket's launch of a one-tensor bucket holding a residual (the
     accelerator's code path: the same calls)."""
-    from hvd_compress.comm import fused
+    from hvd_compress.engine import fused
 
     launched = []
     original = fused.FusedBucket.launch

@@ -1,0 +1,327 @@
+"""The compressor interface shared by every algorithm.
+
+A compressor turns one rank's gradient into a payload (``encode``) and a list of
+all ranks' payloads into the dense aggregate (``decode``): the algorithm's definition,
+one tensor at a time. Neither call communicates; the exchanges in :mod:`hvd_compress.engine`
+(and the :class:`~hvd_compress.simulator.Simulator`) run the compressor's bucket codec
+instead, which gives the same results.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from hvd_compress import kernels
+from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
+from hvd_compress.algorithms.checkpoint import check_state, state_checksum, writer
+from hvd_compress.algorithms.residual import TensorMemory
+from hvd_compress.algorithms.state import ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, state_for_route
+from hvd_compress.algorithms.validation import check_count, check_nonfinite, checked
+
+
+def check_ratio(ratio: Any) -> float:
+    """``ratio`` as a float in (0, 1]; ``TypeError``/``ValueError`` otherwise."""
+    if isinstance(ratio, bool) or not isinstance(ratio, numbers.Real):
+        raise TypeError(f"hvd_compress: ratio must be a number in (0, 1], got {ratio!r}")
+    ratio = float(ratio)
+    if not 0.0 < ratio <= 1.0:  # also rejects NaN
+        raise ValueError(f"hvd_compress: ratio must be in (0, 1], got {ratio!r}")
+    return ratio
+
+
+def as_tensor(tensor: Any) -> Any:
+    """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays, and eager
+    TensorFlow tensors on the CPU too (:func:`hvd_compress.kernels.computed_form`)."""
+    if isinstance(tensor, (list, tuple, numbers.Number)):
+        return np.asarray(tensor)
+    return kernels.computed_form(tensor)
+
+
+class NonFiniteGradientError(ValueError, FloatingPointError):
+    """A gradient (or, with ``nonfinite="raise"``, an exchanged gradient) holds NaN/Inf."""
+
+
+def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
+    """Reject what no compressor can handle, naming the tensor."""
+    if not ops.is_floating(flat):
+        raise TypeError(
+            f"hvd_compress: {who} cannot compress '{name}' of dtype {flat.dtype}; "
+            "gradients must be floating point"
+        )
+    if flat.shape[0] == 0:
+        raise ValueError(f"hvd_compress: {who} cannot compress '{name}': the tensor is empty")
+    bad = ops.count_nonfinite(flat)
+    if bad:
+        raise NonFiniteGradientError(
+            f"hvd_compress: gradient '{name}' has {bad} NaN/Inf of {flat.shape[0]} entries; "
+            f"{who} cannot compress it (lower the learning rate or loss scale, or skip the step)"
+        )
+
+
+class Compressor:
+    """Base class: validation, per-tensor memory, rank binding and checkpoints.
+
+    Subclasses implement ``_encode(flat, name, shape)`` and, when their payload is
+    not dense, ``_sum(payloads, numel)``.
+
+    Capabilities the exchanges dispatch on (never on the class):
+    ``payload_kind`` (``"dense"``, ``"sparse"`` or ``"ternary"``), ``fused`` (it has a bucket
+    codec, :meth:`bucket_codec`: the exchanges can run it), ``dense_wire_dtype`` (the
+    dtype dense payloads travel in, ``None`` for the gradient's) and
+    :meth:`fused_kind` (how a tensor of ``numel`` elements travels).
+
+    Configuration (``seed``, a subclass's ``ratio`` and options: :meth:`config`) lives on the
+    object; what a run accumulates (per-tensor memory, random streams, fused buckets, statistics,
+    route data) lives in a :class:`~hvd_compress.algorithms.state.CompressorState`: the one a
+    route hands its exchanges and passes as ``run`` to :meth:`state_dict` and the other calls
+    that read state, else the compressor's own (:attr:`own_state`, also ``self.state``;
+    ``self.memory`` its memory).
+    """
+
+    payload_kind = "dense"
+    fused = False
+    dense_wire_dtype: Optional[str] = None
+    nonfinite = checked(
+        "nonfinite", check_nonfinite,
+        "What a NaN/Inf gradient does: 'propagate' (default: non-finite result on every rank, as a dense "
+        "allreduce) or 'raise' (the routes that own the step raise NonFiniteGradientError on every rank).",
+    )
+    _nonfinite = "propagate"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = check_count(seed, f"{type(self).__name__} seed")
+        self.rank, self.size = 0, 1
+        self.own_state = CompressorState()  # what a run accumulates, apart from the configuration
+
+    @property
+    def state(self) -> CompressorState:
+        """The compressor's own run state, :attr:`own_state` (stock Horovod's, the Simulator's, a direct
+        ``encode``'s; a route with a state of its own passes that one explicitly)."""
+        return self.own_state
+
+    @state.setter
+    def state(self, state: CompressorState) -> None:
+        self.own_state = state
+
+    def state_for(self, holder: Any, route: str, state: Optional[CompressorState] = None) -> CompressorState:
+        """The state the new route ``holder`` runs this compressor on
+        (:func:`~hvd_compress.algorithms.state.state_for_route`)."""
+        return state_for_route(self, holder, route, state)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ROUTE_REFERENCES}  # weak references
+
+    def __setstate__(self, saved: Dict[str, Any]) -> None:
+        saved = dict(saved)
+        if "state" in saved:  # pickled when the state was an attribute, with its statistics and route beside it
+            state = saved["own_state"] = saved.pop("state")
+            state.stats = saved.pop("stats", state.stats)
+            state.route = saved.pop("_route", None)
+        self.__dict__.update(saved)
+
+    @property
+    def memory(self) -> TensorMemory:
+        """Per-tensor arrays by name (``state.memory``): residuals, velocities, posteriors."""
+        return self.state.memory
+
+    @property
+    def stats(self) -> WireStats:
+        """What the compressor's steps sent (``state.stats``; read-only here: ``stats.reset()`` clears it)."""
+        return self.state.stats
+
+    # ------------------------------------------------------------------ setup
+    def bind(self, rank: int, size: int) -> "Compressor":
+        """Tell the compressor which rank of how many it runs on (random streams, wire format)."""
+        if not 0 <= rank < size:
+            raise ValueError(f"hvd_compress: rank {rank} is not in [0, {size})")
+        self.rank, self.size = int(rank), int(size)
+        return self
+
+    def generator(self, ops: Any, like: Any) -> Any:
+        """This rank's random stream for ``like``'s framework in the compressor's own state, seeded from
+        ``(seed, rank)`` (:meth:`~hvd_compress.algorithms.state.CompressorState.generator`)."""
+        return self.own_state.generator(ops, self.seed, self.rank, like)
+
+    def config(self) -> Dict[str, Any]:
+        """Type and parameters; ranks must agree on it."""
+        return {"type": type(self).__name__, **({"nonfinite": "raise"} if self.nonfinite == "raise" else {})}
+
+    def config_hash(self, run: Optional[CompressorState] = None) -> int:
+        """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike.
+
+        A rank holding state that another rank saved (rank 0's checkpoint loaded on
+        every rank) hashes differently, so the cross-rank check stops every rank.
+        ``run``: the state the steps run on (default: the compressor's own).
+        """
+        return header_hash((sorted(self.config().items()), (self.own_state if run is None else run).note(self.rank)))
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
+        return f"{type(self).__name__}({params})"
+
+    # ------------------------------------------------------------- interface
+    def encode(self, tensor: Any, name: str, **options: Any) -> Any:
+        """One rank's payload for ``tensor``; updates that tensor's residual."""
+        flat, shape, ops = self._validated(tensor, name)
+        payload = self._encode(flat, name, tuple(shape), ops, **options)
+        self.stats.record(payload, flat.shape[0], ops.itemsize(flat))
+        return payload
+
+    def _validated(self, tensor: Any, name: str):
+        """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
+        tensor = as_tensor(tensor)
+        ops = kernels.ops_for(tensor, name)
+        flat = ops.reshape(tensor, (-1,))
+        check_gradient(flat, ops, name, type(self).__name__)
+        self.own_state.adopt_loaded(ops, flat)
+        return flat, tuple(tensor.shape), ops
+
+    def decode(
+        self,
+        payloads: Sequence[Any],
+        shape: Sequence[int],
+        average: bool = True,
+        name: Optional[str] = None,
+    ) -> np.ndarray:
+        """Dense aggregate of all ranks' ``payloads`` (rank order), averaged or summed.
+
+        With ``name``, compressors that learn from the aggregate (RegTop-k) record it
+        for that tensor's next selection.
+        """
+        payloads = list(payloads)
+        if not payloads:
+            raise ValueError("hvd_compress: decode needs the payloads of at least one rank")
+        shape = tuple(int(n) for n in shape)
+        numel = math.prod(shape)
+        ops = kernels.ops_for(payload_tensor(payloads[0]))
+        total, dtype = self._sum(payloads, numel, ops)
+        if name is not None:
+            self._observe(name, total, ops)
+        if average:
+            total = ops.divide(total, len(payloads))
+        return ops.reshape(ops.cast(total, dtype), shape)
+
+    @property
+    def dense_only(self) -> bool:
+        """Every tensor travels as a dense payload (None, FP16): once the ranks' header agrees, a
+        transport may sum the gradients with its own allreduce."""
+        return self.payload_kind == "dense"
+
+    # ------------------------------------------------------------- fused buckets
+    def fused_kind(self, numel: int) -> str:
+        """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
+        return "dense"
+
+    def encode_options(self, compressors: Sequence["Compressor"],
+                       grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
+        """For ranks stepped tensor by tensor (the Simulator's compressors without a bucket codec, the
+        tests' per-tensor spec): ``{name: options}`` of every rank's ``encode`` that a real exchange
+        learns from the other ranks first (TernGrad's shared scale); ``compressors`` and ``grads``
+        hold every rank's. Default: nothing."""
+        return {}
+
+    def bucket_codec(self, bucket: Any) -> Any:
+        """The codec of a fused bucket's compressed part (:mod:`hvd_compress.algorithms.rounds`; its
+        arrays are the bucket's kernel module's, ``bucket.ops``);
+        compressors that send every tensor dense have none."""
+        raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
+
+    def warn_dense(self, name: str, numel: int) -> None:
+        """Hook: ``name`` now travels dense though the algorithm would compress it."""
+
+    def residual(self, name: str, run: Optional[CompressorState] = None) -> Optional[np.ndarray]:
+        """Error-feedback residual of ``name`` in the tensor's shape (``None`` if it has none); ``run``: a
+        route's state (default: the compressor's own)."""
+        return (self.own_state if run is None else run).array(name, "residual")
+
+    def reset(self, name: Optional[str] = None, run: Optional[CompressorState] = None) -> None:
+        """Drop the state of one tensor, or of all (in ``run``, default the compressor's own)."""
+        run = self.own_state if run is None else run
+        run.drop_buckets(name)
+        run.memory.reset(name)
+        if name is None:
+            run.origin = None
+
+    def state_dict(self, run: Optional[CompressorState] = None) -> Dict[str, Any]:
+        """Residuals, per-tensor state and the random stream, for checkpoints (of ``run``, a route's
+        state; default: the compressor's own)."""
+        run = check_one_state(self, "state_dict", run)
+        run.flush_buckets()
+        state = {"config": self.config(), "tensors": run.memory.state_dict(), "rank": self.rank,
+                 "world": self.size, "route": run.route}
+        if getattr(self, "shared", False) or getattr(self, "exact_every", 1) > 1:  # the leader's turn of a
+            state["exchanges"] = run.exchanged()  # shared index set, the schedule of exact selections
+        state["generators"] = {
+            **run.saved_generators,
+            **{module: kernels.module(module).generator_state(stream) for module, stream in run.generators.items()},
+        }
+        state["checksum"] = state_checksum(state)
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any], run: Optional[CompressorState] = None) -> None:
+        """Restore :meth:`state_dict` into ``run`` (a route's state; default: the compressor's own) after
+        checking it completely (:func:`~hvd_compress.algorithms.checkpoint.check_state`).
+
+        The state is this rank's: loading another rank's (rank 0's checkpoint on every
+        rank) stops every rank at the first exchange with an error saying so. Resumed
+        on another number of ranks, each rank keeps the residuals it saved (ranks that
+        saved none start from zero; residuals of ranks no longer present are not applied).
+        """
+        run = check_one_state(self, "load_state_dict", run)
+        check_state(state, self)
+        run.buckets = {}
+        run.memory.load_state_dict(state["tensors"])
+        run.loaded_elsewhere = bool(state["tensors"])
+        run.generators = {}
+        run.saved_generators = dict(state.get("generators", {}))
+        run.loaded_route = writer(state)
+        run.exchanges = check_count(state.get("exchanges", 0), "checkpoint's exchanges")
+        holds_state = bool(state["tensors"]) or bool(state.get("generators"))
+        run.origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
+
+    # ------------------------------------------------------------ for subclasses
+    def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        """``a = g + r``, the gradient plus its error-feedback residual, in the residual's dtype
+        (``g`` itself without ``error_feedback``).
+
+        Residuals live in at least float32 (:func:`~hvd_compress.kernels.reference.accumulation_dtype`):
+        a float16 gradient's residual would overflow past 65504 where the gradient does not.
+        What is sent goes back to the gradient's dtype (``wire_dtype`` of the split).
+        """
+        if not getattr(self, "error_feedback", False):
+            return flat
+        acc = ops.accumulation_dtype(flat.dtype)
+        residual = self.memory.get(name, "residual", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
+        # flat here; a checkpoint of a bucketed route holds it in the parameter's shape
+        return ops.cast(flat, acc) + ops.cast(ops.reshape(residual, (-1,)), acc)
+
+    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
+        raise NotImplementedError
+
+    def _sum(self, payloads: List[Any], numel: int, ops: Any):
+        """Sum over ranks of dense payloads; returns ``(total, dtype to decode to)``."""
+        return dense_sum(payloads, numel, ops)
+
+    def _observe(self, name: str, total: Any, ops: Any) -> None:
+        """Hook for compressors that learn from the aggregate; default: nothing."""
+
+
+def payload_tensor(payload: Any) -> Any:
+    """A tensor of ``payload``, to pick the kernels that decode it."""
+    return payload.codes if isinstance(payload, TernaryPayload) else payload.values
+
+
+def dense_sum(payloads: List[DensePayload], numel: int, ops: Any):
+    """Sum of dense payloads in rank order, in at least float32."""
+    flats = [ops.reshape(p.values, (-1,)) for p in payloads]
+    for flat in flats:
+        if flat.shape[0] != numel:
+            raise ValueError(
+                f"hvd_compress: a rank sent {flat.shape[0]} elements, "
+                f"expected {numel}; ranks disagree on the tensor shape"
+            )
+    return ops.dense_sum(flats), payloads[0].dtype

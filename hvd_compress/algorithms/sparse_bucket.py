@@ -1,0 +1,200 @@
+"""The sparsifiers' codec for a fused bucket (numpy, torch, TensorFlow): one round of two fixed-size allgathers.
+
+Per bucket (the compressed part, laid out by size groups of ``(rows, n)`` matrices)::
+
+    a = g + r                                   (momentum: u = m u + g;  a = r + u)
+    S, f = select(a, score(a))                  per size group one top-k and one tie scan
+                                                (Gaussian-k: moments, one count of all its
+                                                thresholds, one mark), then a fixed number
+                                                of kernels for the bucket
+                                                (:func:`~hvd_compress.kernels.bucket_rows`: torch's
+                                                :class:`~hvd_compress.kernels.torch_rows.Rows`, numpy's
+                                                :class:`~hvd_compress.kernels.reference_rows.Rows`,
+                                                :class:`~hvd_compress.kernels.tf_rows.Rows`)
+    send a[S] ++ f, S ++ first entries          two allgathers of K + flags entries per rank
+    r = a with a[S] set to 0                    (momentum: u[S] = 0)
+    total = 0;  total += every rank's a[S] at S and its f at each tensor's first entry
+                                                one index_add per rank, in rank order
+
+``k = ceil(ratio n)`` per tensor (Gaussian-k: ``floor(4k/3)`` slots, unused ones sent as
+index ``n_compressed``, a spare work entry that stays 0), so each rank sends exactly
+``K = sum k`` values and indices and no count travels. The flag ``f_j`` of tensor ``j`` is
+``0 *`` what the selection computes anyway (Top-k's largest score, Gaussian-k's mean): 0, or
+NaN where ``a_j`` holds NaN/Inf; summed at the tensor's first entry it makes the tensor
+non-finite on every rank, as a dense allreduce would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Generator, List, Tuple
+
+import numpy as np
+
+from hvd_compress.kernels import bucket_rows
+from hvd_compress.algorithms.checkpoint import host_array
+from hvd_compress.algorithms.rounds import Send
+
+#: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
+Array = Any
+
+
+class SparseBucketCodec:
+    """Plan of a sparsifier's compressed part of one fused bucket (see the module docstring)."""
+
+    rounds = 1
+
+    def __init__(self, compressor: Any, bucket: Any, slots: Any = None) -> None:
+        """``slots(n)``: the slots of a row of ``n`` (default: the compressor's; a fixed ``k`` per row
+        where the selection is a plain Top-k of other scores)."""
+        self.compressor, ops = compressor, bucket.ops
+        groups = bucket.groups
+        own = slots is None
+        k, slots = (compressor.k, compressor.slots) if own else (slots, slots)
+        #: slots may go unused (Gaussian-k): one spare work entry after the compressed part
+        self.spare = int(own and bool(getattr(compressor, "pads_slots", False)))
+        self.k_total = sum(g.rows * slots(g.n) for g in groups)
+        self.index_dtype = ops.index_dtype(bucket.n_compressed + 1)
+        #: the selections of the compressed part; unused slots point at the spare entry
+        self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, k(g.n), slots(g.n)) for g in groups],
+                                bucket.like, spare=bucket.n_compressed, tensors=added_order(bucket))
+        #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
+        #: at the first work position of its tensor (the spare: its own)
+        self.flag_count = sum(g.rows for g in groups) + self.spare
+        firsts = [g.start + row * g.n for g in groups for row in range(g.rows)] + [bucket.n_compressed] * self.spare
+        self.flag_positions = ops.cast(ops.as_int64(firsts, bucket.like), self.index_dtype)
+        #: steps between exact selections (0: every step exact), and each row's kept threshold
+        #: (float64, work order; ``None``: the next step selects exactly)
+        self.reuse = compressor.exact_every if own and getattr(compressor, "exact_every", 1) > 1 else 0
+        self.thresholds: Any = None
+        #: each compressed tensor's k in this plan (a density change makes another plan)
+        self.k_of = {i: k(bucket.numels[i]) for i in bucket.compressed}
+
+    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+        """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
+        index_size = bucket.ops.itemsize(bucket.ops.empty(0, self.index_dtype, bucket.like))
+        return (self.k_total + self.flag_count) * (itemsize + index_size), self.k_total
+
+    def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+        """Encode ``g`` (the compressed part, and a 0 for the spare entry), one round, then the
+        decode: ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
+        message, positions, sent, kept = self._encode(bucket, g, step)
+        rows = [self.k_total + self.flag_count] * bucket.world
+        received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
+        total, bad = self._decode(bucket, received, sent)
+        if kept is not None:  # a non-finite tensor keeps its threshold (the first exact one: the new)
+            self.thresholds = kept if self.thresholds is None else bucket.ops.copy_into(
+                self.thresholds, bucket.ops.where(bad[: self.rows.count], self.thresholds, kept))
+        return total, bad
+
+    def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any, Any]:
+        comp, ops = self.compressor, bucket.ops
+        a = accumulated(bucket, g, step)
+        scores = comp.bucket_scores(a, bucket.posterior, ops)
+        idx, probe, kept = self._select(bucket, a, scores)
+        message, values = self.framed(bucket, a, idx, probe, step)
+        positions = ops.empty(self.k_total + self.flag_count, self.index_dtype, bucket.like)
+        return message, ops.concat([idx, self.flag_positions], out=positions), (idx, values), kept
+
+    def _select(self, bucket: Any, a: Array, scores: Array) -> Tuple[Array, Array, Any]:
+        """``(S, probe, thresholds to keep or None)``: the compressor's selection, or with reused thresholds
+        (``exact_every = T > 1``) the exact one at every T-th step of the run (and when no threshold is
+        kept) and each row's reused threshold between (:meth:`Rows.reused`; the probe: each row's largest
+        score); the host knows which from the run's step count, so nothing is read back."""
+        comp, ops = self.compressor, bucket.ops
+        if not self.reuse:
+            return (*comp.bucket_select(a, scores, self.rows, ops), None)
+        if self.thresholds is None or bucket.exchanges % self.reuse == 0:
+            idx, probe = comp.bucket_select(a, scores, self.rows, ops)
+            return idx, probe, self.rows.kth(scores, idx)
+        idx, kept = self.rows.reused(scores, self.thresholds)
+        return idx, self.rows.largest(scores), kept
+
+    def adopt(self, bucket: Any, memory: Any) -> None:
+        """Reused thresholds from each tensor's memory (``threshold``, kept for ``threshold_k`` slots: a
+        checkpoint's, another plan's of the same ``k``); any missing or made for another ``k``: the next
+        step selects exactly."""
+        if not self.reuse:
+            return
+        parts = []
+        for i in bucket.compressed:
+            threshold, k = memory.peek(bucket.names[i], "threshold"), memory.peek(bucket.names[i], "threshold_k")
+            if threshold is None or k is None or int(np.asarray(host_array(k)).reshape(-1)[0]) != self.k_of[i]:
+                return
+            parts.append(bucket.ops.cast(bucket.ops.reshape(threshold, (-1,)), bucket.ops.float64))
+        self.thresholds = bucket.ops.to_device(bucket.ops.concat(parts), bucket.like) if parts else None
+
+    def flush(self, bucket: Any, memory: Any) -> None:
+        """Each tensor's kept threshold (a copy) and its ``k`` into its memory."""
+        if not self.reuse or self.thresholds is None:
+            return
+        for row, i in enumerate(bucket.compressed):
+            memory.set(bucket.names[i], "threshold", bucket.ops.clone(self.thresholds[row : row + 1]))
+            memory.set(bucket.names[i], "threshold_k", np.array([self.k_of[i]], np.int64))
+
+    def framed(self, bucket: Any, a: Array, idx: Array, probe: Array, step: Any) -> Tuple[Array, Array]:
+        """``(message, values)``: the message ``a[S] ++ flags ++ 0 for the spare entry`` (the flags ``0 *
+        probe``: 0, or NaN where a tensor is non-finite) and its ``a[S]`` part (:func:`sent_part`)."""
+        ops, count, flags = bucket.ops, idx.shape[0], self.flag_count - self.spare
+        message = ops.empty(count + self.flag_count, bucket.dtype, bucket.like)
+        values = sent_part(bucket, a, idx, message[:count], step)
+        parts = [values, ops.multiply(probe, 0, out=message[count : count + flags])]
+        if self.spare:
+            parts.append(ops.fill_zero(message[count + flags :]))
+        return ops.joined(message, parts), values
+
+    def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[Array, Array]:
+        ops, width = bucket.ops, self.k_total + self.flag_count
+        values = ops.reshape(received["values"], (bucket.world, width))
+        indices = ops.reshape(received["indices"], (bucket.world, width))
+        total = ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like)
+        for rank in range(bucket.world):  # rank order: the same sums on every rank and device; the flags
+            total = ops.index_add(total, indices[rank], ops.cast(values[rank], bucket.acc))  # (0 or NaN) at firsts
+        flags = ops.cast(values[:, self.k_total :], bucket.acc)
+        bad = ops.isnan(ops.sum_along(flags, 0))  # NaN where any rank was non-finite
+        posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
+        if posterior is not None:
+            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
+        return total, bad
+
+
+def kept_in_place(ops: Any, old: Any, new: Tuple[Array, ...]) -> Tuple[Array, ...]:
+    """State arrays ``new`` written into the buffers ``old`` holds where their shapes agree (what a captured
+    CUDA graph reads stays where it was), else ``new`` itself."""
+    if old is None or [o.shape for o in old] != [n.shape for n in new]:
+        return new
+    return tuple(ops.copy_into(o, n) for o, n in zip(old, new))
+
+
+def added_order(bucket: Any) -> List[Tuple[int, Tuple[str, tuple]]]:
+    """The compressed tensors in the order they were added, each as ``(its row in work order, (name, shape))``
+    (:func:`~hvd_compress.kernels.reference_rows.row_order`)."""
+    rows = {i: row for row, i in enumerate(bucket.compressed)}
+    return [(rows[i], (bucket.names[i], bucket.shapes[i])) for i in sorted(bucket.compressed)]
+
+
+def accumulated(bucket: Any, g: Array, step: Any) -> Array:
+    """What error feedback compresses: ``a = g + r``, or under momentum correction ``u = m u + g``
+    (this step's velocity, in ``step``) and ``a = r + u``."""
+    ops = bucket.ops
+    if bucket.momentum:
+        step.velocity = u = ops.momentum_update(bucket.velocity, g, bucket.momentum)
+        return u if bucket.residual is None else u + bucket.residual
+    return bucket.compensated(g)
+
+
+def sent_part(bucket: Any, a: Array, idx: Array, out: Array, step: Any) -> Array:
+    """``a[S]`` in the gradient's dtype, into ``out``; the step's residual is ``a`` with ``a[S]`` set to 0
+    (what the gradient's dtype cannot carry stays in it) and under momentum correction ``u[S] = 0``."""
+    ops = bucket.ops
+    if a.dtype != bucket.dtype and bucket.residual is not None:  # values saturate to the gradient's dtype,
+        values, step.residual = ops.error_feedback_split(a, idx, in_place=True, wire_dtype=bucket.dtype)
+        values = ops.copy_into(out, values)  # the rest stays in the residual
+    elif a.dtype != bucket.dtype:  # the velocity without error feedback: its values saturate, the rest goes
+        values = ops.copy_into(out, ops.saturate(ops.take(a, idx), bucket.dtype))
+    else:
+        values = ops.take(a, idx, out=out)
+        if bucket.residual is not None:
+            step.residual = ops.zero_at(a, idx)
+    if bucket.momentum:  # u[S] = 0 (the spare entry's slots: it stays 0)
+        step.velocity = ops.momentum_mask(step.velocity, idx)
+    return values
