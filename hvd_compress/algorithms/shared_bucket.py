@@ -40,7 +40,8 @@ from typing import Any, Dict, Generator, List, Tuple
 import numpy as np
 
 from hvd_compress.algorithms.rounds import Send
-from hvd_compress.algorithms.sparse_bucket import SparseBucketCodec, accumulated, kept_in_place
+from hvd_compress.algorithms.sparse_bucket import (SparseBucketCodec, accumulated, adopted_posterior, flush_posterior,
+                                                   kept_in_place)
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
 Array = Any
@@ -60,7 +61,8 @@ class SharedIndexCodec(SparseBucketCodec):
     def adopt(self, bucket: Any, memory: Any) -> None:
         """The ``aggregate`` rule's rates and ages from each tensor's memory (``index_rate``, ``index_age``:
         another plan's, after a density change, or a checkpoint's); a tensor without them makes the next
-        step send the whole part."""
+        step send the whole part; RegTop-k's posterior as a single selection's."""
+        self.posterior = adopted_posterior(bucket, memory)
         if self.rule != "aggregate":
             return
         ops, parts = bucket.ops, {"index_rate": [], "index_age": []}
@@ -73,7 +75,8 @@ class SharedIndexCodec(SparseBucketCodec):
         self.rate, self.age = (ops.to_device(ops.concat(parts[key]), bucket.like) for key in parts)
 
     def flush(self, bucket: Any, memory: Any) -> None:
-        """Each tensor's rates and ages into its memory (copies: the plan's change in place)."""
+        """Each tensor's posterior, rates and ages into its memory (copies: the plan's change in place)."""
+        flush_posterior(bucket, self.posterior, memory)
         if self.rule != "aggregate" or self.rate is None:
             return
         for i in bucket.compressed:
@@ -105,7 +108,7 @@ class SharedIndexCodec(SparseBucketCodec):
         """Round 1: the leader's selection, allreduced (every other rank adds zeros); ``(S, probe)``."""
         ops = bucket.ops
         if self.compressor.rank == bucket.exchanges % bucket.world:
-            scores = self.compressor.bucket_scores(a, bucket.posterior, ops)
+            scores = self.compressor.bucket_scores(a, self.posterior, ops)
             idx, probe = self.compressor.bucket_select(a, scores, self.rows, ops)
             chosen = ops.cast(idx, self.index_dtype)
         else:
@@ -136,7 +139,7 @@ class SharedIndexCodec(SparseBucketCodec):
             return total, bad
         posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
         if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
-            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
+            self.posterior = kept_in_place(ops, self.posterior, posterior)
         return total, bad
 
     def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:

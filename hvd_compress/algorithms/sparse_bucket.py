@@ -26,7 +26,7 @@ non-finite on every rank, as a dense allreduce would.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Generator, List, Tuple
+from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import numpy as np
 
@@ -68,6 +68,8 @@ class SparseBucketCodec:
         self.thresholds: Any = None
         #: each compressed tensor's k in this plan (a density change makes another plan)
         self.k_of = {i: k(bucket.numels[i]) for i in bucket.compressed}
+        #: RegTop-k's posterior ``(work positions, D)`` from the last aggregate (``None``: D = 1e8 everywhere)
+        self.posterior: Any = None
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
@@ -89,7 +91,7 @@ class SparseBucketCodec:
     def _encode(self, bucket: Any, g: Array, step: Any) -> Tuple[Array, Array, Any, Any]:
         comp, ops = self.compressor, bucket.ops
         a = accumulated(bucket, g, step)
-        scores = comp.bucket_scores(a, bucket.posterior, ops)
+        scores = comp.bucket_scores(a, self.posterior, ops)
         idx, probe, kept = self._select(bucket, a, scores)
         message, values = self.framed(bucket, a, idx, probe, step)
         positions = ops.empty(self.k_total + self.flag_count, self.index_dtype, bucket.like)
@@ -113,6 +115,7 @@ class SparseBucketCodec:
         """Reused thresholds from each tensor's memory (``threshold``, kept for ``threshold_k`` slots: a
         checkpoint's, another plan's of the same ``k``); any missing or made for another ``k``: the next
         step selects exactly."""
+        self.posterior = adopted_posterior(bucket, memory)
         if not self.reuse:
             return
         parts = []
@@ -124,7 +127,8 @@ class SparseBucketCodec:
         self.thresholds = bucket.ops.to_device(bucket.ops.concat(parts), bucket.like) if parts else None
 
     def flush(self, bucket: Any, memory: Any) -> None:
-        """Each tensor's kept threshold (a copy) and its ``k`` into its memory."""
+        """Each tensor's posterior and kept threshold (copies) and its ``k`` into its memory."""
+        flush_posterior(bucket, self.posterior, memory)
         if not self.reuse or self.thresholds is None:
             return
         for row, i in enumerate(bucket.compressed):
@@ -153,8 +157,34 @@ class SparseBucketCodec:
         bad = ops.isnan(ops.sum_along(flags, 0))  # NaN where any rank was non-finite
         posterior = self.compressor.bucket_observe(total, sent, bad, self.rows.slot_row, ops)
         if posterior is not None:
-            bucket.posterior = kept_in_place(ops, bucket.posterior, posterior)
+            self.posterior = kept_in_place(ops, self.posterior, posterior)
         return total, bad
+
+
+def adopted_posterior(bucket: Any, memory: Any) -> Optional[Tuple[Array, Array]]:
+    """RegTop-k's posterior of the compressed tensors from their memory (``posterior_indices``, ``_values``)
+    as fixed-size ``(work positions, D)`` vectors on the bucket's device; ``None`` when none has one."""
+    ops, positions, values = bucket.ops, [], []
+    for i in bucket.compressed:
+        idx = memory.peek(bucket.names[i], "posterior_indices")
+        if idx is not None:
+            positions.append(ops.cast(idx, ops.int64) + bucket.offsets[i])
+            values.append(memory.peek(bucket.names[i], "posterior_values"))
+    if not positions:
+        return None
+    return ops.to_device(ops.concat(positions), bucket.like), ops.to_device(ops.concat(values), bucket.like)
+
+
+def flush_posterior(bucket: Any, posterior: Optional[Tuple[Array, Array]], memory: Any) -> None:
+    """Each compressed tensor's part of ``posterior`` (copies, the entries it informed) into its memory."""
+    if posterior is None:
+        return
+    ops, (idx, values) = bucket.ops, posterior
+    for i in bucket.compressed:
+        start, n = bucket.offsets[i], bucket.numels[i]
+        mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
+        memory.set(bucket.names[i], "posterior_indices", ops.cast(ops.masked(idx, mine) - start, ops.index_dtype(n)))
+        memory.set(bucket.names[i], "posterior_values", ops.masked(values, mine))
 
 
 def kept_in_place(ops: Any, old: Any, new: Tuple[Array, ...]) -> Tuple[Array, ...]:

@@ -24,9 +24,10 @@ compressor configuration, world size) and holds
   on the wire, what each round of collectives sends, how the sums decode;
 - the state: the compressed part's error-feedback residual as one flat buffer
   (in at least float32: a float16 gradient's residual cannot overflow; values
-  travel in the gradient's dtype, saturated, the rest stays in the residual),
-  RegTop-k's posterior as fixed-size ``(indices, D)`` vectors; under momentum
-  correction the velocities of both parts, flat buffers like the residual.
+  travel in the gradient's dtype, saturated, the rest stays in the residual); under
+  momentum correction the velocities of both parts, flat buffers like the residual. An
+  algorithm's own state (RegTop-k's posterior, reused thresholds, a shared index set's
+  rates) is its codec's.
 
 Building it checks once that every rank agrees (an allgather of ``[config hash,
 layout hash]``, read on the host); afterwards a step reads nothing back. Per step::
@@ -145,7 +146,6 @@ class FusedBucket:
         self.residual: Optional[Array] = None
         self.velocity: Optional[Array] = None  # compressed part, the residual's layout
         self.dense_velocity: Optional[Array] = None  # dense part, in the order of self.dense
-        self.posterior: Optional[Tuple[Array, Array]] = None
         self.flush_into_dense: Dict[int, Array] = {}
         self.checked = False
         #: steps this bucket's tensors have been exchanged (across plans; a shared index set's leader turn)
@@ -226,20 +226,12 @@ class FusedBucket:
         """Take each tensor's state from the compressor's per-name memory (checkpoints, other layouts)."""
         comp, ops = self.compressor, self.ops
         feedback = getattr(comp, "error_feedback", False)
-        post_idx, post_val = [], []
         for i in self.compressed:
             memory.track(self.names[i], self.shapes[i])
-            idx = memory.peek(self.names[i], "posterior_indices")
-            if idx is not None:
-                post_idx.append(ops.cast(idx, ops.int64) + self.offsets[i])
-                post_val.append(memory.peek(self.names[i], "posterior_values"))
         if feedback and self.compressed:
             self.residual = self._gathered(memory, "residual", self.compressed, self.padded)
         if self.momentum and self.compressed:
             self.velocity = self._gathered(memory, "velocity", self.compressed, self.padded)
-        if post_idx:
-            self.posterior = (ops.to_device(ops.concat(post_idx), self.like),
-                              ops.to_device(ops.concat(post_val), self.like))
         if self.momentum and self.dense:
             self.dense_velocity = self._gathered(memory, "velocity", self.dense, False)
         for i in self.dense:
@@ -250,7 +242,7 @@ class FusedBucket:
                 comp.warn_dense(name, self.numels[i])
             memory.discard(name, "residual")  # sent once (above); the velocity is the bucket's until flush();
             memory.discard(name, "velocity")  # a RegTop-k posterior stays for when the tensor is compressed again
-        if hasattr(self.codec, "adopt"):  # the codec's own per-tensor state (a shared index set's rates)
+        if hasattr(self.codec, "adopt"):  # the codec's own per-tensor state (RegTop-k's posterior...)
             self.codec.adopt(self, memory)
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
@@ -279,11 +271,6 @@ class FusedBucket:
                 memory.set(name, "residual", ops.reshape(ops.clone(self.residual[start : start + n]), shape))
             if self.velocity is not None:
                 memory.set(name, "velocity", ops.reshape(ops.clone(self.velocity[start : start + n]), shape))
-            if self.posterior is not None:
-                idx, values = self.posterior
-                mine = (idx >= start) & (idx < start + n) & (values != ops.NO_DISTORTION)
-                memory.set(name, "posterior_indices", ops.cast(ops.masked(idx, mine) - start, ops.index_dtype(n)))
-                memory.set(name, "posterior_values", ops.masked(values, mine))
         if hasattr(self.codec, "flush"):
             self.codec.flush(self, memory)
         for i, r in self.flush_into_dense.items():

@@ -38,7 +38,7 @@ def state_buffers(compressor):
     (bucket,) = compressor.state.buckets.values()
     found = {"residual": bucket.residual, "velocity": bucket.velocity,
              "thresholds": getattr(bucket.codec, "thresholds", None)}
-    for i, t in enumerate(bucket.posterior or ()):
+    for i, t in enumerate(bucket.codec.posterior or ()):
         found[f"posterior{i}"] = t
     return {name: t for name, t in found.items() if t is not None}
 
