@@ -28,7 +28,8 @@ declare -A PINS=(
 TESTS=(tests/test_installs.py tests/test_layers.py tests/compressors)
 # Left out of the torch and TensorFlow installs: the RegTop-k linear regression (numpy alone, the Simulator
 # on numpy arrays, about 20 s) computes the same there as in the numpy install, which runs it
-declare -A SKIP=([torch]="tests/compressors/test_regtopk_linreg.py" [tensorflow]="tests/compressors/test_regtopk_linreg.py")
+LINREG=tests/compressors/test_regtopk_linreg.py
+declare -A SKIP=([torch]="$LINREG" [tensorflow]="$LINREG")
 
 for name in "${@:-numpy torch tensorflow}"; do
   for install in $name; do
