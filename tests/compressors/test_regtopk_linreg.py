@@ -12,8 +12,9 @@ import pytest
 from hvd_compress import NoneCompressor, RegTopK, TopK
 from benchmarks import linreg
 
-STEPS = 1500
-WINDOW = 300  # compare the mean squared distance over the last WINDOW steps
+#: Top-k's distance levels off by about step 300 (RegTop-k's too, lower): 900 steps leave 600 of plateau.
+STEPS = 900
+WINDOW = 200  # compare the mean squared distance over the last WINDOW steps
 DENSITY, MU, LR = 0.4, 4.0, 0.01
 #: RegTop-k's late mean distance must be at most this fraction of Top-k's.
 MAX_REGTOPK_TO_TOPK = 0.75

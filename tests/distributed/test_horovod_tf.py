@@ -7,9 +7,10 @@ in-process Simulator fed the same gradients (1e-6 absolute; FP16 1e-4, since Hor
 float16 in float16), the bytes handed to the collectives must be the compressed ones, and
 each of Horovod's groups must travel in one exchange.
 
-One ``horovodrun`` job (module fixture) runs every scenario below in turn, the
+One ``horovodrun`` job (module fixture) runs the check of the communicator's collectives
+(tests/distributed/tf_collectives.py), then every scenario below in turn, the
 misconfigured ones included (they must raise on every rank, and the job goes on);
-each test checks its scenario's part of the job's results.
+each test checks its part of the job's results.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def job(tmp_path_factory):
         scenarios += ["--scenario", f"{label}={':'.join([path, ','.join(names), *options])}"]
     done, _ = launch.run_to_the_end(
         "horovodrun", 2, "tests.distributed.tf_horovod", *scenarios, "--steps", str(STEPS), "--out", str(out),
-        limit=LIMIT,
+        "--collectives", str(out.parent / "collectives"), limit=LIMIT,
     )
     return done, out
 
@@ -230,18 +231,17 @@ def test_statistics_count_every_byte_handed_to_the_collectives(label, job):
             assert counted == total, (label, name, rank, total, counted)
 
 
-def test_collectives_started_together_equal_horovods_own_one_by_one(tmp_path):
+def test_collectives_started_together_equal_horovods_own_one_by_one(job):
     """The communicator's queued collectives (one grouped allgather; with two ranks the allreduces
     in it, but a float16 sum) make two Horovod calls and give the bytes Horovod's eager allgather and
     allreduce give, every dtype, sizes that differ by rank, wrapping integer sums, an infinite maximum;
-    the same for numpy arrays, whose results come back as numpy."""
+    the same for numpy arrays, whose results come back as numpy (tf_collectives.check, first in the job)."""
     from tests.distributed import tf_collectives
 
-    out = tmp_path / "collectives"
-    done, _ = launch.run_to_the_end("horovodrun", 2, "tests.distributed.tf_collectives", "--out", str(out), limit=120)
+    done, out = job
     assert done.returncode == 0, launch.output(done)
     for rank in (0, 1):
-        calls, *lines = (tmp_path / f"collectives.{rank}").read_text().splitlines()
+        calls, *lines = (out.parent / f"collectives.{rank}").read_text().splitlines()
         assert calls == "calls grouped_allgather allreduce grouped_allgather allreduce", calls  # float16 sums: Horovod's
         assert len(lines) == len(tf_collectives.collectives(rank))
         assert all(line.endswith(" same") for line in lines), lines

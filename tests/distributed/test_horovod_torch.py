@@ -52,6 +52,32 @@ def run_workload(kind, ranks, names, tmp_path, *extra):
     return np.load(out)
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """:func:`run_workload` for the tests of the module that run the same job (each route's test of a job
+    that trains both routes, ``--path stock dropin``): launched once, by the first test that asks."""
+    done = {}
+
+    def run(kind, ranks, names, *extra):
+        key = (kind, ranks, tuple(names), extra)
+        if key not in done:
+            done[key] = run_workload(kind, ranks, names, tmp_path_factory.mktemp("job"), *extra)
+        return done[key]
+
+    return run
+
+
+def route(result, path):
+    """The results of route ``path`` in a job of both routes (keys ``<path>-<name>/...``), keyed
+    ``<name>/...`` as in a job of one route; ``wire`` and ``stats`` keyed by name likewise."""
+    prefix = f"{path}-"
+    own = {key[len(prefix):]: result[key] for key in result.files if key.startswith(prefix)}
+    for part in ("wire", "stats"):
+        by_key = json.loads(str(result[part]))
+        own[part] = json.dumps({key[len(prefix):]: v for key, v in by_key.items() if key.startswith(prefix)})
+    return own
+
+
 def assert_equals_simulator(result, names, ranks):
     launch.assert_equals_simulator(result, names, lambda name: workload.simulate(name, ranks, STEPS))
 
@@ -84,8 +110,11 @@ def first_step_check_bytes():
 @pytest.mark.parametrize(
     "kind, path", [("horovodrun", "stock"), ("mpirun", "stock"), ("horovodrun", "dropin")]
 )
-def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_path):
-    result = run_workload(kind, 2, ALL + SHARED, tmp_path, "--path", path)
+def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, shared_run):
+    """horovodrun: one job trains both routes; mpirun: the stock route."""
+    paths = ("stock", "dropin") if kind == "horovodrun" else ("stock",)
+    result = shared_run(kind, 2, ALL + SHARED, "--path", *paths)
+    result = route(result, path) if len(paths) > 1 else result
     assert_equals_simulator(result, ALL + SHARED, 2)
     wire = json.loads(str(result["wire"]))
     dense = 4 * sum(p.numel() for p in workload.make_model().parameters())
@@ -102,29 +131,33 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, tmp_pat
 
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])
-def test_four_ranks_mpirun_equal_simulator(path, tmp_path):
+def test_four_ranks_mpirun_equal_simulator(path, shared_run):
+    """One job of 4 ranks trains both routes."""
     names = ["regtopk", "terngrad", "gaussiank", "topk-momentum", "topk-leader", "gaussiank-aggregate"]
-    assert_equals_simulator(run_workload("mpirun", 4, names, tmp_path, "--path", path), names, 4)
+    assert_equals_simulator(route(shared_run("mpirun", 4, names, "--path", "stock", "dropin"), path), names, 4)
 
 
 def test_dropin_checkpoint_resumes_exactly(tmp_path):
-    """Save model + optimizer (with residuals) at step 5, restore into fresh objects, run to 10."""
+    """Save model + optimizer (with residuals) at step 5, restore into fresh objects, run to 10; the
+    same job trains each compressor straight through first (``resume-1-``), then resumed (``resume5-``)."""
     names = ["topk", "regtopk", "terngrad"]
-    straight = run_workload("horovodrun", 2, names, tmp_path / "a", "--path", "dropin", "--steps", "10")
-    resumed = run_workload(
-        "horovodrun", 2, names, tmp_path / "b", "--path", "dropin", "--steps", "10", "--resume-at", "5"
+    result = run_workload(
+        "horovodrun", 2, names, tmp_path, "--path", "dropin", "--steps", "10", "--resume-at", "-1", "5"
     )
-    for key in straight.files:
-        if "/" in key:
-            np.testing.assert_array_equal(resumed[key], straight[key], err_msg=key)
+    straight = [key for key in result.files if key.startswith("resume-1-")]
+    assert len(straight) == len(names) * len(list(workload.make_model().parameters())), result.files
+    for key in straight:
+        resumed = key.replace("resume-1-", "resume5-", 1)
+        np.testing.assert_array_equal(result[resumed], result[key], err_msg=resumed)
 
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])
-def test_accumulation_and_predivide_equal_simulator(path, tmp_path):
-    """backward_passes_per_step=2 (gradients of two batches summed) and gradient_predivide_factor=2."""
+def test_accumulation_and_predivide_equal_simulator(path, shared_run):
+    """backward_passes_per_step=2 (gradients of two batches summed) and gradient_predivide_factor=2
+    (one job trains both routes)."""
     names = ["regtopk", "terngrad"]
-    result = run_workload(
-        "horovodrun", 2, names, tmp_path, "--path", path, "--passes", "2", "--predivide", "2"
+    result = route(
+        shared_run("horovodrun", 2, names, "--path", "stock", "dropin", "--passes", "2", "--predivide", "2"), path
     )
     for name in names:
         expected = workload.simulate(name, 2, STEPS, passes=2)
@@ -133,12 +166,13 @@ def test_accumulation_and_predivide_equal_simulator(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["stock", "dropin"])
-def test_float16_gradients_equal_simulator(path, tmp_path):
+def test_float16_gradients_equal_simulator(path, shared_run):
     """A float16 model trains as on the Simulator. Horovod sums the dense float16 biases in
     float16, the Simulator in float32, so an entry can round differently and, later, a
-    selection can flip: at most 0.1% of the weights may differ by more than 1e-3, none by 1e-2."""
+    selection can flip: at most 0.1% of the weights may differ by more than 1e-3, none by 1e-2
+    (one job trains both routes)."""
     names = ["topk", "regtopk", "terngrad"]
-    result = run_workload("horovodrun", 2, names, tmp_path, "--path", path, "--half")
+    result = route(shared_run("horovodrun", 2, names, "--path", "stock", "dropin", "--half"), path)
     for name in names:
         expected = workload.simulate(name, 2, STEPS, dtype=torch.float16)
         for param, value in expected.items():

@@ -1,4 +1,5 @@
-"""Run by ``test_horovod_tf.py`` under ``horovodrun``: the collectives of
+"""Run by ``test_horovod_tf.py`` under ``horovodrun`` (:func:`check`, first in the job of
+``tf_horovod.py --collectives``): the collectives of
 :class:`~hvd_compress.horovod.tensorflow_hooks.HorovodTensorFlowCommunicator`, queued together and run at the
 first ``wait`` (allgathers as one grouped allgather; with two ranks the allreduces gathered and
 reduced on each rank), against Horovod's own eager allgather and allreduce of the same tensors,
@@ -42,15 +43,12 @@ def run_queued(comm, cases: list, prefix: str) -> list:
     return [comm.wait(handle) for handle in handles]
 
 
-def main() -> None:
+def check(out: str) -> None:
+    """The comparison (module docstring) on this rank, Horovod initialized; writes ``out.<rank>``."""
     import horovod.tensorflow as hvd
 
     from hvd_compress.horovod.tensorflow_hooks import HorovodTensorFlowCommunicator
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    hvd.init()
     comm = HorovodTensorFlowCommunicator()
     cases = collectives(hvd.rank())
     calls, own = [], {name: getattr(hvd, name) for name in ("allgather", "allreduce", "grouped_allgather")}
@@ -71,8 +69,18 @@ def main() -> None:
         same = all(isinstance(x, np.ndarray) and x.dtype == want.dtype and x.shape == want.shape
                    and x.tobytes() == want.tobytes() for x in (got, got_host))
         lines.append(f"{i} {op} {tensor.dtype.name} " + ("same" if same else f"differs: {got!r}, {got_host!r} vs {want!r}"))
-    with open(f"{args.out}.{hvd.rank()}", "w") as f:
+    with open(f"{out}.{hvd.rank()}", "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    import horovod.tensorflow as hvd
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    hvd.init()
+    check(args.out)
 
 
 if __name__ == "__main__":

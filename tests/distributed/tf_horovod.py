@@ -318,8 +318,13 @@ def main() -> None:
     parser.add_argument("--scenario", type=parse_scenario, action="append", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--collectives", help="first, tf_collectives.check writing COLLECTIVES.<rank>")
     args = parser.parse_args()
     hvd.init()
+    if args.collectives:
+        from tests.distributed import tf_collectives
+
+        tf_collectives.check(args.collectives)
     counter = ByteCounter()
     arrays, wire = {}, {}
     for run in args.scenario:

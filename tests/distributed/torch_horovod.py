@@ -166,8 +166,9 @@ def resumed(model: torch.nn.Module, optimizer, name: str, args: argparse.Namespa
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace, path: str):
-    """The final parameters and the bytes ``stats.bytes_sent`` counted (of the compressor last used)."""
+def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace, path: str, resume_at: int = -1):
+    """The final parameters and the bytes ``stats.bytes_sent`` counted (of the compressor last used);
+    ``resume_at`` >= 0: checkpointed and restored into fresh objects (:func:`resumed`) before that step."""
     import horovod.torch as hvd
 
     model = make_model(torch.float16 if args.half else DTYPES[args.dtype])
@@ -179,7 +180,7 @@ def train(name: str, steps: int, counter: ByteCounter, args: argparse.Namespace,
     data = batches(hvd.rank(), steps * args.passes)
     counter.bytes = 0
     for step in range(steps):
-        if step == args.resume_at:
+        if step == resume_at:
             model, optimizer = resumed(model, optimizer, name, args, path)
         optimizer.zero_grad()
         for micro in range(args.passes):
@@ -211,7 +212,9 @@ def main() -> None:
     parser.add_argument("--half", action="store_true", help="float16 model and gradients")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the model's dtype")
     parser.add_argument("--predivide", type=float, default=1.0, help="gradient_predivide_factor")
-    parser.add_argument("--resume-at", type=int, default=-1, help="checkpoint and restore before this step")
+    parser.add_argument("--resume-at", type=int, nargs="+", default=[-1],
+                        help="checkpoint and restore before this step (-1: never); several: each trains every "
+                             "compressor, results keyed resume<N>-<key>")
     parser.add_argument("--rank1-ratio", type=float, help="misconfigure rank 1 (error test)")
     parser.add_argument("--rank1-nan", action="store_true", help="NaN gradients on rank 1 (error test)")
     parser.add_argument("--rank1-delay", type=float, default=0.0, help="rank 1 sleeps before each step")
@@ -220,11 +223,15 @@ def main() -> None:
     hvd.init()
     counter = ByteCounter()
     arrays, wire, stats = {}, {}, {}
-    runs = [(path, name, name if len(args.path) == 1 else f"{path}-{name}")
-            for path in args.path for name in args.compression]
-    for path, name, key in runs:
+    runs = []
+    for resume_at in args.resume_at:
+        for path in args.path:
+            for name in args.compression:
+                key = name if len(args.path) == 1 else f"{path}-{name}"
+                runs.append((resume_at, path, name, key if len(args.resume_at) == 1 else f"resume{resume_at}-{key}"))
+    for resume_at, path, name, key in runs:
         try:
-            trained, counted = train(name, args.steps, counter, args, path)
+            trained, counted = train(name, args.steps, counter, args, path, resume_at)
         except (ValueError, FloatingPointError) as error:  # FloatingPointError: NonFiniteGradientError
             Path(f"{args.out}.error.{hvd.rank()}").write_text(str(error))
             if args.nonfinite == "raise":

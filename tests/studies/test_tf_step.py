@@ -1,4 +1,9 @@
-"""``python -m benchmarks tf-step``: 2 processes, two timed steps per row on the MLP."""
+"""``python -m benchmarks tf-step``: 2 processes, two timed steps per row on the MLP.
+
+The run takes one row of each kind (dense, Horovod's FP16, stock, stock with ``groups=1``, drop-in; each of
+our compressors once) and each compressed one again ``:one-by-one``: every row costs a trace of its own, and
+tests/distributed/test_horovod_tf.py trains every compressor on every route.
+"""
 
 import json
 
@@ -8,23 +13,28 @@ from benchmarks import tf_step
 from benchmarks.cli import main
 from tests.distributed import launch
 
+#: one row of each kind of tf_step.ROWS, each of our compressors once
+ROWS = ["dense", "horovod-fp16", "stock-topk", "stock-grouped-regtopk", "dropin-terngrad"]
 ROW_FIELDS = {"model", "row", "route", "compression", "steps", "median_step_s_per_rank", "step_s", "ranks_agree",
               "ratio_to_dense"}
 
 
-def test_every_row_runs_and_the_output_has_its_structure(tmp_path, capsys):
+def test_every_kind_of_row_runs_and_the_output_has_its_structure(tmp_path, capsys):
     launch.require("horovod.tensorflow")
     pytest.importorskip("matplotlib")
-    argv = ["tf-step", "--models", "mlp", "--steps", "2", "--rounds", "1", "--warmup", "1", "--batch-size", "8",
-            "--one-by-one", "--out", str(tmp_path), "--label", "tiny"]
+    routes = {route for route, _ in tf_step.ROWS.values()}
+    names = {name for _, name in tf_step.ROWS.values()}
+    assert {tf_step.ROWS[row][0] for row in ROWS} == routes and {tf_step.ROWS[row][1] for row in ROWS} == names
+    argv = ["tf-step", "--models", "mlp", "--rows", ",".join(ROWS), "--steps", "2", "--rounds", "1", "--warmup", "1",
+            "--batch-size", "8", "--one-by-one", "--out", str(tmp_path), "--label", "tiny"]
     assert main(argv) == 0
     assert (tmp_path / "tf_step.png").stat().st_size > 0
     results = json.loads((tmp_path / "tf_step.json").read_text())
     assert results["benchmark"] == "tf_step" and results["label"] == "tiny" and results["baseline"] is None
     assert results["settings"]["ranks"] == 2 and results["settings"]["models"] == ["mlp"]
     rows = results["rows"]
-    ours = [row for row, (_, name) in tf_step.ROWS.items() if name not in (None, "fp16")]
-    assert [r["row"] for r in rows] == list(tf_step.ROWS) + [f"{row}:one-by-one" for row in ours]
+    ours = [row for row in ROWS if tf_step.ROWS[row][1] not in (None, "fp16")]
+    assert [r["row"] for r in rows] == ROWS + [f"{row}:one-by-one" for row in ours]
     for r in rows:
         assert set(r) == ROW_FIELDS
         assert r["model"] == "mlp" and r["steps"] == 2 and len(r["median_step_s_per_rank"]) == 2
