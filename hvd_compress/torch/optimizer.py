@@ -40,6 +40,7 @@ import torch
 
 from hvd_compress.engine.exchange import BucketExchange, open_exchange
 from hvd_compress.engine.nonfinite import raise_if_nonfinite
+from hvd_compress.horovod.torch_buckets import cut
 from hvd_compress.algorithms import Compressor, as_compressor
 from hvd_compress.algorithms.base import NonFiniteGradientError
 from hvd_compress.algorithms.checkpoint import check_names, writer
@@ -61,24 +62,6 @@ def _is_sum(op: Any) -> bool:
     if op == hvd.Average:
         return False
     raise ValueError(f"hvd_compress: op must be hvd.Average or hvd.Sum, got {op!r}")
-
-
-def make_buckets(named: List[tuple], cap_bytes: int) -> List[List[str]]:
-    """Reverse-order buckets of parameter names, one dtype/device each, at most ``cap_bytes`` each."""
-    buckets: List[List[str]] = []
-    current: List[str] = []
-    size, kind = 0, None
-    for name, p in reversed(named):
-        p_kind = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        if current and (p_kind != kind or size + nbytes > cap_bytes):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(name)
-        size, kind = size + nbytes, p_kind
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -121,7 +104,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         #: the run state this optimizer runs its compressor on (the compressor's own when no other route holds it)
         self.compression_state = compression.state_for(self, ROUTE)
         self._params = dict(named)
-        self._buckets = make_buckets(named, int(bucket_cap_mb * 2**20))
+        self._buckets = cut(list(reversed(named)), int(bucket_cap_mb * 2**20))  # backward's order
         self._bucket_of = {n: b for b, names in enumerate(self._buckets) for n in names}
         self._ready: List[set] = [set() for _ in self._buckets]
         self._in_flight: Dict[int, BucketExchange] = {}
