@@ -267,7 +267,8 @@ class AutoExchange:
             ops = ops_for(tensors[0])
             flat = ops.concat([ops.reshape(t, (-1,)) for t in tensors])  # in the exchange's form
             comm.wait(comm.allreduce_async(flat, comm.SUM, f"{key}.auto.dense"))
-            self.auto.stats_in(self.run).add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
+            stats = self.auto.stats_in(self.run)
+            stats.add(flat.shape[0] * ops.itemsize(flat), 0, 0, 0)  # the measurement's allreduce travels too
         self.marks = [start, launched, launched, mark(), way] if timed else []
 
     def complete(self) -> None:
