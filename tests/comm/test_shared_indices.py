@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from hvd_compress import GaussianK, RegTopK, TopK
-from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
 from tests import conformance
 from tests.helpers import topk_oracle
