@@ -46,10 +46,11 @@ with its first dense gradient (the fused plan's dense-kind flush,
 :meth:`~hvd_compress.engine.fused.FusedBucket.adopt`), so ``sum of what was sent + residual == sum of
 gradients`` holds across the switch. Under momentum correction (a sparsifier's
 ``momentum``) a dense bucket sends each tensor's velocity ``u = m u + g``, and the
-velocity carries over both ways. Going dense drops the tensor's other
-state: RegTop-k's posterior restarts at ``D = 1e8`` (plain Top-k for the first
-step back), TernGrad's random stream is not advanced while dense. A bucket
-that goes back to compressed starts with a zero residual.
+velocity carries over both ways. RegTop-k's posterior waits in the run state's
+memory while the bucket is dense and informs the first selection back (as
+after a density change; ``tests/comm/test_dense_switch.py``); TernGrad's random
+stream is not advanced while dense. A bucket that goes back to compressed
+starts with a zero residual.
 
 Pinning: ``pin="dense"`` or ``"compressed"`` (or the environment variable
 ``HVD_COMPRESS_AUTO_PIN``) skips measuring; ``HVD_COMPRESS_AUTO_DECIDE_EVERY``
