@@ -130,16 +130,19 @@ class CompressionState:
         return [(position, name) for _, position, name in sorted(named)]
 
     def densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once."""
-        if name not in self._warned_sparse:
-            self._warned_sparse.add(name)
-            warnings.warn(
-                f"hvd_compress: parameter '{name}' has a sparse gradient; ddp_hook exchanges it dense "
-                f"(compressed like any other) and returns it as a sparse tensor of every row. Use "
-                f"sparse=False to silence this",
-                stacklevel=3,
-            )
-        return grad.to_dense()
+        return densified(name, grad, self._warned_sparse,
+                         "ddp_hook exchanges it dense (compressed like any other) and returns it as a sparse tensor of "
+                         "every row")
+
+
+def densified(name: str, grad: torch.Tensor, warned: set, outcome: str) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once per name in
+    ``warned`` saying what the route does with it (``outcome``)."""
+    if name not in warned:
+        warned.add(name)
+        warnings.warn(f"hvd_compress: parameter '{name}' has a sparse gradient; {outcome}. Use sparse=False to "
+                      "silence this", stacklevel=4)
+    return grad.to_dense()
 
 
 def _every_row(dense: torch.Tensor) -> torch.Tensor:

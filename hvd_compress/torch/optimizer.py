@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 import weakref
 from typing import Any, Dict, List, Optional
 
@@ -41,6 +40,7 @@ import torch
 from hvd_compress.engine.exchange import BucketExchange, open_exchange
 from hvd_compress.engine.nonfinite import raise_if_nonfinite
 from hvd_compress.horovod.torch_buckets import cut
+from hvd_compress.torch.ddp import densified
 from hvd_compress.algorithms import Compressor, as_compressor
 from hvd_compress.algorithms.base import NonFiniteGradientError
 from hvd_compress.algorithms.checkpoint import check_names, writer
@@ -159,21 +159,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p = self._params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if grad.is_sparse:
-                grad = self._densified(name, grad)
+                grad = densified(name, grad, self._warned_sparse,
+                                 "it is exchanged dense (compressed like any other) and written back dense")
             exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
         exchange.launch(complete=self._in_order)
         self._in_flight[bucket] = exchange
-
-    def _densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once."""
-        if name not in self._warned_sparse:
-            self._warned_sparse.add(name)
-            warnings.warn(
-                f"hvd_compress: parameter '{name}' has a sparse gradient; it is exchanged dense "
-                f"(compressed like any other) and written back dense. Use sparse=False to silence this",
-                stacklevel=3,
-            )
-        return grad.to_dense()
 
     def _end_of_backward(self) -> None:
         """After a backward: synchronize when every bucket has been launched (every parameter's
