@@ -67,6 +67,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress import wire
 from hvd_compress.kernels import module, ops_for
+from hvd_compress.kernels.groups import Group
 from hvd_compress.engine.rounds import Rounds, check_header
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
@@ -82,23 +83,6 @@ def float_errors_ignored(method: Any) -> Any:
             return method(self, *args, **kwargs)
 
     return run
-
-
-class Group:
-    """``rows`` tensors of ``n`` elements each, adjacent in their part's flat layout from ``start``
-    (rows ``first`` onwards of that part's tensors)."""
-
-    def __init__(self, start: int, first: int, members: List[int], n: int) -> None:
-        self.start, self.members, self.rows, self.n = start, members, len(members), n
-        self.stop = start + self.rows * n
-        self.first, self.last = first, first + self.rows
-
-    def view(self, flat: Array) -> Array:
-        return flat[self.start : self.stop].reshape(self.rows, self.n)
-
-    def column(self, per_row: Array) -> Array:
-        """This group's part of a per-compressed-tensor vector, as a column (broadcasts over a row)."""
-        return per_row[self.first : self.last, None]
 
 
 def _offsets(groups: List[Group]) -> Dict[int, int]:

@@ -647,7 +647,7 @@ def uniform_into(rng: tf.random.Generator, out) -> tf.Tensor:
 
 
 def _rows(a, groups) -> list:
-    """Each row of ``groups`` (:class:`hvd_compress.engine.fused.Group`) as a slice of ``a``."""
+    """Each row of ``groups`` (:class:`hvd_compress.kernels.groups.Group`) as a slice of ``a``."""
     return [a[grp.start + i * grp.n : grp.start + (i + 1) * grp.n] for grp in groups for i in range(grp.rows)]
 
 

@@ -1,7 +1,7 @@
 """The fused path's kernels on numpy against the per-tensor reference, row by row.
 
 A fused bucket lays its tensors out as rows of a flat buffer, grouped by size
-(:class:`hvd_compress.engine.fused.Group`). Every row of numpy's
+(:class:`hvd_compress.kernels.groups.Group`). Every row of numpy's
 :class:`~hvd_compress.kernels.reference_rows.Rows` must select what
 :func:`reference.topk_indices` and :func:`reference.gaussiank_select` select on that row
 alone (Top-k: ties to the lower index; Gaussian-k: in index order in its first slots,
@@ -16,7 +16,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hvd_compress.engine.fused import Group
+from hvd_compress.kernels.groups import Group
 from hvd_compress.kernels import reference as R
 from hvd_compress.kernels.reference_rows import Rows
 
