@@ -232,13 +232,7 @@ class Sparsifier(Compressor):
         return ops.concat([chosen[first] for first in sorted(chosen)]), rows.largest(abs(a))
 
     def warn_dense(self, name: str, numel: int) -> None:
-        if name not in self._warned_dense and self.dense_is_cheaper(numel):
-            self._warned_dense.add(name)
-            warnings.warn(
-                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
-                "allreduce; its residual is sent with it",
-                stacklevel=4,
-            )
+        self._warn_dense_once(name, numel, "; its residual is sent with it")
 
     def _dense_reason(self, numel: int) -> str:
         if self.shared:
@@ -304,12 +298,13 @@ class Sparsifier(Compressor):
         self._sent(name, None, None)
         return DensePayload(values=ops.saturate(sent, dtype), dtype=dtype)
 
-    def _warn_dense_once(self, name: str, numel: int) -> None:
+    def _warn_dense_once(self, name: str, numel: int, after: str = "") -> None:
+        """Warn once per tensor that ``name`` travels dense where that is cheaper (``after``: what else happens)."""
         if name not in self._warned_dense and self.dense_is_cheaper(numel):
             self._warned_dense.add(name)
             warnings.warn(
                 f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
-                "allreduce",
+                f"allreduce{after}",
                 stacklevel=5,
             )
 

@@ -132,16 +132,16 @@ class CompressionState:
     def densified(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         return densified(name, grad, self._warned_sparse,
                          "ddp_hook exchanges it dense (compressed like any other) and returns it as a sparse tensor of "
-                         "every row")
+                         "every row", stacklevel=4)
 
 
-def densified(name: str, grad: torch.Tensor, warned: set, outcome: str) -> torch.Tensor:
+def densified(name: str, grad: torch.Tensor, warned: set, outcome: str, stacklevel: int) -> torch.Tensor:
     """A sparse gradient (``nn.Embedding(sparse=True)``) as a dense one, with a warning once per name in
-    ``warned`` saying what the route does with it (``outcome``)."""
+    ``warned`` saying what the route does with it (``outcome``; ``stacklevel``: the frame it names)."""
     if name not in warned:
         warned.add(name)
         warnings.warn(f"hvd_compress: parameter '{name}' has a sparse gradient; {outcome}. Use sparse=False to "
-                      "silence this", stacklevel=4)
+                      "silence this", stacklevel=stacklevel)
     return grad.to_dense()
 
 

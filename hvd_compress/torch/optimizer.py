@@ -160,7 +160,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             if grad.is_sparse:
                 grad = densified(name, grad, self._warned_sparse,
-                                 "it is exchanged dense (compressed like any other) and written back dense")
+                                 "it is exchanged dense (compressed like any other) and written back dense",
+                                 stacklevel=3)
             exchange.add(name, grad if self._predivide == 1.0 else grad / self._predivide)
         exchange.launch(complete=self._in_order)
         self._in_flight[bucket] = exchange
