@@ -4,16 +4,16 @@ Each ``check_*`` takes ``make``, a function returning a new, identically configu
 compressor (one per rank), and raises ``AssertionError`` (or the library's error)
 when the compressor breaks a contract the exchanges and the Simulator rely on:
 
-- :func:`check_payloads`: ``encode`` returns a payload of the compressor's
-  ``payload_kind`` (or dense), ``decode`` of one rank's payload has the tensor's shape;
-- :func:`check_rejects_bad_gradients`: integer, empty and NaN/Inf gradients fail
-  with an ``hvd_compress:`` message naming the tensor;
-- :func:`check_conserves_mass`: with error feedback, over any steps and on every
-  rank, produced = sent + residual (``sum_t g_t = sum_t sent_t + r_T``);
+- :func:`check_results_keep_shape_and_dtype`: a step gives every tensor back in its shape
+  and dtype and counts its bytes;
+- :func:`check_rejects_bad_gradients`: an integer gradient fails with an ``hvd_compress:``
+  message naming the tensor; a NaN/Inf on one rank makes that tensor non-finite on every rank;
+- :func:`check_conserves_mass`: with error feedback, over any steps,
+  produced = sent + residual (``sum_t g_t = sum_t sent_t + r_T``);
 - :func:`check_thread_ranks_equal_per_tensor_spec`: the real per-rank exchange
   (:class:`~hvd_compress.engine.exchange.BucketExchange` over thread ranks, the bucket engine)
   gives the averages of the per-tensor spec (:class:`tests.oracle.PerTensorRanks`: the
-  compressor's own ``encode``/``decode``, tensor by tensor);
+  independent numpy spec of :mod:`spec`, tensor by tensor, or a spec the caller brings);
 - :func:`check_thread_ranks_equal_simulator`: the same exchange gives the Simulator's averages
   (the engine over lockstep ranks: a transport check, for index sets shared by the ranks,
   which have no per-tensor spec);
@@ -42,13 +42,12 @@ import pytest
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.transport.lockstep import LockstepGroup
 from tests.oracle import PerTensorRanks
 
 Make = Callable[[], Any]
 
 SHAPES = {"layer.weight": (8, 40), "layer.bias": (40,)}
-PAYLOAD_TYPES = {"dense": DensePayload, "sparse": SparsePayload, "ternary": TernaryPayload}
 
 
 def gradients(step: int, ranks: int, framework: str = "numpy", dtype: Any = np.float32) -> Dict[str, List[Any]]:
@@ -90,51 +89,52 @@ def as_numpy(tensor: Any) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- compressor alone
-def check_payloads(make: Make, framework: str = "numpy") -> None:
-    """``encode`` gives a payload of ``payload_kind`` (or dense) whose ``decode`` has the tensor's shape."""
+def check_results_keep_shape_and_dtype(make: Make, framework: str = "numpy") -> None:
+    """A step of one rank (the Simulator: the engine) gives every tensor back in its shape and dtype, and
+    counts the bytes it handed to the collectives."""
     compressor = make()
     assert compressor.config()["type"] == type(compressor).__name__
-    expected = PAYLOAD_TYPES[compressor.payload_kind]
-    for name, (grad,) in gradients(0, 1, framework).items():
-        payload = compressor.encode(grad, name)
-        assert isinstance(payload, (expected, DensePayload)), (name, payload)
-        assert payload.nbytes > 0
-        decoded = compressor.decode([payload], grad.shape, average=False)
-        assert tuple(decoded.shape) == tuple(grad.shape)
-        assert as_numpy(decoded).dtype == as_numpy(grad).dtype
+    sim = Simulator(1, compressor)
+    grads = gradients(0, 1, framework)
+    out = sim.step(grads)
+    for name, (grad,) in grads.items():
+        assert tuple(out[name].shape) == tuple(grad.shape), name
+        assert as_numpy(out[name]).dtype == as_numpy(grad).dtype, name
+    assert sim.bytes_sent_per_rank[0] > 0
 
 
 def check_rejects_bad_gradients(make: Make) -> None:
-    """Integer, empty and non-finite gradients fail with a message naming the tensor."""
-    compressor = make()
+    """An integer gradient is refused naming the tensor; a NaN/Inf on one rank makes that tensor (and only
+    that one) non-finite on every rank, as a dense allreduce would."""
     with pytest.raises(TypeError, match="hvd_compress: .*'ints'"):
-        compressor.encode(np.arange(10), "ints")
-    with pytest.raises(ValueError, match="hvd_compress: .*'empty'"):
-        compressor.encode(np.zeros(0, np.float32), "empty")
-    bad = np.ones(50, np.float32)
-    bad[3] = np.nan
-    with pytest.raises(ValueError, match="hvd_compress: .*'nan'"):
-        compressor.encode(bad, "nan")
+        BucketExchange(make(), LockstepGroup(1).rank(0), "bucket").add("ints", np.arange(10))
+    grads = gradients(0, 2)
+    poisoned = next(iter(grads))
+    grads[poisoned][1] = grads[poisoned][1].copy()
+    grads[poisoned][1].reshape(-1)[3] = np.nan
+    out = Simulator(2, make()).step(grads)
+    for name in grads:
+        assert np.isnan(out[name]).any() == (name == poisoned), name
 
 
-def check_conserves_mass(make: Make, ranks: int = 3, steps: int = 4) -> None:
-    """Every rank: ``sum_t g_t = sum_t sent_t + r_T`` (float64, so up to rounding only)."""
-    compressors = [make().bind(rank, ranks) for rank in range(ranks)]
-    assert getattr(compressors[0], "error_feedback", False), "mass is conserved only with error feedback"
-    produced = {name: [np.zeros(shape) for _ in range(ranks)] for name, shape in SHAPES.items()}
+def check_conserves_mass(make: Make, steps: int = 4) -> None:
+    """With error feedback: ``sum_t g_t = sum_t sent_t + r_T`` (float64, up to rounding only), where what a
+    rank sent is the sum over a world of one (the Simulator: the engine)."""
+    assert getattr(make(), "error_feedback", False), "mass is conserved only with error feedback"
+    sim = Simulator(1, make())
+    produced = {name: np.zeros(shape) for name, shape in SHAPES.items()}
     sent = copy.deepcopy(produced)
     for step in range(steps):
-        for name, per_rank in gradients(step, ranks, dtype=np.float64).items():
-            for rank, (compressor, grad) in enumerate(zip(compressors, per_rank)):
-                payload = compressor.encode(grad, name)
-                produced[name][rank] += grad
-                sent[name][rank] += compressor.decode([payload], grad.shape, average=False)
+        grads = gradients(step, 1, dtype=np.float64)
+        out = sim.step(grads)
+        for name, (grad,) in grads.items():
+            produced[name] += grad
+            sent[name] += out[name]
     for name in SHAPES:
-        for rank, compressor in enumerate(compressors):
-            residual = compressor.residual(name)
-            kept = 0.0 if residual is None else residual
-            np.testing.assert_allclose(sent[name][rank] + kept, produced[name][rank], rtol=1e-12, atol=1e-12)
-            assert np.any(kept != 0), f"{name}: nothing was kept back; is anything compressed?"
+        residual = sim.residuals(name)[0]
+        kept = 0.0 if residual is None else residual
+        np.testing.assert_allclose(sent[name] + kept, produced[name], rtol=1e-12, atol=1e-12)
+        assert np.any(kept != 0), f"{name}: nothing was kept back; is anything compressed?"
 
 
 def check_state_dict_round_trip(make: Make, ranks: int = 3, framework: str = "numpy") -> None:
@@ -170,15 +170,17 @@ def exchange_steps(comm: Any, compressor: Any, steps: int, framework: str) -> Li
 
 
 def check_thread_ranks_equal_per_tensor_spec(
-    make: Make, ranks: int = 3, steps: int = 3, framework: str = "numpy", rtol: float = 1e-6
+    make: Make, ranks: int = 3, steps: int = 3, framework: str = "numpy", rtol: float = 1e-6,
+    spec: Callable[..., Any] = PerTensorRanks,
 ) -> None:
     """Thread ranks through :class:`BucketExchange` give the per-tensor spec's averages, on every rank.
 
-    ``rtol``: 1e-6 is float32 rounding; a float16 wire (FP16) rounds the sum to float16
-    as a real allreduce does, where the per-tensor ``decode`` sums in float32: ``rtol=1e-3``.
-    ``framework="tensorflow-kernels"``: TensorFlow tensors on TensorFlow's kernels (:func:`tensorflow_kernels`).
+    ``rtol``: 1e-6 is float32 rounding (torch's and TensorFlow's kernels may round a std or a sum
+    otherwise). ``framework="tensorflow-kernels"``: TensorFlow tensors on TensorFlow's kernels
+    (:func:`tensorflow_kernels`). ``spec(ranks, compressor)``: the yardstick (a compressor of a kind the
+    spec does not know brings its own, with ``step`` as :class:`~tests.oracle.PerTensorRanks` has it).
     """
-    thread_ranks_equal(PerTensorRanks, make, ranks, steps, framework, rtol)
+    thread_ranks_equal(spec, make, ranks, steps, framework, rtol)
 
 
 def check_thread_ranks_equal_simulator(

@@ -14,16 +14,14 @@ NaN where the tensor holds NaN/Inf on this rank), so a tensor with NaN/Inf on so
 NaN on every rank, as a dense allreduce would give. No format the library knows: the
 compressor brings its fused bucket's codec (``bucket_codec``, written with the bucket's
 kernel functions only, ``bucket.ops``), and the exchange runs its round without a line of
-``hvd_compress`` changed. ``encode`` and ``_sum`` stay the algorithm's definition, one tensor
-at a time (the per-tensor spec the tests hold the engine to). ``Compression.register`` gives it a name:
+``hvd_compress`` changed. :class:`VoteSpec` is the algorithm's definition in numpy, tensor by
+tensor, that the tests hold the engine to. ``Compression.register`` gives it a name:
 ``Compression.by_name`` builds it, and a rank running another compressor is told which one
 each rank runs.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Dict, Generator, List, Tuple
 
 import numpy as np
@@ -32,25 +30,12 @@ import pytest
 from hvd_compress import FP16, Compression
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.transport.threads import run_ranks
-from hvd_compress.algorithms.base import Compressor, dense_sum
+from hvd_compress.algorithms.base import Compressor
 from hvd_compress.algorithms.rounds import Send
 from hvd_compress.algorithms.validation import check_count, checked
 from hvd_compress.simulator import Simulator
-from hvd_compress.wire import FIRST_FREE_NUMBER, DensePayload, header_config, register_algorithm, ternary_lanes
+from hvd_compress.wire import FIRST_FREE_NUMBER, header_config, register_algorithm, ternary_lanes
 from tests import conformance
-from tests.oracle import PerTensorRanks
-
-
-@dataclass(frozen=True)
-class SignPayload:
-    """One rank's signs (int8 in {-1, 0, 1}); ``nbytes``: 2 bits per sign, what the lanes cost at most."""
-
-    values: Any
-    dtype: Any
-
-    @property
-    def nbytes(self) -> int:
-        return math.ceil(int(self.values.shape[0]) / 4)
 
 
 def signs(flat: Any, ops: Any) -> Any:
@@ -74,17 +59,6 @@ class MajorityVote(Compressor):
 
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else self.payload_kind
-
-    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        if flat.shape[0] < self.dense_below:
-            return DensePayload(values=flat, dtype=flat.dtype)
-        return SignPayload(values=signs(flat, ops), dtype=flat.dtype)
-
-    def _sum(self, payloads: List[Any], numel: int, ops: Any):
-        if all(isinstance(p, DensePayload) for p in payloads):
-            return dense_sum(payloads, numel, ops)
-        return majority(ops.sum_codes([p.values for p in payloads]), len(payloads), payloads[0].dtype, ops), \
-            payloads[0].dtype
 
     def bucket_codec(self, bucket: Any) -> "MajorityVoteBucketCodec":
         return MajorityVoteBucketCodec(bucket)
@@ -137,6 +111,29 @@ def make() -> MajorityVote:
     return MajorityVote()
 
 
+class VoteSpec:
+    """The per-tensor spec of N ranks voting (``step`` as :class:`tests.oracle.PerTensorRanks` has it):
+    ``sign(sum of sign(g_r))``, or under ``dense_below`` the dense average (summed in rank order in
+    float32, rounded to the gradients' dtype, divided by N)."""
+
+    def __init__(self, n_ranks: int, compressor: MajorityVote) -> None:
+        self.n_ranks, self.dense_below = n_ranks, compressor.dense_below
+
+    def step(self, grads: Dict[str, List[Any]]) -> Dict[str, np.ndarray]:
+        out = {}
+        for name, per_rank in grads.items():
+            values = [conformance.as_numpy(g) for g in per_rank]
+            if values[0].size < self.dense_below:
+                total = values[0].astype(np.float32)
+                for v in values[1:]:
+                    total = total + v.astype(np.float32)
+                out[name] = (total.astype(values[0].dtype).astype(np.float32) / np.float32(self.n_ranks)).astype(
+                    values[0].dtype)
+            else:
+                out[name] = np.sign(np.sum([np.sign(v) for v in values], axis=0)).astype(values[0].dtype)
+        return out
+
+
 # --------------------------------------------------------------------------- the algorithm itself
 def test_the_vote_of_three_ranks():
     grads = {"w": [np.array([1.0, -2.0, 0.5, 0.0, -1.0], np.float32),
@@ -147,11 +144,12 @@ def test_the_vote_of_three_ranks():
     assert out.dtype == np.float32
 
 
-def test_sends_two_bits_per_sign_and_small_tensors_dense():
+def test_sends_packed_signs_and_small_tensors_dense():
+    sim = Simulator(2, MajorityVote(dense_below=10))
+    sim.step({"w": [np.ones(40, np.float32)] * 2, "b": [np.ones(5, np.float32)] * 2})
+    header, flag = 16, 4  # [config hash, layout hash] at a layout's first step; a float32 flag per tensor
+    assert sim.bytes_sent_per_rank == [header + 4 * ternary_lanes(40, 2) + flag + 5 * 4] * 2
     compressor = MajorityVote(dense_below=10)
-    compressor.encode(np.ones(40, np.float32), "w")
-    compressor.encode(np.ones(5, np.float32), "b")
-    assert compressor.stats.bytes_sent == 10 + 5 * 4
     assert compressor.config() == {"type": "MajorityVote", "dense_below": 10}
     with pytest.raises(ValueError, match="hvd_compress: MajorityVote dense_below"):
         compressor.dense_below = -1
@@ -164,7 +162,7 @@ def test_rejects_bad_gradients():
 # --------------------------------------------------------------------------- through the real exchange
 @pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow", "tensorflow-kernels"])
 def test_thread_ranks_through_the_real_exchange_equal_the_per_tensor_spec(framework):
-    conformance.check_thread_ranks_equal_per_tensor_spec(make, ranks=3, framework=framework, rtol=0)
+    conformance.check_thread_ranks_equal_per_tensor_spec(make, ranks=3, framework=framework, rtol=0, spec=VoteSpec)
 
 
 def test_drop_in_torch_optimizer_on_thread_ranks_equals_the_simulator():
@@ -231,7 +229,7 @@ def exchange_step(comm: Any, compressor: MajorityVote, poisoned: str = "") -> Di
 
 def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
     results = run_ranks(3, lambda comm: exchange_step(comm, make(), "layer.bias"), timeout=30)
-    want = PerTensorRanks(3, make()).step({"layer.weight": conformance.gradients(0, 3)["layer.weight"]})["layer.weight"]
+    want = VoteSpec(3, make()).step({"layer.weight": conformance.gradients(0, 3)["layer.weight"]})["layer.weight"]
     for result in results:
         assert np.isnan(result["layer.bias"]).all()
         np.testing.assert_array_equal(result["layer.weight"], want)
@@ -240,7 +238,7 @@ def test_a_nan_on_one_rank_is_nan_on_every_rank_and_the_rest_votes():
 def test_a_fused_step_sends_the_packed_signs_and_a_flag_per_tensor():
     compressors = [MajorityVote(dense_below=100) for _ in range(3)]  # the bias (40) dense, the weight (320) voted
     results = run_ranks(3, lambda comm: exchange_step(comm, compressors[comm.rank]), timeout=30)
-    want = PerTensorRanks(3, MajorityVote(dense_below=100)).step(conformance.gradients(0, 3))
+    want = VoteSpec(3, MajorityVote(dense_below=100)).step(conformance.gradients(0, 3))
     header, dense, flag = 16, 40 * 4, 4  # [config hash, layout hash] once; float32 bias and flag
     for compressor, result in zip(compressors, results):
         assert compressor.stats.bytes_sent == header + dense + 4 * ternary_lanes(320, 3) + flag
