@@ -1,4 +1,5 @@
-"""Bad input gets a clear error, naming the tensor where there is one."""
+"""Bad input gets a clear error on every rank, naming the tensor where there is one; NaN/Inf and float16
+overflow travel as through the dense allreduce the exchange replaces."""
 
 import warnings
 
