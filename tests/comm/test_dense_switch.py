@@ -10,7 +10,6 @@ import pytest
 from hvd_compress import GaussianK, RegTopK, TopK
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.transport.threads import run_ranks
-from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.simulator import Simulator
 from tests.oracle import PerTensorRanks
 
@@ -77,12 +76,15 @@ def test_switching_to_dense_flushes_the_residual(kind, ranks_of):
 
 
 def test_switch_can_be_turned_off_and_needs_several_ranks():
-    assert isinstance(TopK(0.9, dense_below=0).encode(np.ones(10), "w"), SparsePayload)  # one rank
-    off = TopK(0.1, dense_when_cheaper=False).bind(0, 16)
-    assert isinstance(off.encode(np.ones(1100), "w"), SparsePayload)
-    on = TopK(0.1).bind(0, 16)
-    with pytest.warns(UserWarning):
-        assert isinstance(on.encode(np.ones(1100), "w"), DensePayload)
+    one = Simulator(1, TopK(0.9, dense_below=0))  # one rank: k = 9 of 10 stays sparse
+    one.step(grads(1, 10, 0))
+    assert one.values_sent_per_rank == [9]
+    off = Simulator(16, TopK(0.1, dense_when_cheaper=False))  # 16 x 110 >= 1100, sparse all the same
+    off.step(grads(16, 1100, 0))
+    assert off.values_sent_per_rank == [110] * 16
+    on = Simulator(16, TopK(0.1))
+    on.step(grads(16, 1100, 0))
+    assert on.values_sent_per_rank == [1100] * 16
 
 
 @pytest.mark.filterwarnings("ignore:.*dense")

@@ -350,8 +350,6 @@ def test_bad_values_and_combinations_are_clear_errors():
     with pytest.raises(ValueError, match="choose one of them"):
         compressor.indices = "aggregate"
     assert compressor.config()["exact_every"] == 8 and "exact_every" not in TopK(0.01).config()
-    with pytest.raises(ValueError, match="takes the bucket engine"):
-        TopK(0.5, exact_every=2, dense_below=0).encode(np.ones(100, np.float32), "w")
 
 
 def test_ranks_that_disagree_on_the_schedule_fail_on_every_rank():

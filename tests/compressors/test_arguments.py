@@ -97,10 +97,14 @@ def test_count_arguments_accept_ints(kind, arg, value):
 
 
 def test_dense_below_applies_after_assignment():
-    topk = TopK(0.25, dense_below=0)
-    assert type(topk.encode(np.arange(8.0), "w")).__name__ == "SparsePayload"
-    topk.dense_below = 100
-    assert type(topk.encode(np.arange(8.0), "w")).__name__ == "DensePayload"
+    sim = Simulator(1, TopK(0.25, dense_below=0))
+    g = np.arange(8.0)
+    np.testing.assert_array_equal(sim.step({"w": [g]})["w"], [0, 0, 0, 0, 0, 0, 6, 7])  # sparse: k = 2
+    for compressor in sim.compressors:
+        compressor.dense_below = 100
+    # dense now: all of a = g + [0, 1, 2, 3, 4, 5, 0, 0] is sent, nothing stays behind
+    np.testing.assert_array_equal(sim.step({"w": [g]})["w"], [0, 2, 4, 6, 8, 10, 6, 7])
+    assert sim.values_sent_per_rank == [8] and sim.residuals("w") == [None]
 
 
 def test_simulator_still_sets_the_seed():
@@ -189,9 +193,11 @@ def test_gaussiank_ratio_too_small_for_its_tail_quantile():
 @pytest.mark.parametrize("ratio", [GAUSSIANK_MIN_RATIO, 1e-300, 1e-9, 0.5, 1.0])
 def test_gaussiank_smallest_ratios_still_work(ratio):
     gaussiank = GaussianK(ratio, dense_below=0, dense_when_cheaper=False)
-    payload = gaussiank.encode(np.random.default_rng(0).standard_normal(4000), "w")
-    assert np.all(np.isfinite(payload.values))
-    assert payload.values.shape[0] <= 4000
+    a = np.random.default_rng(0).standard_normal(4000)
+    sim = Simulator(1, gaussiank)
+    sent = sim.step({"w": [a]})["w"]
+    assert np.all(np.isfinite(sent))
+    np.testing.assert_array_equal(sent + sim.residuals("w")[0], a)
     gaussiank.ratio = ratio  # assignable (density schedules)
     assert GAUSSIANK_MIN_RATIO == 1e-323 and GAUSSIANK_MIN_RATIO / 2 > 0 and math.ulp(0.0) / 2 == 0
 

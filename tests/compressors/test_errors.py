@@ -1,4 +1,5 @@
-"""Bad input gets a clear error, naming the tensor where there is one."""
+"""Bad input gets a clear error on every rank, naming the tensor where there is one; NaN/Inf and float16
+overflow travel as through the dense allreduce the exchange replaces."""
 
 import warnings
 
@@ -6,8 +7,9 @@ import numpy as np
 import pytest
 
 from hvd_compress import FP16, Compression, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
-from hvd_compress.wire import DensePayload, TernaryPayload
+from hvd_compress.engine.exchange import open_exchange
 from hvd_compress.simulator import Simulator
+from hvd_compress.transport.threads import run_ranks
 
 from tests.helpers import ALL_COMPRESSORS, SPARSIFIERS
 
@@ -58,49 +60,50 @@ def test_other_bad_parameters():
     ids=["int", "bool", "complex"],
 )
 def test_non_float_gradient(kind, tensor):
-    with pytest.raises(TypeError, match="'layer3.weight'.*floating point"):
-        ALL_COMPRESSORS[kind]().encode(tensor, "layer3.weight")
+    with pytest.raises(TypeError, match="'layer3.weight'.*cannot be exchanged.*floating point"):
+        Simulator(2, ALL_COMPRESSORS[kind]()).step({"layer3.weight": [tensor, tensor]})
 
 
 @pytest.mark.parametrize("kind", sorted(ALL_COMPRESSORS))
-def test_empty_gradient(kind):
-    with pytest.raises(ValueError, match="'fc.bias'.*empty"):
-        ALL_COMPRESSORS[kind]().encode(np.zeros((0, 3), np.float32), "fc.bias")
+def test_empty_gradient_is_exchanged_as_empty(kind):
+    """An empty gradient (a layer of width 0) comes back empty in its shape, as from a dense allreduce;
+    the other gradients of the step are unaffected."""
+    g = [np.linspace(-1, 1, 40) * (r + 1) for r in range(2)]
+    alone = Simulator(2, ALL_COMPRESSORS[kind]()).step({"w": g})["w"]
+    out = Simulator(2, ALL_COMPRESSORS[kind]()).step({"fc.bias": [np.zeros((0, 3))] * 2, "w": g})
+    assert out["fc.bias"].shape == (0, 3)
+    np.testing.assert_array_equal(out["w"], alone)
 
 
 @pytest.mark.parametrize("kind", sorted(ALL_COMPRESSORS))
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
-def test_non_finite_gradient(kind, bad):
-    g = np.ones(20, np.float32)
-    g[[3, 7]] = bad
-    with pytest.raises(ValueError, match=r"'conv1.weight' has 2 NaN/Inf of 20"):
-        ALL_COMPRESSORS[kind]().encode(g, "conv1.weight")
+def test_non_finite_gradient_propagates_and_leaves_residual_untouched(kind, bad):
+    """nonfinite="propagate" (the default): a NaN/Inf on one rank makes that tensor's result non-finite,
+    as the dense allreduce it replaces would; the step's other tensors and the residuals are untouched."""
+    first = [np.linspace(-1, 1, 20).astype(np.float32) * (r + 1) for r in range(2)]
+    other = [np.linspace(2, -3, 30).astype(np.float32) * (r + 2) for r in range(2)]
+    sim = Simulator(2, ALL_COMPRESSORS[kind]())
+    sim.step({"conv1.weight": first, "fc.weight": other})
+    before = [None if r is None else r.copy() for r in sim.residuals("conv1.weight")]
+    bad_grad = np.ones(20, np.float32)
+    bad_grad[[3, 7]] = bad
+    out = sim.step({"conv1.weight": [bad_grad, first[1]], "fc.weight": other})
+    assert not np.isfinite(out["conv1.weight"]).all()
+    assert np.isfinite(out["fc.weight"]).all()
+    for was, now in zip(before, sim.residuals("conv1.weight")):
+        if was is None:
+            assert now is None
+        else:
+            np.testing.assert_array_equal(now, was)
 
 
-def test_non_finite_gradient_leaves_residual_untouched():
-    topk = TopK(0.5, dense_below=0)
-    topk.encode(np.array([1.0, 2.0, 3.0, 4.0]), "w")
-    before = topk.residual("w").copy()
-    with pytest.raises(ValueError, match="'w'"):
-        topk.encode(np.array([1.0, np.nan, 3.0, 4.0]), "w")
-    np.testing.assert_array_equal(topk.residual("w"), before)
-
-
-def test_terngrad_local_scale_checks_too():
-    with pytest.raises(ValueError, match="'w' has 1 NaN/Inf"):
-        TernGrad(dense_below=0).local_scale(np.array([1.0, np.inf]), "w")
-
-
-def test_unsupported_tensor_type():
-    with pytest.raises(TypeError, match="'w' of type builtins.set"):
-        TopK(0.1).encode({1.0, 2.0}, "w")
-
-
-def test_fp16_overflow():
-    with pytest.raises(ValueError, match="'big' exceeds the float16 range"):
-        FP16().encode(np.array([1.0, 7e4], np.float32), "big")
-    # the largest half, 65504, is fine
-    FP16().encode(np.array([65504.0, -65504.0], np.float32), "edge")
+def test_fp16_overflow_is_infinite_as_in_a_float16_allreduce():
+    # 7e4 is beyond the largest half, 65504: it travels as Inf
+    out = Simulator(1, FP16()).step({"big": [np.array([1.0, 7e4], np.float32)]})["big"]
+    np.testing.assert_array_equal(out, np.array([1.0, np.inf], np.float32))
+    # the largest half, 65504, is exact
+    edge = Simulator(1, FP16()).step({"edge": [np.array([65504.0, -65504.0], np.float32)]})["edge"]
+    np.testing.assert_array_equal(edge, [65504.0, -65504.0])
 
 
 # --------------------------------------------------------------------------- #
@@ -136,57 +139,36 @@ def test_simulator_state_of_other_world_size():
 
 
 # --------------------------------------------------------------------------- #
-# TernGrad scale sharing
+# ranks that do not belong together
 # --------------------------------------------------------------------------- #
-def test_terngrad_shared_scale_below_local_max():
-    g = np.array([0.5, -2.0, 1.0])
-    with pytest.raises(ValueError, match="scale 1.5 for 'w' is below this rank's max\\|g\\| = 2.0"):
-        TernGrad(clip=None, dense_below=0).encode(g, "w", scale=1.5)
+def failures_on_every_rank(compressors, grads):
+    """Each thread rank's error of one exchange of ``w`` (``None`` where it succeeded)."""
+
+    def work(comm):
+        try:
+            exchange = open_exchange(compressors[comm.rank], comm, "bucket")
+            exchange.add("w", grads[comm.rank])
+            exchange.launch()
+            exchange.finish()
+        except ValueError as error:
+            return str(error)
+        return None
+
+    return run_ranks(len(compressors), work, timeout=30)
 
 
-def test_terngrad_payloads_disagree():
-    tg = TernGrad(dense_below=0)
-    codes = np.zeros(8, np.int8)
-    with pytest.raises(ValueError, match="different shared TernGrad scales"):
-        tg.decode([TernaryPayload(codes, 1.0, world_size=2), TernaryPayload(codes, 2.0, world_size=2)], (8,))
-    with pytest.raises(ValueError, match="packed for \\[4\\] ranks but 2 arrived"):
-        tg.decode([TernaryPayload(codes, 1.0, world_size=4)] * 2, (8,))
-    with pytest.raises(ValueError, match="tensor of 9 elements"):
-        tg.decode([TernaryPayload(codes, 1.0, world_size=1)], (9,))
+def test_ranks_with_other_numel_fail_on_every_rank():
+    errors = failures_on_every_rank([TopK(0.1, dense_below=0) for _ in range(2)],
+                                    [np.arange(10.0), np.arange(12.0)])
+    assert all(e is not None and "ranks disagree on 'bucket'" in e for e in errors), errors
+    assert "w[10]" in errors[0] and "w[12]" in errors[1]
 
 
-# --------------------------------------------------------------------------- #
-# decode of payloads that do not belong together
-# --------------------------------------------------------------------------- #
-def test_sparse_decode_of_other_numel():
-    topk = TopK(0.5, dense_below=0)
-    p10 = topk.encode(np.arange(10.0), "a")
-    p12 = topk.encode(np.arange(12.0), "b")
-    with pytest.raises(ValueError, match="payloads disagree with a tensor of 10 elements"):
-        topk.decode([p10, p12], (10,))
-    with pytest.raises(ValueError, match="12 elements"):
-        topk.decode([p10], (12,))
-
-
-def test_sparse_decode_of_mixed_dense_and_sparse():
+def test_ranks_that_disagree_on_dense_or_sparse_fail_on_every_rank():
     # one rank sends this tensor dense (dense_below=1024), the other sparse (dense_below=0)
-    g = np.arange(10.0)
-    dense = TopK(0.5).encode(g, "w")
-    sparse = TopK(0.5, dense_below=0).encode(g, "w")
-    with pytest.raises(ValueError, match="mixed dense/sparse"):
-        TopK(0.5).decode([dense, sparse], (10,))
-
-
-def test_dense_decode_of_other_size():
-    with pytest.raises(ValueError, match="a rank sent 5 elements, expected 4"):
-        NoneCompressor().decode(
-            [DensePayload(np.ones(4), np.float64), DensePayload(np.ones(5), np.float64)], (4,)
-        )
-
-
-def test_decode_of_nothing():
-    with pytest.raises(ValueError, match="at least one rank"):
-        TopK(0.1).decode([], (4,))
+    errors = failures_on_every_rank([TopK(0.1), TopK(0.1, dense_below=0)], [np.arange(100.0)] * 2)
+    assert all(e is not None and "ranks disagree on 'bucket'" in e for e in errors), errors
+    assert "dense_below=1024" in errors[0] and "dense_below=0" in errors[1]
 
 
 # --------------------------------------------------------------------------- #
@@ -202,37 +184,36 @@ def test_load_state_of_another_algorithm(source, target):
 
 @pytest.mark.parametrize("kind", sorted(SPARSIFIERS))
 def test_restored_residual_of_wrong_shape_raises(kind):
-    saved = SPARSIFIERS[kind](0.5)
-    saved.encode(np.arange(1.0, 9.0), "fc.weight")  # shape (8,)
-    restored = SPARSIFIERS[kind](0.5)
+    saved = Simulator(1, SPARSIFIERS[kind](0.5))
+    saved.step({"fc.weight": [np.arange(1.0, 9.0)]})  # shape (8,)
+    restored = Simulator(1, SPARSIFIERS[kind](0.5))
     restored.load_state_dict(saved.state_dict())
     with pytest.raises(ValueError, match=r"'fc.weight' has shape \(8,\) but the gradient has shape \(2, 4\)"):
-        restored.encode(np.ones((2, 4)), "fc.weight")
+        restored.step({"fc.weight": [np.ones((2, 4))]})
 
 
 @pytest.mark.parametrize("kind", sorted(SPARSIFIERS))
 def test_live_shape_change_warns_and_resets(kind):
-    compressor = SPARSIFIERS[kind](0.25)
-    compressor.encode(np.array([1.0, 2.0, 3.0, 4.0]), "w")  # leaves a residual of shape (4,)
+    sim = Simulator(1, SPARSIFIERS[kind](0.25))
+    sim.step({"w": [np.array([1.0, 2.0, 3.0, 4.0])]})  # leaves a residual of shape (4,)
     with pytest.warns(UserWarning, match="'w' changed shape \\(\\(4,\\) -> \\(6,\\)\\)"):
-        payload = compressor.encode(np.array([6.0, 0.0, 0.0, 0.0, 0.0, 0.0]), "w")
-    # fresh state: nothing of the old residual is added; k = ceil(1.5) = 2 entries sent
-    # (index 0, value 6, and by the tie rule index 1, value 0 -- Gaussian-k sends only 6)
-    assert 6.0 in payload.values and np.all(payload.values[payload.values != 6.0] == 0)
-    assert compressor.residual("w").shape == (6,)
-    np.testing.assert_array_equal(compressor.residual("w"), np.zeros(6))
+        sent = sim.step({"w": [np.array([6.0, 0.0, 0.0, 0.0, 0.0, 0.0])]})["w"]
+    # fresh state: nothing of the old residual is added; of k = ceil(1.5) = 2 entries the 6 is sent
+    # (the other, by the tie rule, a 0; Gaussian-k sends only the 6), and nothing stays behind
+    np.testing.assert_array_equal(sent, [6, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(sim.residuals("w")[0], np.zeros(6))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same shape again: no warning
-        compressor.encode(np.zeros(6), "w")
+        sim.step({"w": [np.zeros(6)]})
 
 
 def test_shape_change_after_resuming_from_a_matching_checkpoint_warns():
     """Once a restored state has fit the gradient and training went on, a later change is live."""
-    saved = TopK(0.5, dense_below=0)
-    saved.encode(np.ones(4), "w")
-    resumed = TopK(0.5, dense_below=0)
+    saved = Simulator(1, TopK(0.5, dense_below=0))
+    saved.step({"w": [np.ones(4)]})
+    resumed = Simulator(1, TopK(0.5, dense_below=0))
     resumed.load_state_dict(saved.state_dict())
-    resumed.encode(np.ones(4), "w")  # the checkpoint fits this model
+    resumed.step({"w": [np.ones(4)]})  # the checkpoint fits this model
     with pytest.warns(UserWarning, match="'w' changed shape"):
-        resumed.encode(np.ones(6), "w")
-    assert resumed.residual("w").shape == (6,)
+        resumed.step({"w": [np.ones(6)]})
+    assert resumed.residuals("w")[0].shape == (6,)

@@ -124,11 +124,16 @@ def test_regtopk_indices_without_their_values_are_refused():
         RegTopK(0.1, dense_below=0).load_state_dict(state)
 
 
+def torch_terngrad_state(torch):
+    """The state of a TernGrad rank after one step on torch gradients (its torch random stream drawn)."""
+    sim = Simulator(1, TernGrad(dense_below=0))
+    sim.step({"w": [torch.randn(64)]})
+    return sim.compressors[0].state_dict()
+
+
 def test_truncated_generator_state_is_refused_at_load():
     torch = pytest.importorskip("torch")
-    terngrad = TernGrad(dense_below=0)
-    terngrad.encode(torch.randn(64), "w")
-    state = terngrad.state_dict()
+    state = torch_terngrad_state(torch)
     module = "hvd_compress.kernels.torch_ops"
     state["generators"][module] = state["generators"][module][:100]
     with pytest.raises(ValueError, match="random stream state for torch_ops is damaged"):
@@ -143,9 +148,7 @@ def test_a_stream_state_only_an_accelerator_takes_is_left_to_the_device():
     from hvd_compress.kernels import reference, torch_ops
 
     assert torch_ops.DEVICE_STREAM_STATE_BYTES == 16 and reference.DEVICE_STREAM_STATE_BYTES is None
-    terngrad = TernGrad(dense_below=0)
-    terngrad.encode(torch.randn(64), "w")
-    state = terngrad.state_dict()
+    state = torch_terngrad_state(torch)
     module = "hvd_compress.kernels.torch_ops"
     state["generators"][module] = torch.zeros(16, dtype=torch.uint8)  # a CUDA stream's state
     state.pop("checksum")
@@ -155,34 +158,53 @@ def test_a_stream_state_only_an_accelerator_takes_is_left_to_the_device():
         TernGrad(dense_below=0).load_state_dict(state)
 
 
+def trained_states(ranks: int = 2):
+    """Every rank's state, in rank order, after two steps (as :func:`trained_state`)."""
+    sim = Simulator(ranks, TopK(0.1, dense_below=0))
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        sim.step({"w": [rng.standard_normal(50).astype(np.float32) for _ in range(ranks)]})
+    return [c.state_dict() for c in sim.compressors]
+
+
+def resumed_step(states, grads):
+    """The average and residuals of one Simulator step resumed from every rank's ``states``."""
+    sim = Simulator(len(states), TopK(0.1, dense_below=0))
+    sim.load_state_dict(states)
+    out = sim.step({"w": grads})["w"]
+    return np.asarray(out), [np.asarray(r) for r in sim.residuals("w")]
+
+
 def test_numpy_state_trains_on_torch_gradients_as_it_would_on_numpy():
     """A checkpoint of the numpy route (the Simulator, MPI) resumes on a torch route."""
     torch = pytest.importorskip("torch")
-    state = trained_state()
-    grad = np.random.default_rng(5).standard_normal(50).astype(np.float32)
-    on_numpy, on_torch = TopK(0.1, dense_below=0).bind(1, 2), TopK(0.1, dense_below=0).bind(1, 2)
-    on_numpy.load_state_dict(state)
-    on_torch.load_state_dict(state)
-    a, b = on_numpy.encode(grad, "w"), on_torch.encode(torch.from_numpy(grad), "w")
-    np.testing.assert_array_equal(a.indices, b.indices.numpy())
-    np.testing.assert_array_equal(a.values, b.values.numpy())
-    np.testing.assert_array_equal(on_numpy.residual("w"), on_torch.residual("w").numpy())
+    states = trained_states()
+    grads = [np.random.default_rng(5 + r).standard_normal(50).astype(np.float32) for r in range(2)]
+    on_numpy = resumed_step(states, grads)
+    on_torch = resumed_step(states, [torch.from_numpy(g) for g in grads])
+    np.testing.assert_array_equal(on_numpy[0], on_torch[0])
+    for a, b in zip(on_numpy[1], on_torch[1]):
+        np.testing.assert_array_equal(a, b)
+    # the residuals were used: a fresh run sends something else
+    fresh = Simulator(2, TopK(0.1, dense_below=0)).step({"w": grads})["w"]
+    assert not np.array_equal(fresh, on_numpy[0])
 
 
-def test_residual_in_the_parameters_shape_loads_into_a_per_tensor_route():
+def test_residual_in_the_parameters_shape_loads_into_a_flat_route():
     """The drop-in optimizer and the DDP hook save residuals in the parameter's shape; the stock
     route and the Simulator compress flat tensors: the checkpoint moves between them."""
-    state = trained_state()
-    flat = np.array(state["tensors"]["w"]["residual"])
-    state["tensors"]["w"] = {"shape": (5, 10), "residual": flat.reshape(5, 10)}
-    del state["checksum"]
-    shaped, plain = TopK(0.1, dense_below=0).bind(1, 2), TopK(0.1, dense_below=0).bind(1, 2)
-    shaped.load_state_dict(state)
-    plain.load_state_dict({**state, "tensors": {"w": {"shape": (5, 10), "residual": flat}}})
-    grad = np.random.default_rng(6).standard_normal((5, 10)).astype(np.float32)
-    a, b = shaped.encode(grad, "w"), plain.encode(grad, "w")
-    np.testing.assert_array_equal(a.indices, b.indices)
-    np.testing.assert_array_equal(a.values, b.values)
+    states = trained_states()
+    shaped, plain = [], []
+    for state in states:
+        flat = np.array(state["tensors"]["w"]["residual"])
+        rest = {k: v for k, v in state.items() if k != "checksum"}
+        shaped.append({**rest, "tensors": {"w": {"shape": (5, 10), "residual": flat.reshape(5, 10)}}})
+        plain.append({**rest, "tensors": {"w": {"shape": (5, 10), "residual": flat}}})
+    grads = [np.random.default_rng(6 + r).standard_normal((5, 10)).astype(np.float32) for r in range(2)]
+    a, b = resumed_step(shaped, grads), resumed_step(plain, grads)
+    np.testing.assert_array_equal(a[0], b[0])
+    for x, y in zip(a[1], b[1]):
+        np.testing.assert_array_equal(x, y)
 
 
 # --------------------------------------------------------------------------- #

@@ -4,6 +4,7 @@ Each expected value is worked out in the comment next to it; none is copied
 from the library's output.
 """
 
+import copy
 import math
 
 import numpy as np
@@ -12,8 +13,9 @@ import pytest
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
 from hvd_compress.kernels import reference
 from hvd_compress import wire
-from hvd_compress.wire import SparsePayload, TernaryPayload
+from hvd_compress.engine.exchange import open_exchange
 from hvd_compress.simulator import Simulator
+from hvd_compress.transport.threads import run_ranks
 
 f64 = np.float64
 
@@ -38,73 +40,97 @@ def arr(*values, dtype=f64):
     ],
 )
 def test_topk_sends_ceil_ratio_times_numel(ratio, numel, k):
-    payload = TopK(ratio, dense_below=0).encode(np.arange(1.0, numel + 1.0), "w")
-    assert payload.values.shape == (k,), f"ratio {ratio} of {numel} elements must send {k}"
+    g = np.arange(1.0, numel + 1.0)
+    sim = Simulator(1, TopK(ratio, dense_below=0))
+    sent = sim.step({"w": [g]})["w"]  # one rank: its average is what it sent
+    assert sim.values_sent_per_rank == [k], f"ratio {ratio} of {numel} elements must send {k}"
     # the k largest of 1..numel are the last k
-    np.testing.assert_array_equal(payload.indices, np.arange(numel - k, numel))
+    np.testing.assert_array_equal(sent, np.where(np.arange(numel) >= numel - k, g, 0))
+    np.testing.assert_array_equal(sim.residuals("w")[0], np.where(np.arange(numel) < numel - k, g, 0))
 
 
 # --------------------------------------------------------------------------- #
 # Top-k
 # --------------------------------------------------------------------------- #
 def test_topk_ties_go_to_lower_index_and_residual_over_two_steps():
-    topk = TopK(0.3, dense_below=0)  # d = 6 -> k = ceil(1.8) = 2
+    sim = Simulator(1, TopK(0.3, dense_below=0))  # d = 6 -> k = ceil(1.8) = 2
     # step 1: a = g1, |a| = [.25, 3, 2, 2, .5, 2]; largest is 3 (index 1), then a tie
     # at 2 among indices {2, 3, 5}: the lowest index, 2, wins.
     g1 = arr(0.25, -3, 2, -2, 0.5, 2)
-    p1 = topk.encode(g1, "w")
-    np.testing.assert_array_equal(p1.indices, [1, 2])
-    np.testing.assert_array_equal(p1.values, [-3, 2])
-    assert p1.indices.dtype == np.int32 and p1.numel == 6
+    np.testing.assert_array_equal(sim.step({"w": [g1]})["w"], [0, -3, 2, 0, 0, 0])
     # residual: a with a[S] zeroed
-    np.testing.assert_array_equal(topk.residual("w"), [0.25, 0, 0, -2, 0.5, 2])
+    np.testing.assert_array_equal(sim.residuals("w")[0], [0.25, 0, 0, -2, 0.5, 2])
 
     # step 2: a = g2 + r = [1.25, 0, 0, -1, 0.5, 1]; largest 1.25 (index 0), then a
     # tie at 1 between indices 3 and 5: index 3 wins.
     g2 = arr(1, 0, 0, 1, 0, -1)
-    p2 = topk.encode(g2, "w")
-    np.testing.assert_array_equal(p2.indices, [0, 3])
-    np.testing.assert_array_equal(p2.values, [1.25, -1])
-    np.testing.assert_array_equal(topk.residual("w"), [0, 0, 0, 0, 0.5, 1])
+    np.testing.assert_array_equal(sim.step({"w": [g2]})["w"], [1.25, 0, 0, -1, 0, 0])
+    np.testing.assert_array_equal(sim.residuals("w")[0], [0, 0, 0, 0, 0.5, 1])
 
 
-def test_topk_indices_are_ascending_not_by_magnitude():
-    # |a| = [1, 3, 5], k = 2: by magnitude the order is [2, 1]; the payload lists [1, 2]
-    payload = TopK(0.5, dense_below=0).encode(arr(1, 3, 5, 0), "w")  # k = ceil(2) = 2
-    np.testing.assert_array_equal(payload.indices, [1, 2])
-    np.testing.assert_array_equal(payload.values, [3, 5])
+def test_topk_selects_by_magnitude():
+    # |a| = [1, 3, 5, 0], k = ceil(0.5 * 4) = 2: the entries 3 and 5 are sent, 1 stays behind
+    sim = Simulator(1, TopK(0.5, dense_below=0))
+    np.testing.assert_array_equal(sim.step({"w": [arr(1, 3, 5, 0)]})["w"], [0, 3, 5, 0])
+    np.testing.assert_array_equal(sim.residuals("w")[0], [1, 0, 0, 0])
 
 
 def test_topk_residual_keeps_shape_of_tensor():
-    topk = TopK(0.25, dense_below=0)  # d = 4 -> k = 1
-    topk.encode(arr(1, -4, 2, 3).reshape(2, 2), "m")  # sends -4 (flat index 1)
-    np.testing.assert_array_equal(topk.residual("m"), [[1, 0], [2, 3]])
+    sim = Simulator(1, TopK(0.25, dense_below=0))  # d = 4 -> k = 1
+    sent = sim.step({"m": [arr(1, -4, 2, 3).reshape(2, 2)]})["m"]  # sends -4 (flat index 1)
+    np.testing.assert_array_equal(sent, [[0, -4], [0, 0]])
+    np.testing.assert_array_equal(sim.residuals("m")[0], [[1, 0], [2, 3]])
 
 
-def test_sparse_decode_average_and_sum():
-    topk = TopK(0.5, dense_below=0)
-    # rank 0 sends {1: -3, 2: 2}, rank 1 sends {2: 4, 5: 1}
+def exchanged(compressor, grads, average):
+    """Every rank's result of one bucket exchange of ``{name: [grad of rank 0, ...]}`` on thread
+    ranks (``average=False``: the sum over ranks, as the DDP hook asks for)."""
+    size = len(next(iter(grads.values())))
+
+    def work(comm):
+        exchange = open_exchange(copy.deepcopy(compressor), comm, "bucket")
+        for name, per_rank in grads.items():
+            exchange.add(name, per_rank[comm.rank])
+        exchange.launch()
+        return exchange.finish(average=average)
+
+    return run_ranks(size, work)
+
+
+def test_sparse_exchange_average_and_sum():
+    topk = TopK(0.3, dense_below=0)  # d = 6 -> k = 2
+    # rank 0 sends {1: -3, 2: 2} (|0.5|, |0.25| stay), rank 1 sends {2: 4, 5: 1} (|0.5| stays)
+    g0, g1 = arr(0.5, -3, 2, 0, 0, 0.25), arr(0, 0, 4, 0.5, 0, 1)
     # sum = [0, -3, 6, 0, 0, 1]; average over 2 ranks = [0, -1.5, 3, 0, 0, 0.5]
-    p0 = SparsePayload(values=arr(-3, 2), indices=np.array([1, 2], np.int32), numel=6)
-    p1 = SparsePayload(values=arr(4, 1), indices=np.array([2, 5], np.int32), numel=6)
-    np.testing.assert_array_equal(topk.decode([p0, p1], (6,)), [0, -1.5, 3, 0, 0, 0.5])
-    np.testing.assert_array_equal(topk.decode([p0, p1], (2, 3), average=False), [[0, -3, 6], [0, 0, 1]])
+    np.testing.assert_array_equal(Simulator(2, topk).step({"w": [g0, g1]})["w"], [0, -1.5, 3, 0, 0, 0.5])
+    shaped = {"w": [g0.reshape(2, 3), g1.reshape(2, 3)]}
+    for result in exchanged(topk, shaped, average=False):
+        np.testing.assert_array_equal(result["w"], [[0, -3, 6], [0, 0, 1]])
 
 
-def test_sparse_payload_bytes():
-    # float32 values + int32 indices: k * (4 + 4) bytes; d = 1000, ratio 0.01 -> k = 10 -> 80 bytes
+def test_sparse_bytes_per_step():
+    # each rank sends k values and k indices, and one flag entry per compressed tensor in each
+    # (the module docstring of hvd_compress.algorithms.sparse_bucket): d = 1000, ratio 0.01 -> k = 10
     g = np.linspace(-1, 1, 1000, dtype=np.float32)
-    assert TopK(0.01, dense_below=0).encode(g, "w").nbytes == 80
-    # float64 values: 10 * (8 + 4) = 120
-    assert TopK(0.01, dense_below=0).encode(g.astype(f64), "w").nbytes == 120
+    for dtype, value_bytes in ((np.float32, 4), (f64, 8)):
+        sim = Simulator(1, TopK(0.01, dense_below=0))
+        sim.step({"w": [g.astype(dtype)]})  # the first step also checks the layout with every rank
+        sim.step({"w": [g.astype(dtype)]})
+        # (10 + 1) * (value bytes + 4-byte int32 index): 88 for float32, 132 for float64
+        assert sim.bytes_sent_per_rank == [11 * (value_bytes + 4)]
+        assert sim.values_sent_per_rank == [10]
 
 
 def test_small_tensors_go_dense_by_default():
     g = np.ones(1023, dtype=np.float32)  # below the default threshold of 1024 elements
-    payload = TopK(0.01).encode(g, "bias")
-    assert not hasattr(payload, "indices")
-    assert payload.nbytes == 1023 * 4
-    assert hasattr(TopK(0.01).encode(np.ones(1024, np.float32), "w"), "indices")
+    sim = Simulator(1, TopK(0.01))
+    sim.step({"bias": [g]})
+    assert sim.values_sent_per_rank == [1023]
+    sim.step({"bias": [g]})  # after the first step's layout check: one allreduce of the whole tensor
+    assert [(kind, nbytes) for _, kind, nbytes in sim.collectives_per_rank[0]] == [("allreduce", 1023 * 4)]
+    sim = Simulator(1, TopK(0.01))
+    sim.step({"w": [np.ones(1024, np.float32)]})
+    assert sim.values_sent_per_rank == [11]  # ceil(10.24): sparse
 
 
 # --------------------------------------------------------------------------- #
@@ -133,11 +159,9 @@ def test_gaussiank_end_to_end_on_tiny_vector():
     # eval 2: |a| > 1.98 -> {1, 3} (2 > 1.33) -> thr = 2.97
     # eval 3: |a| > 2.97 -> {1, 3} (still too many, and evaluations are exhausted)
     # -> the smallest set above 4k/3, {1, 3}, is cut to its first k = 1 index -> {1}
-    gk = GaussianK(0.05, dense_below=0)
-    payload = gk.encode(arr(1, 3, 1, 3), "w")
-    np.testing.assert_array_equal(payload.indices, [1])
-    np.testing.assert_array_equal(payload.values, [3])
-    np.testing.assert_array_equal(gk.residual("w"), [1, 0, 1, 3])
+    sim = Simulator(1, GaussianK(0.05, dense_below=0))
+    np.testing.assert_array_equal(sim.step({"w": [arr(1, 3, 1, 3)]})["w"], [0, 3, 0, 0])
+    np.testing.assert_array_equal(sim.residuals("w")[0], [1, 0, 1, 3])
 
 
 def _with_magnitudes(numel, groups):
@@ -210,9 +234,10 @@ def test_gaussiank_threshold_is_strict(fixed_first_threshold):
 def test_gaussiank_class_uses_the_loop(fixed_first_threshold):
     fixed_first_threshold(8.0)
     a = _with_magnitudes(30, [(9, 3), (4.5, 1), (3.9, 1)])
-    payload = GaussianK(0.2, dense_below=0).encode(a, "w")  # same as the halving case
-    np.testing.assert_array_equal(payload.indices, [0, 1, 2, 3])
-    np.testing.assert_array_equal(payload.values, a[:4])
+    sim = Simulator(1, GaussianK(0.2, dense_below=0))  # same as the halving case
+    sent = sim.step({"w": [a]})["w"]
+    np.testing.assert_array_equal(sent, np.where(np.arange(30) < 4, a, 0))
+    np.testing.assert_array_equal(sim.residuals("w")[0], np.where(np.arange(30) < 4, 0, a))
 
 
 # --------------------------------------------------------------------------- #
@@ -272,12 +297,10 @@ def test_regtopk_two_ranks_two_steps_in_simulator():
 
 def test_regtopk_zero_sent_value_gives_no_distortion():
     # g = [3, 0, 0, 0], k = 2: sends index 0 (3) and, by the tie rule, index 1 (value 0)
-    reg = RegTopK(0.5, dense_below=0)
-    payload = reg.encode(arr(3, 0, 0, 0), "w")
-    np.testing.assert_array_equal(payload.indices, [0, 1])
-    reg.decode([payload], (4,), name="w")  # one rank: T = [3, 0, 0, 0]
+    sim = Simulator(1, RegTopK(0.5, dense_below=0))
+    np.testing.assert_array_equal(sim.step({"w": [arr(3, 0, 0, 0)]})["w"], [3, 0, 0, 0])  # one rank: T
     # j=0: (3 - 3) / 3 = 0; j=1 sent exactly 0 -> 1e8; others not sent -> 1e8
-    np.testing.assert_array_equal(reg.distortion("w"), [0, 1e8, 1e8, 1e8])
+    np.testing.assert_array_equal(sim.compressors[0].distortion("w"), [0, 1e8, 1e8, 1e8])
 
 
 # --------------------------------------------------------------------------- #
@@ -295,29 +318,31 @@ def test_terngrad_codes_with_given_uniforms():
     assert reference.terngrad_codes(g, 1.0, u).dtype == np.int8
 
 
-def test_terngrad_class_draws_from_its_rank_stream():
+def test_terngrad_draws_from_its_rank_stream():
     # rank 1 of 4 with seed 3 draws u = default_rng([3, 1]).random(d, float32)
     g = np.linspace(-1, 1, 50)
-    scale = 2.0
+    # rank 0 sets the shared scale S = max over ranks of max|g| = 2 with its entry 0 (p = 2 / 2 = 1:
+    # always coded +1); ranks 2 and 3 send zeros (p = 0: codes 0)
+    lead = np.zeros(50)
+    lead[0] = 2.0
     u = np.random.default_rng([3, 1]).random(50, dtype=np.float32).astype(f64)
-    expected = np.sign(g) * (u < np.abs(g) / scale)
-    payload = TernGrad(clip=None, dense_below=0, seed=3).bind(1, 4).encode(g, "w", scale=scale)
-    np.testing.assert_array_equal(payload.codes, expected)
-    assert payload.scale == scale
+    codes = np.sign(g) * (u < np.abs(g) / 2.0)
+    codes[0] += 1  # rank 0's code
+    sim = Simulator(4, TernGrad(clip=None, dense_below=0), seed=3)
+    out = sim.step({"w": [lead, g, np.zeros(50), np.zeros(50)]})["w"]
+    np.testing.assert_array_equal(out, 2.0 * codes / 4)  # S * sum of codes / N
 
 
 def test_terngrad_clipping_at_c_std():
     # g = nine zeros and one 10: mean 1, population variance (9 * 1 + 81) / 10 = 9, std 3
     # bound c * std = 2.5 * 3 = 7.5 -> clipped max |g| = 7.5
     g = arr(*([0] * 9 + [10]))
-    assert TernGrad(dense_below=0).local_scale(g, "w") == pytest.approx(7.5, rel=1e-15)
-    assert TernGrad(dense_below=0).local_scale(-g, "w") == pytest.approx(7.5, rel=1e-15)
-    assert TernGrad(clip=None, dense_below=0).local_scale(g, "w") == 10.0
     np.testing.assert_allclose(reference.terngrad_clip(g, 2.5), [0] * 9 + [7.5], rtol=1e-15)
-    # the clipped entry has p = 7.5 / 7.5 = 1: always coded +1; zeros always 0
-    payload = TernGrad(dense_below=0).encode(g, "w")
-    np.testing.assert_array_equal(payload.codes, [0] * 9 + [1])
-    assert payload.scale == pytest.approx(7.5, rel=1e-15)
+    # the clipped entry has p = 7.5 / 7.5 = 1: always coded +1 (-1 for -g); zeros always 0;
+    # one rank sends S * codes; unclipped, S = 10
+    for clip, grad, expected in ((2.5, g, 7.5), (2.5, -g, -7.5), (None, g, 10.0)):
+        sent = Simulator(1, TernGrad(clip=clip, dense_below=0)).step({"w": [grad]})["w"]
+        np.testing.assert_allclose(sent, [0] * 9 + [expected], rtol=1e-15)
 
 
 @pytest.mark.parametrize(
@@ -412,53 +437,61 @@ def test_ternary_wire_format(numel, world_size, fmt):
     assert wire.ternary_wire_format(numel, world_size) == fmt
 
 
-def test_ternary_payload_bytes_and_format():
-    codes = np.zeros(64, np.int8)
-    # N = 4 shared scale: allreduce of 8 int32 lanes = 32 bytes + 4-byte scale
-    shared = TernaryPayload(codes=codes, scale=1.0, world_size=4, shared_scale=True)
-    assert shared.wire_format == "allreduce" and shared.nbytes == 36
-    # without a shared scale every rank's 2-bit codes are gathered: 16 bytes + 4
-    own = TernaryPayload(codes=codes, scale=1.0, world_size=4, shared_scale=False)
-    assert own.wire_format == "allgather" and own.nbytes == 20
+def codes_collectives(sim):
+    """``(kind, bytes)`` of each collective of the last step that carried TernGrad's codes."""
+    return [(kind, nbytes) for name, kind, nbytes in sim.collectives_per_rank[0]
+            if name.endswith(("lanes", "codes2bit"))]
 
 
-def test_terngrad_decode_shared_and_own_scales():
-    tg = TernGrad(dense_below=0)
-    c0 = np.array([1, 0, -1, 1], np.int8)
-    c1 = np.array([1, 1, -1, 0], np.int8)
-    shared = [TernaryPayload(codes=c, scale=2.0, world_size=2, shared_scale=True) for c in (c0, c1)]
+def test_ternary_codes_bytes_and_format():
+    g = [np.linspace(-1, 1, 64) * (r + 1) for r in range(4)]
+    # N = 4 shared scale: allreduce of ceil(64 / 8) = 8 int32 lanes = 32 bytes
+    shared = Simulator(4, TernGrad(dense_below=0))
+    shared.step({"w": g})
+    assert codes_collectives(shared) == [("allreduce", 32)]
+    # without a shared scale every rank's 2-bit codes are gathered: 64 / 4 = 16 bytes
+    own = Simulator(4, TernGrad(dense_below=0, scalar_sharing=False))
+    own.step({"w": g})
+    assert codes_collectives(own) == [("allgather", 16)]
+
+
+def test_terngrad_shared_and_own_scales():
+    # entries equal to the scale in magnitude (p = 1) or 0 (p = 0) give codes that no draw changes
+    g0, g1 = arr(2, 0, -2, 2), arr(2, 2, -2, 0)  # shared S = 2: codes [1, 0, -1, 1] and [1, 1, -1, 0]
+    shared = TernGrad(clip=None, dense_below=0)
     # S * sum t = 2 * [2, 1, -2, 1] = [4, 2, -4, 2]; average over 2 ranks = [2, 1, -2, 1]
-    np.testing.assert_array_equal(tg.decode(shared, (4,), average=False), [4, 2, -4, 2])
-    np.testing.assert_array_equal(tg.decode(shared, (4,)), [2, 1, -2, 1])
+    np.testing.assert_array_equal(Simulator(2, shared).step({"w": [g0, g1]})["w"], [2, 1, -2, 1])
+    for result in exchanged(shared, {"w": [g0, g1]}, average=False):
+        np.testing.assert_array_equal(result["w"], [4, 2, -4, 2])
     # own scales 1 and 3: [1, 0, -1, 1] + 3 * [1, 1, -1, 0] = [4, 3, -4, 1]; / 2 = [2, 1.5, -2, .5]
-    own = [
-        TernaryPayload(codes=c0, scale=1.0, world_size=2, shared_scale=False),
-        TernaryPayload(codes=c1, scale=3.0, world_size=2, shared_scale=False),
-    ]
-    np.testing.assert_array_equal(tg.decode(own, (4,)), [2, 1.5, -2, 0.5])
+    own = TernGrad(clip=None, dense_below=0, scalar_sharing=False)
+    out = Simulator(2, own).step({"w": [arr(1, 0, -1, 1), arr(3, 3, -3, 0)]})["w"]
+    np.testing.assert_array_equal(out, [2, 1.5, -2, 0.5])
 
 
 # --------------------------------------------------------------------------- #
 # FP16 and None
 # --------------------------------------------------------------------------- #
-def test_fp16_decode():
-    fp16 = FP16()
+def test_fp16_exchange():
     g0 = arr(1, 2.5, 0.1, dtype=np.float32)
     g1 = arr(3, -0.5, 0.1, dtype=np.float32)
-    p0, p1 = fp16.encode(g0, "w"), fp16.encode(g1, "w")
-    assert p0.nbytes == 3 * 2
+    sim = Simulator(2, FP16())
+    sim.step({"w": [g0, g1]})
+    out = sim.step({"w": [g0, g1]})["w"]  # the second step: no layout check
+    assert sim.bytes_sent_per_rank == [3 * 2, 3 * 2]
     # float16(0.1): 0.1 = 1.6 * 2**-4, mantissa round(0.6 * 1024) = 614 -> (1024 + 614) / 1024 / 16
     fp16_tenth = (1024 + 614) / 1024 / 16  # = 0.0999755859375
-    out = fp16.decode([p0, p1], (3,))
-    assert out.dtype == np.float32  # decoded back to the gradient's dtype
+    assert out.dtype == np.float32  # back in the gradient's dtype
     np.testing.assert_array_equal(out, np.array([2, 1, fp16_tenth], np.float32))
 
 
-def test_none_decode():
-    none = NoneCompressor()
+def test_none_exchange():
     g0, g1 = arr(1, -2, 0.5), arr(3, 4, 0.25)
-    p0, p1 = none.encode(g0, "w"), none.encode(g1, "w")
-    assert p0.nbytes == 3 * 8
-    np.testing.assert_array_equal(none.decode([p0, p1], (3,)), [2, 1, 0.375])
-    np.testing.assert_array_equal(none.decode([p0, p1], (3,), average=False), [4, 2, 0.75])
-    assert none.decode([p0, p1], (3,)).dtype == f64
+    sim = Simulator(2, NoneCompressor())
+    sim.step({"w": [g0, g1]})
+    out = sim.step({"w": [g0, g1]})["w"]
+    assert sim.bytes_sent_per_rank == [3 * 8, 3 * 8]
+    np.testing.assert_array_equal(out, [2, 1, 0.375])
+    assert out.dtype == f64
+    for result in exchanged(NoneCompressor(), {"w": [g0, g1]}, average=False):
+        np.testing.assert_array_equal(result["w"], [4, 2, 0.75])

@@ -45,7 +45,7 @@ def gradient(framework: str):
 
 
 def simulated(framework: str, make):
-    """One rank through the per-tensor compressors (the Simulator) in ``framework``."""
+    """One rank of the Simulator (the engine in lockstep) in ``framework``."""
     sim = Simulator(1, make())
     delivered = [as_numpy(sim.step({"w": [gradient(framework)]})["w"]) for _ in range(STEPS)]
     return delivered, sim.compressors[0].residual("w")
@@ -79,9 +79,10 @@ def test_float16_residual_accumulates_in_float32_and_loses_nothing(kind, route, 
 
 def test_float32_gradients_keep_float32_residuals_with_zeros_where_sent():
     """Where the gradient's dtype is the residual's, sent entries leave exactly 0 behind."""
-    compressor = TopK(0.1, dense_below=0)
+    sim = Simulator(1, TopK(0.1, dense_below=0))  # k = ceil(0.1 * 20) = 2: the 19 and the 20
     g = np.arange(1, 21, dtype=np.float32)
-    payload = compressor.encode(g, "w")
-    residual = compressor.residual("w")
-    assert residual.dtype == np.float32 and np.all(residual[payload.indices] == 0)
-    assert payload.values.dtype == np.float32
+    sent = sim.step({"w": [g]})["w"]
+    residual = sim.residuals("w")[0]
+    assert residual.dtype == np.float32 and sent.dtype == np.float32
+    np.testing.assert_array_equal(sent, np.where(g > 18, g, 0))
+    np.testing.assert_array_equal(residual, np.where(g > 18, 0, g))

@@ -35,7 +35,7 @@ SPARSE = {"topk": TopK, "gaussiank": GaussianK, "regtopk": RegTopK}
 # --------------------------------------------------------------------------- the formula
 def test_golden_steps_by_hand():
     """Top-k, k = 1 of 4 entries, m = 1/2, one rank: every value below worked out by hand."""
-    c = TopK(0.25, dense_below=0, momentum=0.5)
+    sim = Simulator(1, TopK(0.25, dense_below=0, momentum=0.5))
     steps = [
         # gradient,              sent (index, value), residual r,           velocity u (masked)
         ([1, -2, 0.5, 0.25], (1, -2.0), [1, 0, 0.5, 0.25], [1, 0, 0.5, 0.25]),
@@ -43,19 +43,18 @@ def test_golden_steps_by_hand():
         ([0, 0, 0, 2], (3, 2.4375), [0, 1.5, -0.625, 0], [0, 0.5, -0.375, 0]),
     ]
     for g, (index, value), r, u in steps:
-        payload = c.encode(np.array(g, np.float32), "w")
-        assert payload.indices.tolist() == [index] and payload.values.tolist() == [value]
-        np.testing.assert_array_equal(c.residual("w"), r)
-        np.testing.assert_array_equal(c.velocity("w"), u)
+        sent = sim.step({"w": [np.array(g, np.float32)]})["w"]  # one rank: its average is what it sent
+        np.testing.assert_array_equal(sent, np.where(np.arange(4) == index, value, 0))
+        np.testing.assert_array_equal(sim.residuals("w")[0], r)
+        np.testing.assert_array_equal(sim.velocities("w")[0], u)
 
 
 def test_golden_dense_tensor_sends_its_velocity_unmasked():
-    c = TopK(0.25, dense_below=8, momentum=0.5)  # 3 elements: dense
+    sim = Simulator(1, TopK(0.25, dense_below=8, momentum=0.5))  # 3 elements: dense
     for g, u in (([1, 2, 3], [1, 2, 3]), ([0, 0, 1], [0.5, 1, 2.5]), ([2, 0, 0], [2.25, 0.5, 1.25])):
-        payload = c.encode(np.array(g, np.float32), "b")
-        np.testing.assert_array_equal(payload.values, u)
-        np.testing.assert_array_equal(c.velocity("b"), u)
-        assert c.residual("b") is None
+        np.testing.assert_array_equal(sim.step({"b": [np.array(g, np.float32)]})["b"], u)
+        np.testing.assert_array_equal(sim.velocities("b")[0], u)
+        assert sim.residuals("b") == [None]
 
 
 def spec_run(kind: str, grads, m: float, ratio: float, mu: float = 5.0):
@@ -143,12 +142,14 @@ class _no_warning:
 
 
 def test_without_error_feedback_the_velocity_is_still_masked():
-    c = TopK(0.25, dense_below=0, momentum=0.5, error_feedback=False)
-    c.encode(np.array([1, -2, 0.5, 0.25], np.float32), "w")
-    payload = c.encode(np.array([1, 1, -1, 0], np.float32), "w")  # u = [1.5, 1, -0.75, 0.125]
-    assert payload.indices.tolist() == [0] and payload.values.tolist() == [1.5]
-    assert c.residual("w") is None
-    np.testing.assert_array_equal(c.velocity("w"), [0, 1, -0.75, 0.125])
+    sim = Simulator(1, TopK(0.25, dense_below=0, momentum=0.5, error_feedback=False))
+    # step 1: u = g, sends -2 (index 1), u[1] = 0 -> [1, 0, 0.5, 0.25]
+    np.testing.assert_array_equal(sim.step({"w": [np.array([1, -2, 0.5, 0.25], np.float32)]})["w"], [0, -2, 0, 0])
+    # step 2: u = 0.5 [1, 0, 0.5, 0.25] + [1, 1, -1, 0] = [1.5, 1, -0.75, 0.125]: sends 1.5 (index 0)
+    sent = sim.step({"w": [np.array([1, 1, -1, 0], np.float32)]})["w"]
+    np.testing.assert_array_equal(sent, [1.5, 0, 0, 0])
+    assert sim.residuals("w") == [None]
+    np.testing.assert_array_equal(sim.velocities("w")[0], [0, 1, -0.75, 0.125])
 
 
 # --------------------------------------------------------------------------- the argument

@@ -12,13 +12,11 @@ from hypothesis.extra import numpy as hnp
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
 from hvd_compress.kernels import reference
-from hvd_compress.wire import TernaryPayload
 from hvd_compress.simulator import Simulator
 from tests.oracle import PerTensorRanks
 
 from tests.helpers import (
     SPARSIFIERS,
-    densify,
     exact_k,
     permille,
     rank_uniforms,
@@ -49,14 +47,22 @@ def test_error_feedback_conserves_the_gradient(kind, grads, p):
 
 
 # (b) ------------------------------------------------------------------------ #
+def one_rank(compressor, a):
+    """What one rank sends of ``a`` on the engine (a 1-rank Simulator's average) and its residual."""
+    sim = Simulator(1, compressor)
+    sent = sim.step({"w": [a]})["w"]
+    return sent, sim.residuals("w")[0], sim
+
+
 @given(a=vectors(), p=permille)
-def test_topk_payload_holds_the_k_largest(a, p):
+def test_topk_sends_the_k_largest(a, p):
     k = exact_k(p, a.shape[0])
-    payload = TopK(p / 1000, dense_below=0).encode(a, "w")
-    expected = topk_oracle(a, k)
-    np.testing.assert_array_equal(payload.indices, expected)
-    np.testing.assert_array_equal(payload.values, a[expected])
-    assert payload.numel == a.shape[0]
+    sent, residual, sim = one_rank(TopK(p / 1000, dense_below=0), a)
+    chosen = np.zeros(a.shape[0], bool)
+    chosen[topk_oracle(a, k)] = True
+    np.testing.assert_array_equal(sent, np.where(chosen, a, 0))
+    np.testing.assert_array_equal(residual, np.where(chosen, 0, a))
+    assert sim.values_sent_per_rank == [k]
 
 
 # (c) ------------------------------------------------------------------------ #
@@ -74,38 +80,50 @@ def test_gaussiank_count_is_near_k_on_normal_data(seed, numel, p, dtype):
     stdout, stderr = io.StringIO(), io.StringIO()
     with redirect_stdout(stdout), redirect_stderr(stderr), warnings.catch_warnings():
         warnings.simplefilter("error")
-        payload = GaussianK(p / 1000, dense_below=0).encode(a, "w")
-    count = payload.indices.shape[0]
+        sent, residual, _ = one_rank(GaussianK(p / 1000, dense_below=0), a)
+    indices = np.flatnonzero(sent)  # normal data: no entry is exactly 0
+    count = indices.shape[0]
     assert k / 2 <= count <= 2 * k, (count, k)
     assert stdout.getvalue() == "" and stderr.getvalue() == ""
+    np.testing.assert_array_equal(sent + residual, a)
     # a threshold selection, cut to its first k when it overshoots: every sent magnitude exceeds
     # every kept one before the last sent index (after it, a cut set may have left larger ones)
-    kept = np.delete(np.arange(numel), payload.indices)
-    before = kept[kept < payload.indices.max()]
-    assert before.shape[0] == 0 or np.abs(payload.values).min() > np.abs(a[before]).max()
+    kept = np.delete(np.arange(numel), indices)
+    before = kept[kept < indices.max()]
+    assert before.shape[0] == 0 or np.abs(sent[indices]).min() > np.abs(a[before]).max()
 
 
 # (d) ------------------------------------------------------------------------ #
 @given(g=vectors(), clip=st.sampled_from([None, 2.5]), seed=st.integers(0, 100))
-def test_terngrad_codes_are_ternary_and_sign_consistent(g, clip, seed):
-    payload = TernGrad(clip=clip, dense_below=0, seed=seed).encode(g, "w")
-    assert payload.codes.dtype == np.int8
-    assert set(np.unique(payload.codes)) <= {-1, 0, 1}
-    nonzero = payload.codes != 0
-    np.testing.assert_array_equal(np.sign(payload.codes[nonzero]), np.sign(g[nonzero]))
-    assert payload.scale >= 0
+def test_terngrad_sends_ternary_codes_sign_consistent(g, clip, seed):
+    """One rank sends S * t: t in {-1, 0, 1} with the sign of g, S = max|clip(g)| (its entry has p = 1)."""
+    sent, _, _ = one_rank(TernGrad(clip=clip, dense_below=0, seed=seed), g)
+    scale = np.abs(sent).max()
+    if scale == 0:
+        assert not g.any()
+        return
+    codes = sent / scale
+    assert set(np.unique(codes)) <= {-1.0, 0.0, 1.0}
+    nonzero = codes != 0
+    np.testing.assert_array_equal(np.sign(codes[nonzero]), np.sign(g[nonzero]))
+    largest = np.argmax(np.abs(g))  # clipping keeps the largest |g| the largest: always sent
+    assert sent[largest] == np.sign(g[largest]) * scale
+    if clip is None:
+        assert scale == np.abs(g).max()
+    else:
+        assert scale <= np.abs(g).max()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_terngrad_is_unbiased(seed):
-    """mean over n draws of S * t is within 5 standard errors of g, for every entry."""
+    """mean over n steps of S * t is within 5 standard errors of g, for every entry."""
     g = np.random.default_rng(100 + seed).standard_normal(200) * np.linspace(0.01, 3.0, 200)
-    scale = 1.5 * np.abs(g).max()  # a shared scale above this rank's max|g|
-    draws = 3000
-    terngrad = TernGrad(clip=None, dense_below=0, seed=seed)
+    scale = np.abs(g).max()  # one rank, no clipping: S = max|g|
+    draws = 2000
+    sim = Simulator(1, TernGrad(clip=None, dense_below=0, seed=seed))
     total = np.zeros_like(g)
     for _ in range(draws):
-        total += scale * terngrad.encode(g, "w", scale=scale).codes
+        total += sim.step({"w": [g]})["w"]
     mean = total / draws
     p = np.abs(g) / scale
     standard_error = scale * np.sqrt(p * (1 - p) / draws)  # Bernoulli variance S^2 p (1 - p) / n
@@ -116,8 +134,7 @@ def test_terngrad_is_unbiased(seed):
 # (e) ------------------------------------------------------------------------ #
 @given(g=vectors(elements=st.floats(-65504, 65504, width=32), dtype=np.float32))
 def test_fp16_round_trip_within_half_precision(g):
-    fp16 = FP16()
-    out = fp16.decode([fp16.encode(g, "w")], g.shape)
+    out, _, _ = one_rank(FP16(), g)
     assert out.dtype == np.float32
     # round to nearest: relative error <= 2**-11 for normal halves, absolute <= 2**-25 below
     error = np.abs(out.astype(np.float64) - g.astype(np.float64))
@@ -131,11 +148,11 @@ def test_fp16_round_trip_within_half_precision(g):
     mu=st.floats(0.1, 100.0),
 )
 def test_regtopk_first_step_is_topk(a, p, mu):
-    top = TopK(p / 1000, dense_below=0).encode(a, "w")
-    reg = RegTopK(p / 1000, mu=mu, dense_below=0).encode(a, "w")
-    np.testing.assert_array_equal(reg.indices, top.indices)
-    np.testing.assert_array_equal(reg.values, top.values)
-    assert reg.values.dtype == top.values.dtype
+    top, top_residual, _ = one_rank(TopK(p / 1000, dense_below=0), a)
+    reg, reg_residual, _ = one_rank(RegTopK(p / 1000, mu=mu, dense_below=0), a)
+    np.testing.assert_array_equal(reg, top)
+    np.testing.assert_array_equal(reg_residual, top_residual)
+    assert reg.dtype == top.dtype == a.dtype
 
 
 # (g) ------------------------------------------------------------------------ #
@@ -152,10 +169,11 @@ def test_packed_ternary_sum_equals_sum_of_codes(n_ranks, numel, data):
     np.testing.assert_array_equal(reference.unpack_ternary_sum(total, numel, n_ranks), codes.sum(axis=0))
     for c in codes:  # the 2-bit allgather format round-trips each rank's codes
         np.testing.assert_array_equal(reference.unpack_two_bit(reference.pack_two_bit(c), numel), c)
-    # and TernGrad's decode gives S * sum t whichever wire format the payload picks
-    payloads = [TernaryPayload(codes=c, scale=0.5, world_size=n_ranks) for c in codes]
-    decoded = TernGrad(dense_below=0).decode(payloads, (numel,), average=False)
-    np.testing.assert_array_equal(decoded, 0.5 * codes.sum(axis=0))
+    # and TernGrad on the engine gives S * sum t / N whichever wire format it picks: g = 0.5 t has the
+    # shared scale S = 0.5 (or 0 where every code is 0), so p = 1 where t != 0 and every code is drawn as t
+    sim = Simulator(n_ranks, TernGrad(clip=None, dense_below=0))
+    out = sim.step({"w": list(0.5 * codes.astype(np.float64))})["w"]
+    np.testing.assert_allclose(out * n_ranks, 0.5 * codes.sum(axis=0), rtol=1e-15, atol=0)
 
 
 # (h) ------------------------------------------------------------------------ #
@@ -226,11 +244,9 @@ def test_simulator_step_equals_numpy_average(kind, ranks_of, grads, p):
 @given(kind=st.sampled_from(sorted(SPARSIFIERS)), a=vectors(), p=permille)
 def test_sent_plus_residual_is_exactly_a(kind, a, p):
     """One step of error feedback splits a = g + 0 into what is sent and what is kept, bitwise."""
-    compressor = SPARSIFIERS[kind](p / 1000)
-    payload = compressor.encode(a, "w")
-    residual = compressor.residual("w")
-    np.testing.assert_array_equal(densify(payload, a.shape[0]) + residual, a)
-    assert np.all(residual[payload.indices] == 0)
+    sent, residual, _ = one_rank(SPARSIFIERS[kind](p / 1000), a)
+    np.testing.assert_array_equal(sent + residual, a)
+    assert np.all(residual[sent != 0] == 0)
 
 
 # (i) ------------------------------------------------------------------------ #

@@ -116,17 +116,15 @@ def test_auto_and_holders_of_a_compressor():
 
 
 def test_every_simulated_rank_sends_the_scheduled_k():
-    """On the Simulator's per-rank copies: each step's payloads carry k = ceil(density * numel)."""
+    """On the Simulator's per-rank copies: each step every rank sends k = ceil(density * numel) values."""
     sim = Simulator(3, TopK(0.01, dense_below=0), seed=0)
     warmup = DensityWarmup(sim, warmup_steps=3, start=0.3)
     rng = np.random.default_rng(0)
     numel = 400
     for step in range(5):
         density = warmup.density
-        sizes = []
-        for compressor in sim.compressors:
-            sizes.append(compressor.encode(rng.standard_normal(numel).astype(np.float32), "w").values.shape[0])
-        assert sizes == [num_selected(numel, density)] * 3, (step, density)
+        sim.step({"w": [rng.standard_normal(numel).astype(np.float32) for _ in range(3)]})
+        assert sim.values_sent_per_rank == [num_selected(numel, density)] * 3, (step, density)
         warmup.step()
     assert all(c.ratio == 0.01 for c in sim.compressors)
     assert math.isclose(warmup.density_at(1), 0.3 * (0.01 / 0.3) ** (1 / 3))

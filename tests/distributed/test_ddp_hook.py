@@ -41,7 +41,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from hvd_compress import Compression, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress import wire  # noqa: E402
 from hvd_compress.kernels import reference  # noqa: E402
+from hvd_compress.engine.exchange import open_exchange  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
+from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
 from hvd_compress.torch import CompressionState, ddp_hook  # noqa: E402
 from tests.distributed import launch  # noqa: E402
 from tests.distributed import route_checkpoints as moves  # noqa: E402
@@ -658,7 +660,11 @@ def test_mismatched_ratio_fails_every_rank(ranks):
 def test_state_pickles_without_process_group_and_delegates_state_dict():
     state = CompressionState(RegTopK(0.1, dense_below=0), process_group=object())
     name = f"{BUCKET}.0"  # the hook's name of the first parameter of bucket 0 (no named_parameters=)
-    state.compressor.bind(0, 2).encode(torch.randn(100), name)
+    exchange = open_exchange(state.compressor, SingleProcessCommunicator(), BUCKET, state.compression_state)
+    exchange.add(name, torch.randn(100))  # one step of the hook's exchange, on the hook's run state
+    exchange.launch()
+    exchange.finish()
+    assert torch.count_nonzero(state.compressor.residual(name)) == 90  # k = 10 of 100 sent
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None
     assert torch.equal(copy.compressor.residual(name), state.compressor.residual(name))
