@@ -560,7 +560,7 @@ class _Server:
             _wait(self.comm.Irecv(indices, source=w, tag=TAG_INDICES), deadline, lambda: self._timed_out(w))
         return fmt, values, indices, numel
 
-    def _decode(self, w: int, header: np.ndarray, fmt, values, indices, numel) -> np.ndarray:
+    def _rebuilt(self, w: int, header: np.ndarray, fmt, values, indices, numel) -> np.ndarray:
         if numel != self.x.size:
             raise ValueError(
                 f"hvd_compress: worker {w} sent a gradient of {numel} elements, x has {self.x.size}"
@@ -592,7 +592,7 @@ class _Server:
                 raise RuntimeError(f"hvd_compress: unexpected message from worker {w}: {header.tolist()}")
             payload = self._receive_payload(w, header)
             self._post_header(w)
-            g = self._decode(w, header, *payload)
+            g = self._rebuilt(w, header, *payload)
             if not np.isfinite(g).all():
                 raise FloatingPointError(
                     f"hvd_compress: the gradient of worker {w} (its iteration {int(header[3])}, computed on "
