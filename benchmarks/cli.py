@@ -307,7 +307,7 @@ def _bench_compress(args: argparse.Namespace) -> int:
 
     args.sizes = [size for group in args.sizes for size in group]  # "--sizes 1M,25M 11.7M"
     print(
-        f"Compression cost: one encode vs torch.topk and one memory pass; sizes "
+        f"Compression cost: one engine step on one rank vs torch.topk and one memory pass; sizes "
         f"{', '.join(compress.format_size(s) for s in args.sizes)}, ratio {args.ratio}, "
         f"median of {args.repeats}, device {args.device}"
     )
@@ -670,7 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convergence(commands)
     _add_time_to_accuracy(commands)
 
-    compress = commands.add_parser("compress", help="encode time vs torch.topk and one memory pass")
+    compress = commands.add_parser(
+        "compress", help="time of one engine step on one rank vs torch.topk and one memory pass"
+    )
     compress.add_argument(
         "--sizes",
         type=_size,
@@ -679,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="gradient sizes in elements: 1M 11.7M 25M, 10000 or 1M,25M (default 1M 11.7M 25M)",
     )
     _add_ratio(compress)
-    compress.add_argument("--repeats", type=int, default=5, help="timed encodes per measurement (median)")
+    compress.add_argument("--repeats", type=int, default=5, help="timed engine steps per measurement (median)")
     compress.add_argument(
         "--device", choices=("cpu", "cuda", "all"), default="all", help="all: cpu, and cuda when available"
     )

@@ -1,12 +1,19 @@
-"""Compression cost: the time of one ``encode`` against baselines measured in the same run.
+"""Compression cost: the time of one engine step on one rank against baselines measured in the same run.
 
-For each device (torch CPU, CUDA when available) and gradient size, one
-``encode`` of every compressor is timed (median of ``repeats``) next to two
-baselines on the same tensor: ``torch.topk(t.abs(), k)`` and one memory pass
-``t.abs().max()``. Results are ratios against those baselines, so they compare
-across machines. A last section times the numpy reference at the smallest size
-against numpy's own baselines (``argpartition`` and ``abs().max()``): the
-reference is the specification, not the fast path.
+For each device (torch CPU, CUDA when available) and gradient size, one step
+of the bucket engine every route runs is timed for every compressor (median
+of ``repeats``): :func:`~hvd_compress.engine.exchange.open_exchange` over a
+world of one rank (:class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`:
+every collective hands back its input, so nothing is moved or copied), ``add``
+the tensor, ``launch``, ``finish``: selection or quantization with error
+feedback, the codec's wire tensors and their decode into the dense result.
+Next to it two baselines on the same tensor: ``torch.topk(t.abs(), k)`` and one
+memory pass ``t.abs().max()``. Results are ratios against those baselines, so
+they compare across machines. A last section times the engine on numpy arrays
+(the reference kernels, the MPI layer's path) at the smallest size against
+numpy's own baselines (``argpartition`` and ``abs().max()``): the reference is
+the specification, not the fast path. Density and bytes are what the step
+handed to the collectives (``compressor.stats``: values and bytes sent).
 
 Outputs (in ``out``): ``compress.json`` (machine and rows), ``compress.png``
 (ratio vs ``torch.topk`` per compressor and size) and a table on stdout.
@@ -29,8 +36,9 @@ import numpy as np
 from benchmarks.output import publish
 from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 from hvd_compress.algorithms import Compression
-from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
+from hvd_compress.engine.exchange import open_exchange
 from hvd_compress.kernels.reference import num_selected
+from hvd_compress.transport.communicator import SingleProcessCommunicator
 
 #: Default gradient sizes (elements): a ResNet-50-scale layer bucket up to a whole model.
 DEFAULT_SIZES = (1_000_000, 11_700_000, 25_000_000)
@@ -108,13 +116,22 @@ def _warm_up_gpu(torch: Any) -> None:
         torch.cuda.synchronize()
 
 
-def _density_and_bytes(payload: Any, numel: int) -> tuple:
-    """Achieved density (sent entries / numel; 1 for dense payloads) and payload bytes."""
-    if isinstance(payload, SparsePayload):
-        return int(payload.values.shape[0]) / numel, int(payload.nbytes)
-    if isinstance(payload, (DensePayload, TernaryPayload)):
-        return 1.0, int(payload.nbytes)
-    raise TypeError(f"hvd_compress: unexpected payload {type(payload).__name__}")
+def engine_step(compressor: Any, tensor: Any, name: str) -> Any:
+    """One step of the bucket engine on a world of one rank: open the exchange, add ``tensor``,
+    launch, finish; returns the result (the tensor as sent, decoded)."""
+    exchange = open_exchange(compressor, SingleProcessCommunicator(), "bench")
+    exchange.add(name, tensor)
+    exchange.launch()
+    return exchange.finish(average=True)[name]
+
+
+def _density_and_bytes(compressor: Any, tensor: Any, name: str, numel: int) -> tuple:
+    """Density (values sent / numel) and bytes sent of one more step (the statistics of
+    ``compressor.stats``: what the step handed to the collectives)."""
+    stats = compressor.stats
+    values, nbytes = stats.values_sent, stats.bytes_sent
+    engine_step(compressor, tensor, name)
+    return (stats.values_sent - values) / numel, int(stats.bytes_sent - nbytes)
 
 
 def _make(name: str, ratio: float) -> Any:
@@ -150,14 +167,10 @@ def _measure_section(
         bar.set_postfix_str(f"{label} {name}")
         compressor = _make(name, ratio)  # fresh per size: no state from another tensor
         tensor_name = f"bench.{size}"
-        payload = compressor.encode(tensor, tensor_name)  # warm-up: residuals now exist
-        if name == "regtopk":  # one decode with the name: the distortion path is active
-            compressor.decode([payload], tensor.shape, name=tensor_name)
-        for _ in range(warmups - 1):
-            compressor.encode(tensor, tensor_name)
-        seconds = _median_seconds(lambda: compressor.encode(tensor, tensor_name), repeats, sync)
-        payload = compressor.encode(tensor, tensor_name)
-        density, nbytes = _density_and_bytes(payload, size)
+        for _ in range(warmups):  # the first step builds the plan and checks the layout; residuals now exist
+            engine_step(compressor, tensor, tensor_name)
+        seconds = _median_seconds(lambda: engine_step(compressor, tensor, tensor_name), repeats, sync)
+        density, nbytes = _density_and_bytes(compressor, tensor, tensor_name, size)
         dense_bytes = 4 * size
         row = {
             "backend": backend,
@@ -177,7 +190,7 @@ def _measure_section(
         if name == "topk":
             topk_compressor_s = seconds
         rows.append(row)
-        compressor = payload = None  # free before the next compressor
+        compressor = None  # free before the next compressor (its buffers)
         bar.update()
     for row in rows:
         row["vs_topk_compressor"] = row["seconds"] / topk_compressor_s if topk_compressor_s else None
@@ -274,7 +287,8 @@ def run(
             "ratio": ratio,
             "repeats": repeats,
             "devices": devices,
-            "statistic": "median seconds of one encode (time.perf_counter; cuda synchronized)",
+            "statistic": "median seconds of one engine step on one rank: open_exchange, add, launch, finish "
+                         "(time.perf_counter; cuda synchronized)",
             "warmup": {
                 "calls": {dev: WARMUP_CALLS.get(dev, 1) for dev in devices},
                 "gpu_seconds": GPU_WARMUP_SECONDS if "cuda" in devices else 0.0,
@@ -284,7 +298,7 @@ def run(
                 "torch": {"topk": "torch.topk(t.abs(), k)", "pass": "t.abs().max()"},
                 NUMPY: {"topk": "np.argpartition(np.abs(a), d - k)", "pass": "np.abs(a).max()"},
             },
-            "numpy_note": "numpy rows time the reference implementation: the specification, not the fast path",
+            "numpy_note": "numpy rows time the engine on the reference kernels: the specification, not the fast path",
         },
         "wall_seconds": time.perf_counter() - started,
         "baselines": baselines,
@@ -319,7 +333,8 @@ def targets(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
 # -------------------------------------------------------------------- output
 def _section_title(backend: str, device: str) -> str:
     if backend == NUMPY:
-        return "numpy reference (the spec, not the fast path; baselines: np.argpartition, np.abs().max())"
+        return ("numpy reference kernels (the engine on numpy: the spec, not the fast path; baselines: "
+                "np.argpartition, np.abs().max())")
     return f"torch {device}"
 
 
@@ -377,11 +392,11 @@ def write_plot(results: Dict[str, Any], path: Path) -> None:
         ax.set_title("numpy reference (spec)" if backend == NUMPY else f"torch {device}")
         ax.legend(title="elements", fontsize="small")
         ax.grid(axis="y", which="both", alpha=0.3)
-    axes[0][0].set_ylabel("encode time / top-k baseline")
+    axes[0][0].set_ylabel("engine step time / top-k baseline")
     fig.suptitle(
         f"Compression cost vs top-k baseline (ratio {results['settings']['ratio']:g}; 1.0 = baseline)"
     )
     save_figure(fig, path)
 
 
-__all__ = ["run", "parse_size", "format_size", "gradient", "DEFAULT_SIZES", "COMPRESSORS", "TARGETS"]
+__all__ = ["run", "engine_step", "parse_size", "format_size", "gradient", "DEFAULT_SIZES", "COMPRESSORS", "TARGETS"]

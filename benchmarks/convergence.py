@@ -13,8 +13,9 @@ Models (:func:`make_model`), for a ``1 x h x w`` image:
 - ``mlp``: fc ``h w`` -> 256 -> 128 -> 10 with ReLU (8x8: 50,826; 28x28: 235,146).
 
 Training (:func:`benchmarks.cnn.train`): N simulated ranks
-(:class:`~hvd_compress.simulator.Simulator`: every rank encodes its own
-gradient, the payloads are gathered, every rank decodes the average), SGD
+(:class:`~hvd_compress.simulator.Simulator`: the bucket engine every route
+runs, on every rank in lockstep, each rank with its own residuals and random
+stream; every rank gets the average of the ranks' compressed gradients), SGD
 with step size ``lr``, a fresh permutation of the training set per epoch, the
 test set evaluated after every epoch. Runs: dense and TernGrad with SGD
 momentum 0.9 on the average; Top-k, Gaussian-k and RegTop-k at every density

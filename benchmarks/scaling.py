@@ -42,8 +42,9 @@ Measured points: for each N in ``ranks`` (default 2, 4, 8) the real collectives
 of the library's communicator (:class:`TorchDistCommunicator`, gloo) run on N
 processes over the emulated link (``ci/netns_cluster.sh``; ``--link none``:
 localhost): the dense fp32 allreduce of ``d`` elements, the two sparse
-allgathers, TernGrad's scale allreduce-Max and its code collective (wire
-tensor from ``TernGrad.encode`` and ``wire_tensor``), and two latency probes
+allgathers, TernGrad's scale allreduce-Max and its code collective (``d`` codes
+packed by the kernels as ``wire.ternary_wire_format`` says: the tensor the bucket
+codec sends), and two latency probes
 (a one-element allreduce and allgather). Each is timed ``repeats`` times after
 a barrier; per repeat the slowest rank counts; the median is reported.
 
@@ -185,7 +186,6 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
     """The measured collectives on this rank's buffers, as the library's exchange issues them."""
     import torch
 
-    from hvd_compress.algorithms import TernGrad
     from hvd_compress.kernels import torch_ops
 
     n, rank = comm.size, comm.rank
@@ -195,11 +195,12 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
     indices = torch.randint(0, d, (k,), dtype=torch.int32, generator=gen)
     values = torch.randn(k, generator=gen)
     probe = torch.ones(1)
-    tern = TernGrad(dense_below=0).bind(rank, n)
-    shared = 2.0 * tern.local_scale(dense, "w")  # any scale >= every rank's max|g|
-    payload = tern.encode(dense, "w", scale=shared)
-    wire = tern.wire_tensor(payload, torch_ops)
-    scale = torch.tensor([shared], dtype=torch.float32)
+    # d TernGrad codes in {-1, 0, 1} packed as the bucket codec sends them for N ranks (int32 lanes
+    # or 2-bit codes); their scale max|g| travels first, in an allreduce-Max
+    codes = torch.randint(-1, 2, (d,), dtype=torch.int8, generator=gen)
+    ternary_format = ternary_wire_format(d, n)
+    packed = torch_ops.pack_ternary(codes, n) if ternary_format == "allreduce" else torch_ops.pack_two_bit(codes)
+    scale = dense.abs().max().reshape(1)
 
     def wait(handle: Any) -> None:
         comm.wait(handle)
@@ -215,10 +216,10 @@ def _collectives(comm: Any, d: int, ratio: float, seed: int) -> Dict[str, Callab
 
     def terngrad() -> None:
         wait(comm.allreduce_async(scale, comm.MAX, "scales"))
-        if payload.wire_format == "allreduce":
-            wait(comm.allreduce_async(wire, comm.SUM, "lanes"))
+        if ternary_format == "allreduce":
+            wait(comm.allreduce_async(packed, comm.SUM, "lanes"))
         else:
-            wait(comm.allgather_async(wire, "codes2bit", [wire.shape[0]] * n))
+            wait(comm.allgather_async(packed, "codes2bit", [packed.shape[0]] * n))
 
     return {
         "latency allreduce": lambda: wait(comm.allreduce_async(probe, comm.SUM, "probe")),

@@ -24,9 +24,10 @@ Measured per step and rank (``time.perf_counter``, after a barrier):
 * ``step``: forward + backward + ``synchronize()`` + the SGD update;
 * ``compute``: time inside the stand-in (sleeps and the gradient's creation);
 * ``exchange`` = step - compute - update: compress + communicate, the part
-  of the exchange not hidden behind backward; of which ``compress`` is the time
-  in the compressor (``encode``, ``decode``, TernGrad's ``local_scale``,
-  packing and unpacking) and ``communicate`` the rest (waiting for collectives);
+  of the exchange not hidden behind backward; of which ``communicate`` is the
+  time inside the communicator's calls (starting collectives, waiting for them)
+  and ``compress`` the rest: the bucket engine's work (selection, quantization,
+  error feedback, packing, the decode) and the optimizer's hooks around it;
 * ``update``: the optimizer's SGD step.
 
 The slowest rank of a step defines that step; the row reports the median step
@@ -114,11 +115,10 @@ def layer_macs(name: str, shape: Sequence[int]) -> int:
 
 # ================================================================== worker side
 class Clock:
-    """Per-step time in the compute stand-in and in the compressor."""
+    """Per-step time in the compute stand-in and in the communicator's calls."""
 
     def __init__(self) -> None:
-        self.compute = self.codec = self.owed = 0.0
-        self.depth = 0
+        self.compute = self.communicate = self.owed = 0.0
 
     def spend(self, seconds: float) -> None:
         """Sleep ``seconds`` of stand-in compute, carrying sub-millisecond amounts over."""
@@ -185,10 +185,11 @@ class StandInModel:
 
 
 class CountingCommunicator:
-    """Wraps a communicator; counts the bytes handed to each collective and their ring traffic."""
+    """Wraps a communicator; counts the bytes handed to each collective and their ring traffic, and adds
+    the time spent in its calls (starting collectives, waiting for them) to ``clock.communicate``."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any, clock: Optional[Clock] = None) -> None:
+        self.inner, self.clock = inner, Clock() if clock is None else clock
         self.matches_by_order = inner.matches_by_order
         self.SUM, self.MAX = inner.SUM, inner.MAX
         self.reset()
@@ -208,6 +209,13 @@ class CountingCommunicator:
     def _nbytes(tensor: Any) -> int:
         return int(tensor.numel() * tensor.element_size())
 
+    def _timed(self, call: Any, *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.clock.communicate += time.perf_counter() - started
+
     def _count_allreduce(self, tensor: Any) -> None:
         nbytes = self._nbytes(tensor)
         self.payload += nbytes
@@ -216,45 +224,21 @@ class CountingCommunicator:
 
     def allreduce_async(self, tensor: Any, op: str, name: str) -> Any:
         self._count_allreduce(tensor)
-        return self.inner.allreduce_async(tensor, op, name)
+        return self._timed(self.inner.allreduce_async, tensor, op, name)
 
     def allreduce_donated_async(self, tensor: Any, op: str, name: str) -> Any:
         self._count_allreduce(tensor)
-        return self.inner.allreduce_donated_async(tensor, op, name)
+        return self._timed(self.inner.allreduce_donated_async, tensor, op, name)
 
     def allgather_async(self, tensor: Any, name: str, rows: Optional[Sequence[int]] = None) -> Any:
         nbytes = self._nbytes(tensor)
         self.payload += nbytes
         self.traffic += allgather_traffic(nbytes, self.size)
         self.calls["allgather"] += 1
-        return self.inner.allgather_async(tensor, name, rows)
+        return self._timed(self.inner.allgather_async, tensor, name, rows)
 
     def wait(self, handle: Any) -> Any:
-        return self.inner.wait(handle)
-
-
-#: Compressor methods whose time counts as ``compress`` (outermost call only).
-CODEC_METHODS = ("encode", "decode", "local_scale", "wire_tensor", "code_sum")
-
-
-def time_codec(compressor: Any, clock: Clock) -> None:
-    """Wrap the compressor's methods so that their time adds up in ``clock.codec``."""
-    for method in CODEC_METHODS:
-        fn = getattr(compressor, method, None)
-        if fn is None:
-            continue
-
-        def timed(*args: Any, _fn: Any = fn, **kwargs: Any) -> Any:
-            clock.depth += 1
-            started = time.perf_counter()
-            try:
-                return _fn(*args, **kwargs)
-            finally:
-                clock.depth -= 1
-                if clock.depth == 0:
-                    clock.codec += time.perf_counter() - started
-
-        setattr(compressor, method, timed)
+        return self._timed(self.inner.wait, handle)
 
 
 def make_compressor(name: str, ratio: float) -> Any:
@@ -301,8 +285,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
     model = StandInModel(shapes, grads, config["compute_ms"] / 1e3)
     clock = model.clock
     compressor = make_compressor(name, config["ratio"])
-    time_codec(getattr(compressor, "inner", compressor), clock)  # Auto: its compressor's codec
-    comm = CountingCommunicator(base)
+    comm = CountingCommunicator(base, clock)
     params = [p for _, p in model.named]
     opt = DistributedOptimizer(
         torch.optim.SGD(params, lr=1e-3),
@@ -319,7 +302,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
             comm.reset()
             tx_start = cluster.tx_bytes(config["ifname"])
         dist.barrier()
-        clock.compute = clock.codec = 0.0
+        clock.compute = clock.communicate = 0.0
         started = time.perf_counter()
         model.loss().backward()
         opt.synchronize()
@@ -335,7 +318,7 @@ def run_config(name: str, config: Dict[str, Any], shapes, grads: Dict[str, Any],
                 {
                     "step_s": done - started,
                     "compute_s": clock.compute,
-                    "codec_s": clock.codec,
+                    "communicate_s": clock.communicate,
                     "update_s": done - synced,
                 }
             )
@@ -376,8 +359,8 @@ def _median_step(per_rank: List[Dict[str, Any]]) -> Dict[str, float]:
         "step_s": step["step_s"],
         "compute_s": step["compute_s"],
         "exchange_s": exchange,
-        "compress_s": step["codec_s"],
-        "communicate_s": exchange - step["codec_s"],
+        "compress_s": exchange - step["communicate_s"],
+        "communicate_s": step["communicate_s"],
         "update_s": step["update_s"],
         "step_s_min": min(s["step_s"] for s in slowest),
         "step_s_max": max(s["step_s"] for s in slowest),
@@ -545,6 +528,8 @@ def _settings(ranks: int, rates: Sequence[Optional[str]], delay: str, config: Di
         "compute": f"fixed-duration stand-in ({config['compute_ms']:g} ms per step, sleeping): forward 1/3, "
         "backward 2/3 split over parameters by their layer's multiply-adds at 224x224",
         "statistic": "per step the slowest rank; the median step over steps and its split",
+        "split": "communicate: time inside the communicator's calls; compress: the rest of the exchange "
+        "(the bucket engine's work and the optimizer's hooks)",
         "oversubscribed": ranks > cpus,
         "load_average_at_start": report.load_average(),
         "note": (

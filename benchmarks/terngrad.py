@@ -23,7 +23,6 @@ gradients of the same shapes, at N = 2, 4, 8, 16.
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -50,6 +49,17 @@ def variants(clip: float = 2.5) -> List[Tuple[str, Dict[str, Any]]]:
     ]
 
 
+def scale(a: Any, clip: Optional[float]) -> float:
+    """One rank's TernGrad scale ``max|clip(a)|`` (float64; :mod:`hvd_compress.algorithms.terngrad`):
+    ``clip(a, -c std(a), c std(a))`` with ``c = clip`` (``None``: no clipping; a constant tensor is not
+    clipped), so ``min(max|a|, c std(a))``."""
+    a = np.asarray(a, dtype=np.float64).reshape(-1)
+    top = float(np.max(np.abs(a)))
+    if clip is None or a.max() == a.min():
+        return top
+    return min(top, clip * float(np.std(a)))
+
+
 class ErrorProbe(cnn.Probe):
     """Per step: relative error of the aggregate over the coded tensors, and ``S / max|g|`` of ``layer``."""
 
@@ -59,23 +69,22 @@ class ErrorProbe(cnn.Probe):
         self.scale_over_max: List[float] = []
         self.coded: List[str] = []
         self.scales: List[float] = []
-        self.spec: List[Compressor] = []  # per-tensor copies of the ranks' compressors: their scales
 
     def before(self, step: int, grads: Dict[str, List[Any]], sim: Simulator) -> None:
+        """Each rank's scale ``S`` of ``layer`` this step: :func:`scale` of what the rank codes (``a = g`` plus
+        its residual), the max over ranks with scalar sharing."""
         shapes = {name: tuple(per_rank[0].shape) for name, per_rank in grads.items()}
         self.coded = [row["name"] for row in cnn.layer_table(sim.compressors[0], shapes) if row["sent"] == "ternary"]
         self.scales = []
         if self.layer not in self.coded:
             return
-        if not self.spec:
-            self.spec = [copy.deepcopy(c) for c in sim.compressors]
-        layer = []  # a = g (+ the rank's residual): what the rank's step codes
-        for spec, compressor, g in zip(self.spec, sim.compressors, grads[self.layer]):
-            spec.reset()
+        tern = sim.compressors[0]
+        local = []
+        for compressor, g in zip(sim.compressors, grads[self.layer]):
+            a = np.asarray(g, dtype=np.float64)
             residual = compressor.residual(self.layer)
-            layer.append(g if residual is None else g + residual)
-        options = self.spec[0].encode_options(self.spec, {self.layer: layer}).get(self.layer, {})
-        self.scales = [float(spec.encode(a, self.layer, **options).scale) for spec, a in zip(self.spec, layer)]
+            local.append(scale(a if residual is None else a + residual, tern.clip))
+        self.scales = [max(local)] * len(local) if tern.scalar_sharing else local
 
     def after(self, step: int, grads: Dict[str, List[Any]], averaged: Dict[str, Any], sim: Simulator) -> None:
         import torch

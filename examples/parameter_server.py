@@ -31,13 +31,17 @@ on the hot path):
   pre-posted with ``Irecv``, one per worker. A header is ``[GRAD, worker,
   version, iteration, format, n_values, numel, scale bits, values dtype,
   indices dtype]``; the payload follows on its own tags: dense values, or
-  sparse values + indices, or ternary codes (the scale rides in the header).
-  The server decodes it (``compressor.decode([payload], ...)``), clips it,
-  applies it, records ``tau = t_now - version``, and sends the new ``x`` back to
-  that worker only.
+  sparse values + int32 (int64 beyond 2^31 entries) indices, or ternary codes
+  packed 2 bits each, four per byte (the scale rides in the header). The
+  server rebuilds the dense gradient from it (numpy: a scatter, or the codes
+  times the scale), clips it, applies it, records ``tau = t_now - version``,
+  and sends the new ``x`` back to that worker only.
 - ranks 1..N-1 (workers) receive ``x``, compute ``g = grad_fn(x, rng)`` with
-  ``rng = np.random.default_rng([seed, worker])``, optionally encode it
-  (error-feedback residuals stay on the worker), sleep
+  ``rng = np.random.default_rng([seed, worker])``, optionally compress it
+  (:func:`compressed`: one step of the bucket engine every route runs, on a world
+  of one rank, so selection, error feedback and the residuals are the engine's,
+  kept on the worker in its compressor's run state; the step's sum over that
+  one rank is exactly the vector this worker sends), sleep
   ``delay_schedule(worker, iteration)`` seconds (injected delay; the sleep
   is cut short by a stop message) and ``Isend`` it.
 - Order: by arrival (``deterministic=False``), or (``deterministic=True``) a
@@ -77,7 +81,8 @@ import numpy as np
 from hvd_compress.transport.mpi import install_abort_on_error, report_error
 from hvd_compress.algorithms import old_keyword
 
-__all__ = ["async_sgd", "clip_lambda", "AsyncSGDResult", "WorkerTimeoutError", "worker_rng"]
+__all__ = ["async_sgd", "clip_lambda", "compressed", "received", "AsyncSGDResult", "WorkerTimeoutError",
+           "worker_rng"]
 
 # message tags
 TAG_CTRL = 301  # server -> worker: [kind, version]
@@ -187,20 +192,54 @@ def _abort(comm: Any, error: BaseException) -> None:
     comm.Abort(1)
 
 
-def _payload_arrays(payload: Any):
-    """``(format, values, indices, scale)`` of a payload, as contiguous numpy arrays."""
-    from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
+def compressed(compressor: Any, g: np.ndarray) -> Tuple[int, np.ndarray, Optional[np.ndarray], float]:
+    """``(format, values, indices, scale)``: what a worker ships for its gradient ``g`` (flat numpy).
 
-    def host(a):
-        return np.ascontiguousarray(np.asarray(a))
+    One step of the bucket engine on a world of one rank
+    (:func:`~hvd_compress.engine.exchange.open_exchange` over a
+    :class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`; its run state is the
+    compressor's own) gives the vector ``v`` this worker sends (``finish(average=False)``: the sum over
+    one rank); then, by how the compressor sends a tensor of this size
+    (``compressor.fused_kind``): ``SPARSE`` its nonzero entries and their indices, ``TERNARY``
+    ``t = sign(v)`` packed 2 bits per code with the scale ``S = max|v|`` (``v = S t``), ``DENSE`` all
+    of ``v`` in the compressor's wire dtype (FP16: float16). A non-finite ``v`` goes ``DENSE``, for
+    the server to reject.
+    """
+    from hvd_compress.engine.exchange import open_exchange
+    from hvd_compress.kernels import reference
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
 
-    if isinstance(payload, SparsePayload):
-        return SPARSE, host(payload.values), host(payload.indices), 0.0
-    if isinstance(payload, TernaryPayload):
-        return TERNARY, host(payload.codes), None, float(payload.scale)
-    if isinstance(payload, DensePayload):
-        return DENSE, host(payload.values), None, 0.0
-    raise TypeError(f"hvd_compress: async_sgd cannot send a {type(payload).__name__}")
+    exchange = open_exchange(compressor, SingleProcessCommunicator(), "async_sgd")
+    exchange.add("x", g)
+    exchange.launch()
+    sent = np.ascontiguousarray(exchange.finish(average=False)["x"])
+    kind = compressor.fused_kind(sent.size)
+    if not np.isfinite(sent).all():
+        return DENSE, sent, None, 0.0
+    if kind == "sparse":
+        indices = np.flatnonzero(sent).astype(np.int32 if sent.size < 2**31 else np.int64)
+        return SPARSE, sent[indices], indices, 0.0
+    if kind == "ternary":
+        scale = float(np.max(np.abs(sent)))
+        return TERNARY, reference.pack_two_bit(np.sign(sent).astype(np.int8)), None, scale
+    wire_dtype = getattr(compressor, "dense_wire_dtype", None)
+    return DENSE, sent if wire_dtype is None else sent.astype(wire_dtype), None, 0.0
+
+
+def received(fmt: int, values: np.ndarray, indices: Optional[np.ndarray], scale: float, numel: int,
+             dtype: Any) -> np.ndarray:
+    """The dense gradient (``dtype``, ``numel`` entries) a worker shipped as :func:`compressed`'s output."""
+    from hvd_compress.kernels import reference
+
+    if fmt == DENSE:
+        return values.astype(dtype, copy=False)
+    if fmt == SPARSE:
+        g = np.zeros(numel, dtype=dtype)
+        g[indices] = values
+        return g
+    if fmt == TERNARY:
+        return reference.unpack_two_bit(values, numel).astype(dtype) * np.dtype(dtype).type(scale)
+    raise ValueError(f"hvd_compress: unknown gradient format {fmt}")
 
 
 def _dtype_code(dtype: Any) -> int:
@@ -251,7 +290,8 @@ def async_sgd(
     the workers (``rng``: :func:`worker_rng`). ``loss_fn(x)`` runs on the
     server every ``loss_every`` updates. ``compression``: a compressor (every
     worker uses its own copy: same seed) or a factory ``worker -> Compressor``
-    (``worker`` 0 is the server's, used to decode). ``delay_schedule(worker,
+    (``worker`` 0 is the server's, which only checks that every rank has the same configuration;
+    workers compress with :func:`compressed`, the server rebuilds with :func:`received`). ``delay_schedule(worker,
     iteration) -> seconds``: injected sleep before a worker sends its
     ``iteration``-th gradient (0-based). ``deterministic``: virtual-clock order
     (round-robin without a schedule) instead of arrival order. ``timeout``:
@@ -374,7 +414,7 @@ def _worker(comm, rank, numel, dtype, grad_fn, compressor, delay_schedule, seed)
         if compressor is None:
             fmt, values, indices, scale = DENSE, g, None, 0.0
         else:
-            fmt, values, indices, scale = _payload_arrays(compressor.encode(g, "x"))
+            fmt, values, indices, scale = compressed(compressor, g)
 
         if delay_schedule is not None:  # injected delay, cut short by STOP
             until = time.monotonic() + float(delay_schedule(rank, iteration))
@@ -520,7 +560,7 @@ class _Server:
             _wait(self.comm.Irecv(indices, source=w, tag=TAG_INDICES), deadline, lambda: self._timed_out(w))
         return fmt, values, indices, numel
 
-    def _decode(self, w: int, header: np.ndarray, fmt, values, indices, numel) -> np.ndarray:
+    def _rebuilt(self, w: int, header: np.ndarray, fmt, values, indices, numel) -> np.ndarray:
         if numel != self.x.size:
             raise ValueError(
                 f"hvd_compress: worker {w} sent a gradient of {numel} elements, x has {self.x.size}"
@@ -531,20 +571,8 @@ class _Server:
                     f"hvd_compress: worker {w} sent a compressed gradient, the server has no compressor"
                 )
             return values
-        from hvd_compress.wire import DensePayload, SparsePayload, TernaryPayload
-
-        if fmt == DENSE:
-            payload = DensePayload(values=values, dtype=self.x.dtype)
-        elif fmt == SPARSE:
-            payload = SparsePayload(values=values, indices=indices, numel=numel)
-        else:
-            scale = float(np.int64(header[7]).view(np.float64))
-            payload = TernaryPayload(
-                codes=values, scale=scale, world_size=1, shared_scale=False, dtype=self.x.dtype
-            )
-        return np.asarray(self.compressor.decode([payload], (numel,), average=False)).astype(
-            self.x.dtype, copy=False
-        )
+        scale = float(np.int64(header[7]).view(np.float64))
+        return received(fmt, values, indices, scale, numel, self.x.dtype)
 
     # -- the loop
     def run(self) -> AsyncSGDResult:
@@ -564,7 +592,7 @@ class _Server:
                 raise RuntimeError(f"hvd_compress: unexpected message from worker {w}: {header.tolist()}")
             payload = self._receive_payload(w, header)
             self._post_header(w)
-            g = self._decode(w, header, *payload)
+            g = self._rebuilt(w, header, *payload)
             if not np.isfinite(g).all():
                 raise FloatingPointError(
                     f"hvd_compress: the gradient of worker {w} (its iteration {int(header[3])}, computed on "

@@ -34,9 +34,11 @@ average is due before Horovod shows the next gradient), so a traced step with tw
 such groups warns once per process, naming ``groups=1``.
 
 A sparsifier's tensors under ``dense_below``, and None's gradients, go to
-Horovod's own allreduce unchanged; ``compressor.stats`` counts them, and the
-placeholders, at every run of the graph (:func:`_counted`), so that the
-statistics equal the bytes handed to the collectives. Tensors with ``N k >= d``
+Horovod's own allreduce unchanged, FP16's cast to float16 (``tf.cast``: a value
+beyond float16's range becomes Inf, as in the engine's dense part and Horovod's
+own fp16 compression; ``decompress`` casts the sum back); ``compressor.stats``
+counts them, and the placeholders, at every run of the graph (:func:`_counted`),
+so that the statistics equal the bytes handed to the collectives. Tensors with ``N k >= d``
 travel dense in their exchange, with their residual.
 
 Collective names: the i-th gradient compressed while tracing one graph is
@@ -438,10 +440,10 @@ def compress(compressor: Any, tensor: Any):
     numel = tensor.shape.num_elements()
     if compressor.dense_only and compressor.dense_wire_dtype is None:  # None
         return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
-    if compressor.dense_only:  # FP16
-        encode = lambda t: [tf.reshape(compressor.encode(t, "gradient passed to Horovod").values, t.shape)]
-        (values,) = eagerly(encode, [tensor], [tf.float16])
-        return values, _Context(dtype=tensor.dtype)
+    if compressor.dense_only:  # FP16: cast to its wire dtype, as the engine's dense part (no saturation)
+        wire_dtype = tf.as_dtype(compressor.dense_wire_dtype)
+        counted = _counted(compressor, tensor, numel * wire_dtype.size, numel)
+        return tf.cast(counted, wire_dtype), _Context(dtype=tensor.dtype)
     if numel < getattr(compressor, "dense_below", 0):
         return _counted(compressor, tensor, numel * tensor.dtype.size, numel), _Context()
     group = pending.setdefault(_graph(), _Group(_graph()))

@@ -1,7 +1,7 @@
 """Workloads for ``examples/parameter_server.py`` (asynchronous SGD), run under ``mpirun``.
 
 ``run --clip L|none --steps N --out FILE``: the async SGD runs of :data:`RUNS`
-on :class:`Problem` (deterministic order, without and with Top-k 0.1, and
+on :class:`Problem` (deterministic order, without and with Top-k 0.1 and TernGrad, and
 arrival order); rank 0 writes each run's ``x``, losses, delays, workers and
 counts to ``FILE`` (npz, keys ``label/field``).
 
@@ -82,14 +82,17 @@ ARRIVAL_STEPS = 9
 CONTRAST_STEPS = 600
 CONTRAST_LR = 0.05
 #: (label, order, compression) of the configurations ``run`` executes
-RUNS = [("det", "det", "none"), ("det_topk", "det", "topk"), ("arrival", "arrival", "none")]
+RUNS = [("det", "det", "none"), ("det_topk", "det", "topk"), ("det_terngrad", "det", "terngrad"),
+        ("arrival", "arrival", "none")]
 
 
 def _compressor(name: str):
     if name == "none":
         return None
-    from hvd_compress.algorithms import TopK
+    from hvd_compress.algorithms import TernGrad, TopK
 
+    if name == "terngrad":
+        return lambda worker: TernGrad(dense_below=0)
     return lambda worker: TopK(0.1, dense_below=0)
 
 

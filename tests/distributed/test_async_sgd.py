@@ -4,7 +4,11 @@
 - ``mpirun -np 3`` with ``deterministic=True`` and a delay schedule (one slow
   worker) equals a single-process replay of the schedule written here (same
   gradients, same order): ``x`` and losses bit for bit, delays and per-worker
-  counts exactly; the same with Top-k 0.1 compressed gradients;
+  counts exactly; the same with Top-k 0.1 and with TernGrad compressed gradients (the
+  replay compresses with the Simulator on one rank: the engine's sum over that rank is
+  what the worker ships, rebuilt by the server);
+- what a worker ships, by hand: Top-k's nonzero entries and int32 indices, TernGrad's
+  2-bit codes and scale, FP16's float16 values;
 - arrival order with well-separated injected delays follows the schedule;
 - heavy-tailed (Student-t 1.5) noise and one slow worker (``-np 4``): clipped
   ends at a lower loss than unclipped;
@@ -26,7 +30,9 @@ import time
 import numpy as np
 import pytest
 
-from examples.parameter_server import clip_lambda, worker_rng
+from hvd_compress.simulator import Simulator
+
+from examples.parameter_server import DENSE, SPARSE, TERNARY, clip_lambda, compressed, received, worker_rng
 from tests.distributed import async_sgd_work as work
 from tests.distributed import launch
 
@@ -80,8 +86,8 @@ def replay(problem, size, steps, lr, clip, schedule, seed, compressor=None):
     workers = range(1, size)
     x = problem.x0.copy()
     rngs = {w: worker_rng(seed, w) for w in workers}
-    encoders = {w: compressor(w) for w in workers} if compressor else {}
-    decoder = compressor(0) if compressor else None
+    # each worker: the engine on a world of one, its compressor's state kept from step to step
+    encoders = {w: Simulator(1, compressor(w)) for w in workers} if compressor else {}
     reads, order = 0, {}
     stale, version, ready, iteration = {}, {}, {}, {}
     for w in workers:
@@ -92,7 +98,7 @@ def replay(problem, size, steps, lr, clip, schedule, seed, compressor=None):
         w = min(workers, key=lambda v: (ready[v], order[v]))
         g = problem.grad(stale[w], rngs[w])
         if compressor:
-            g = decoder.decode([encoders[w].encode(g, "x")], g.shape, average=False)
+            g = encoders[w].step({"x": [g]})["x"]  # the average over one rank: what the worker sends
         delays.append(t - version[w])
         applied.append(w)
         x = x - lr * clip_lambda(g, clip)
@@ -129,7 +135,7 @@ def runs(tmp_path_factory):
     return dict(np.load(out))
 
 
-@pytest.mark.parametrize("label, compress", [("det", None), ("det_topk", "topk")])
+@pytest.mark.parametrize("label, compress", [("det", None), ("det_topk", "topk"), ("det_terngrad", "terngrad")])
 def test_deterministic_run_equals_single_process_replay(runs, label, compress):
     problem = work.Problem()
     schedule = work.slow_last(3)
@@ -155,9 +161,41 @@ def test_deterministic_run_equals_single_process_replay(runs, label, compress):
     assert losses[-1] < losses[0]
 
 
-def test_topk_run_differs_from_dense_and_still_converges(runs):
-    assert not np.array_equal(runs["det_topk/x"], runs["det/x"])
-    assert runs["det_topk/losses"][-1] < runs["det_topk/losses"][0]
+@pytest.mark.parametrize("label", ["det_topk", "det_terngrad"])
+def test_compressed_run_differs_from_dense_and_still_converges(runs, label):
+    assert not np.array_equal(runs[f"{label}/x"], runs["det/x"])
+    assert runs[f"{label}/losses"][-1] < runs[f"{label}/losses"][0]
+
+
+def test_what_a_worker_ships_by_hand():
+    from hvd_compress.algorithms import FP16, TernGrad, TopK
+
+    rng = np.random.default_rng(5)
+    g = rng.standard_normal(10)
+    topk = TopK(0.3, dense_below=0)
+    fmt, values, indices, _ = compressed(topk, g)  # the 3 largest |g|, no residual yet
+    top = np.sort(np.argsort(-np.abs(g))[:3])
+    assert fmt == SPARSE and indices.dtype == np.int32
+    np.testing.assert_array_equal(indices, top)
+    np.testing.assert_array_equal(values, g[top])
+    fmt, values, indices, _ = compressed(topk, g)  # now g + residual: the residual is g off the top 3
+    a = g.copy()
+    a[np.setdiff1d(np.arange(10), top)] *= 2
+    top = np.sort(np.argsort(-np.abs(a))[:3])
+    np.testing.assert_array_equal(indices, top)
+    np.testing.assert_array_equal(values, a[top])
+    np.testing.assert_array_equal(received(fmt, values, indices, 0.0, 10, np.float64)[top], a[top])
+
+    fmt, packed, indices, scale = compressed(TernGrad(clip=None, dense_below=0), g)
+    codes = received(fmt, packed, None, scale, 10, np.float64) / np.max(np.abs(g))
+    assert fmt == TERNARY and indices is None and packed.dtype == np.int8 and packed.size == 3  # 2 bits each
+    assert scale == np.max(np.abs(g))  # no clipping: S = max|g|
+    assert set(codes) <= {-1.0, 0.0, 1.0} and np.all(codes * g >= 0)  # t = sign(g) or 0
+    assert codes[np.argmax(np.abs(g))] == np.sign(g[np.argmax(np.abs(g))])  # |g| = S: kept with probability 1
+
+    fmt, values, indices, _ = compressed(FP16(), g)
+    assert fmt == DENSE and values.dtype == np.float16 and indices is None
+    np.testing.assert_array_equal(received(fmt, values, None, 0.0, 10, np.float64), g.astype(np.float16))
 
 
 def test_arrival_order_follows_injected_delays(runs):

@@ -1,7 +1,9 @@
-"""``python -m benchmarks compress``: smoke runs on tiny sizes (speed is measured by the benchmark, never here)."""
+"""``python -m benchmarks compress``: smoke runs on tiny sizes (speed is measured by the benchmark, never here),
+and what its timed engine step sends and returns, by hand."""
 
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -68,6 +70,44 @@ def test_run_writes_json_and_plot(tmp_path, capsys):
     assert results["settings"]["sizes"] == [10_000, 20_000]
     out = capsys.readouterr().out
     assert "gaussiank" in out and "target <= 0.2x" in out and "numpy reference" in out
+
+
+def test_timed_step_is_the_engine_on_one_rank():
+    """The step the benchmark times: Top-k's result is the gradient at its k largest |g| (nothing else,
+    no residual yet), a second step sends the top k of g + residual; FP16's is the float16 rounding."""
+    from hvd_compress.algorithms import FP16, TopK
+    from hvd_compress.kernels.reference import num_selected
+
+    g = compress.gradient(5_000, seed=3)
+    k = num_selected(g.size, 0.01)
+    topk = TopK(0.01, dense_below=0)
+    first = compress.engine_step(topk, g, "w")
+    top = np.argsort(-np.abs(g), kind="stable")[:k]
+    expected = np.zeros_like(g)
+    expected[top] = g[top]
+    np.testing.assert_array_equal(first, expected)
+    second = compress.engine_step(topk, g, "w")
+    a = g + (g - first)  # the residual is what the first step did not send
+    top = np.argsort(-np.abs(a), kind="stable")[:k]
+    assert set(np.flatnonzero(second)) == set(top)
+    np.testing.assert_array_equal(second[top], a[top])
+    np.testing.assert_array_equal(compress.engine_step(FP16(), g, "w"), g.astype(np.float16).astype(np.float32))
+
+
+def test_bytes_are_what_one_rank_sends_by_hand(capsys):
+    """Per step on a world of one: Top-k and RegTop-k (k + 1) (int32 index, float32 value) slots (a flag
+    rides in the last one), TernGrad ceil(d / 4) bytes of 2-bit codes plus its scale and flag (float32),
+    FP16 2 bytes per entry."""
+    d, ratio = 10_000, 0.01
+    results = compress.run(sizes=[d], ratio=ratio, repeats=1, device="cpu", out=None, plot=False, progress=False)
+    k = d // 100
+    expected = {"topk": 8 * (k + 1), "regtopk": 8 * (k + 1), "terngrad": d // 4 + 8, "fp16": 2 * d}
+    for row in results["rows"]:
+        if row["compressor"] in expected:
+            assert row["payload_bytes"] == expected[row["compressor"]], row
+        if row["compressor"] in ("topk", "regtopk"):
+            assert row["density"] == k / d
+    capsys.readouterr()
 
 
 def test_cli(tmp_path, capsys):
