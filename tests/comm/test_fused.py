@@ -146,16 +146,23 @@ def test_fused_bucket_equals_the_per_tensor_spec(kind, dtype, path):
             per_rank = [gradients(r, step, dtype, True, numpy, tensorflow) for r in range(ranks)]
             expected.append(spec.step({n: [g[n] for g in per_rank] for n in SHAPES}))
             residuals.append([{n: spec.compressors[r].residual(n) for n in SHAPES} for r in range(ranks)])
-    # TernGrad's clipping bound c * std(g) comes from a row-wise std over each group of equal-size
-    # tensors on torch, which may round differently from one tensor's std; all else is bit for bit
-    # (numpy's and TensorFlow's rows take each tensor's own std: bit for bit too).
-    clipped = kind in ("terngrad", "terngrad-unshared") and path in ("host", "accelerator")
+    # TernGrad's clipping bound c * std(g) comes from torch's row-wise std over each group of
+    # equal-size tensors and from TensorFlow's std, which may round differently from the spec's float64
+    # std; all else is bit for bit (numpy's rows take the spec's std: bit for bit too).
+    clipped = kind in ("terngrad", "terngrad-unshared") and path in ("host", "accelerator", "tensorflow")
     tolerance = 64 * torch.finfo(dtype).eps if clipped else 0
+    # in 16 bits a bound one ulp apart may flip a code where |g| meets it: a few entries of a tensor
+    flips = 0.005 if clipped and dtype in (torch.float16, torch.bfloat16) else 0
     for step in range(steps):
         for rank, result in enumerate(results):
             for name in SHAPES:
                 got, want = result[step][name], expected[step][name]
                 assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, name
+                if flips:
+                    close = np.isclose(as_float64(got), as_float64(want), rtol=0,
+                                       atol=tolerance * float(np.abs(as_float64(want)).max()))
+                    assert np.mean(~close) <= flips, f"{kind} {dtype} step {step} {name}: {np.sum(~close)} differ"
+                    continue
                 np.testing.assert_allclose(
                     as_float64(got),
                     as_float64(want),

@@ -226,15 +226,15 @@ def _float16_wire_average(grads):
 @pytest.mark.parametrize("kind", sorted(SIMULATED))
 @given(grads=training_runs(max_ranks=6, max_steps=1, max_numel=60), p=permille)
 def test_simulator_step_equals_numpy_average(kind, ranks_of, grads, p):
-    """The Simulator (the engine) and the per-tensor spec against numpy; FP16's per-tensor ``decode`` sums
-    the float16 values in float32, where the engine's allreduce rounds the sum to float16."""
+    """The Simulator (the engine) and the per-tensor spec against numpy; FP16's allreduce rounds the sum of
+    the float16 values to float16 (both)."""
     grads = grads[0]
     n_ranks, numel = grads.shape
     if kind == "fp16":
         grads = grads.astype(np.float32)
     out = ranks_of(n_ranks, SIMULATED[kind](p)).step({"w": list(grads)})["w"]
     assert out.shape == (numel,) and out.dtype == grads.dtype
-    if kind == "fp16" and ranks_of is Simulator:
+    if kind == "fp16":
         expected = _float16_wire_average(grads)
     else:
         expected = _oracle_average(kind, grads, p)
