@@ -665,6 +665,13 @@ def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.copy_(values)
 
 
+def placed(out: torch.Tensor, parts) -> torch.Tensor:
+    if parts:
+        torch._foreach_copy_([out[start : start + values.shape[0]] for start, values in parts],
+                             [values for _, values in parts])
+    return out
+
+
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     for grp in groups:
         torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(old))
