@@ -98,19 +98,22 @@ class Placement:
     made once per order: each tensor's first entry there (``starts``), the size (``numel``), the dense
     part's runs ``(first entry there, first entry in the dense layout, length)`` (adjacent in both,
     merged) and the codec's :meth:`shift` of every position it sends, when its decode sums there
-    (``shift``; ``None``: the compressed part's sums are copied over like the dense part's)."""
+    (``shift``; ``None``: the sums are concatenated in that order: a codec that sums in its work layout
+    only, or an ``order`` that is not every tensor once)."""
 
     def __init__(self, bucket: "FusedBucket", order: List[str]) -> None:
         index = {name: i for i, name in enumerate(bucket.names)}
+        self.order = [index[name] for name in order]
         self.starts: Dict[int, int] = {}
-        for name in order:
-            i = index[name]
-            self.starts[i] = sum(bucket.numels[j] for j in self.starts)
-        self.numel = sum(bucket.numels)
+        self.numel = 0
+        for i in self.order:
+            self.starts[i], self.numel = self.numel, self.numel + bucket.numels[i]
+        every_tensor_once = sorted(self.order) == list(range(len(bucket.names)))
         codec = bucket.codec
-        self.shift = (codec.shift(bucket, self.starts, self.numel) if getattr(codec, "placeable", False)
-                      else None)
-        self.dense_runs = _runs([(self.starts[i], bucket.dense_offsets[i], bucket.numels[i]) for i in bucket.dense])
+        self.shift = (codec.shift(bucket, self.starts, self.numel)
+                      if every_tensor_once and getattr(codec, "placeable", False) else None)
+        self.dense_runs = _runs([(self.starts[i], bucket.dense_offsets[i], bucket.numels[i]) for i in bucket.dense]
+                                if self.shift is not None else [])
 
 
 def _runs(pieces: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
@@ -428,7 +431,7 @@ class Launched:
             parts = self._totals(comm)
             self.rounds.release()
             sums = {i: total[start : start + b.numels[i]] for total, starts in parts for i, start in starts.items()}
-            return self._scaled(b.ops.concat([sums[i] for i in placement.starts]), average)
+            return self._scaled(b.ops.concat([sums[i] for i in placement.order]), average)
         self.placement = placement
         parts = self._totals(comm)
         self.rounds.release()

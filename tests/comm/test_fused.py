@@ -247,6 +247,28 @@ def test_flat_finish_is_the_results_concatenated(kind, dtype):
                 np.testing.assert_array_equal(np.asarray(got.float() if wire is torch.Tensor else got), expected)
 
 
+def test_flat_finish_of_some_tensors_is_theirs_concatenated():
+    """An ``order`` naming some of the bucket's tensors (not a permutation of all) gives those results
+    flat, in that order (the sums concatenated rather than decoded in place)."""
+    order = ["c", "a"]
+
+    def steps(comm, flat):
+        compressor, out = TopK(0.05), []
+        with torch_ops.accelerator_path():
+            for step in range(2):
+                exchange = BucketExchange(compressor, comm, "bucket")
+                for name, g in gradients(comm.rank, step, torch.float32).items():
+                    exchange.add(name, g)
+                exchange.launch()
+                result = exchange.finish(average=True, order=order if flat else None)
+                out.append(result if flat else torch.cat([result[n].reshape(-1) for n in order]))
+        return out
+
+    for got, want in zip(run_ranks(2, lambda comm: steps(comm, True)), run_ranks(2, lambda comm: steps(comm, False))):
+        for g, w in zip(got, want):
+            assert g.shape == (2000 + 40 * 50,) and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])
 def test_sent_plus_residual_equals_produced(numpy):
     """One rank, Top-k with error feedback: sum of results + residual == sum of gradients."""
