@@ -54,6 +54,7 @@ class SharedIndexCodec(SparseBucketCodec):
         super().__init__(compressor, bucket, slots=None if rule == "leader" else compressor.k)
         self.rule = rule
         self.rounds = 2 if rule == "leader" else 1
+        self.placeable = False  # its decode sums in the work layout (the rates read it there)
         #: the aggregate rule's state, the same on every rank (``None``: the next step sends all)
         self.rate: Any = None
         self.age: Any = None

@@ -70,6 +70,10 @@ class SparseBucketCodec:
         self.k_of = {i: k(bucket.numels[i]) for i in bucket.compressed}
         #: RegTop-k's posterior ``(work positions, D)`` from the last aggregate (``None``: D = 1e8 everywhere)
         self.posterior: Any = None
+        #: each compressed tensor's slots (work order), and whether the decode may sum into another layout
+        #: (:meth:`shift`): only where nothing reads the sums at work positions afterwards (RegTop-k does)
+        self.widths = [slots(g.n) for g in groups for _ in range(g.rows)]
+        self.placeable = type(compressor).bucket_observe.__qualname__ == "Sparsifier.bucket_observe"
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
@@ -82,7 +86,7 @@ class SparseBucketCodec:
         message, positions, sent, kept = self._encode(bucket, g, step)
         rows = [self.k_total + self.flag_count] * bucket.world
         received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
-        total, bad = self._decode(bucket, received, sent)
+        total, bad = self._decode(bucket, received, sent, getattr(step, "placement", None))
         if kept is not None:  # a non-finite tensor keeps its threshold (the first exact one: the new)
             self.thresholds = kept if self.thresholds is None else bucket.ops.copy_into(
                 self.thresholds, bucket.ops.where(bad[: self.rows.count], self.thresholds, kept))
@@ -146,11 +150,29 @@ class SparseBucketCodec:
             parts.append(ops.fill_zero(message[count + flags :]))
         return ops.joined(message, parts), values
 
-    def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any) -> Tuple[Array, Array]:
+    def shift(self, bucket: Any, starts: Dict[int, int], numel: int) -> Array:
+        """What moves each sent position (``K`` slots, then the flags) from the work layout to a layout
+        of ``numel`` entries where tensor ``i`` starts at ``starts[i]`` (its spare entry: ``numel``),
+        made once per layout; :meth:`_decode` sums there when the step's ``placement`` holds it."""
+        moves = [starts[i] - bucket.offsets[i] for i in bucket.compressed]
+        per_slot = [move for move, width in zip(moves, self.widths) for _ in range(width)]
+        spare = [numel - bucket.n_compressed] * self.spare
+        ops = bucket.ops
+        return ops.cast(ops.as_int64(per_slot + moves + spare, bucket.like), ops.index_dtype(numel + 1))
+
+    def _decode(self, bucket: Any, received: Dict[str, Any], sent: Any,
+                placement: Any = None) -> Tuple[Array, Array]:
+        """``(sum over ranks, per-tensor flag)``: the sum in the work layout, or with ``placement`` (a
+        layout of ``placement.numel`` entries, :meth:`shift` in ``placement.shift``) in that layout."""
         ops, width = bucket.ops, self.k_total + self.flag_count
         values = ops.reshape(received["values"], (bucket.world, width))
         indices = ops.reshape(received["indices"], (bucket.world, width))
-        total = ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like)
+        size = bucket.n_compressed
+        if placement is not None:  # each position moved to its tensor's place there (spare slots: its spare)
+            moved = ops.cast(indices, placement.shift.dtype) + placement.shift
+            indices = moved if not self.spare else ops.where(indices == bucket.n_compressed, placement.numel, moved)
+            size = placement.numel
+        total = ops.zeros(size + self.spare, bucket.acc, bucket.like)
         for rank in range(bucket.world):  # rank order: the same sums on every rank and device; the flags
             total = ops.index_add(total, indices[rank], ops.cast(values[rank], bucket.acc))  # (0 or NaN) at firsts
         flags = ops.cast(values[:, self.k_total :], bucket.acc)

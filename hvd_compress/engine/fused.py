@@ -43,6 +43,9 @@ layout hash]``, read on the host); afterwards a step reads nothing back. Per ste
                      the decode: (total, per-tensor flag)
     result = total / N;  flagged tensors: residual (and velocity) as before the step,
                                                  one where per size group
+    flat in another order (``finish(order=...)``, a DDP hook's bucket; :class:`Placement`):
+                     the sparsifiers' decode sums in that order, the dense part's runs copied in;
+                     other codecs: one cat of the sums in that order; then one division
 
 Non-finite values behave as in the dense allreduce they replace: a codec sends a
 flag per compressed tensor (0, or NaN/1 where the tensor holds NaN/Inf on this
@@ -90,6 +93,40 @@ def _offsets(groups: List[Group]) -> Dict[int, int]:
     return {i: g.start + row * g.n for g in groups for row, i in enumerate(g.members)}
 
 
+class Placement:
+    """A flat output of a bucket's tensors in another order (``finish(order=...)``, a DDP hook's bucket),
+    made once per order: each tensor's first entry there (``starts``), the size (``numel``), the dense
+    part's runs ``(first entry there, first entry in the dense layout, length)`` (adjacent in both,
+    merged) and the codec's :meth:`shift` of every position it sends, when its decode sums there
+    (``shift``; ``None``: the sums are concatenated in that order: a codec that sums in its work layout
+    only, or an ``order`` that is not every tensor once)."""
+
+    def __init__(self, bucket: "FusedBucket", order: List[str]) -> None:
+        index = {name: i for i, name in enumerate(bucket.names)}
+        self.order = [index[name] for name in order]
+        self.starts: Dict[int, int] = {}
+        self.numel = 0
+        for i in self.order:
+            self.starts[i], self.numel = self.numel, self.numel + bucket.numels[i]
+        every_tensor_once = sorted(self.order) == list(range(len(bucket.names)))
+        codec = bucket.codec
+        self.shift = (codec.shift(bucket, self.starts, self.numel)
+                      if every_tensor_once and getattr(codec, "placeable", False) else None)
+        self.dense_runs = _runs([(self.starts[i], bucket.dense_offsets[i], bucket.numels[i]) for i in bucket.dense]
+                                if self.shift is not None else [])
+
+
+def _runs(pieces: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
+    """``(to, from, length)`` pieces sorted by ``to``, those adjacent in both layouts merged."""
+    runs: List[Tuple[int, int, int]] = []
+    for to, start, n in sorted(pieces):
+        if runs and runs[-1][0] + runs[-1][2] == to and runs[-1][1] + runs[-1][2] == start:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((to, start, n))
+    return runs
+
+
 class FusedBucket:
     """Plan and state of one bucket on the fused path (see the module docstring)."""
 
@@ -134,6 +171,8 @@ class FusedBucket:
         self.checked = False
         #: steps this bucket's tensors have been exchanged (across plans; a shared index set's leader turn)
         self.exchanges = 0
+        #: the flat outputs in other orders asked for so far (:class:`Placement`)
+        self.placements: Dict[Tuple[str, ...], Placement] = {}
 
     def __getstate__(self) -> Dict[str, Any]:
         """A kernel module does not pickle (a route's state may be): its name does."""
@@ -204,6 +243,13 @@ class FusedBucket:
         parts = [f"{n}{list(s)}:{k}" for n, s, k in zip(self.names, self.shapes, self.kinds)]
         shown = ", ".join(parts[:6]) + (f", ... ({len(parts)} tensors)" if len(parts) > 6 else "")
         return f"{self.dtype} [{shown}]"
+
+    def placement(self, order: List[str]) -> Placement:
+        """The :class:`Placement` of a flat output in ``order`` (made once per order)."""
+        key = tuple(order)
+        if key not in self.placements:
+            self.placements[key] = Placement(self, order)
+        return self.placements[key]
 
     # ------------------------------------------------------------------- state
     def adopt(self, memory: Any) -> None:
@@ -346,6 +392,7 @@ class Launched:
         self.velocity: Optional[Array] = None  # momentum correction: this step's, masked
         self.dense_velocity: Optional[Array] = None
         self.header: Any = None  # the layout check still to wait for (name-matched transports)
+        self.placement: Optional[Placement] = None  # where the codec's decode sums, when not in the work layout
 
     @float_errors_ignored
     def complete(self, comm: Any) -> None:
@@ -359,22 +406,40 @@ class Launched:
     @float_errors_ignored
     def finish(self, comm: Any, average: bool, order: Optional[List[str]] = None) -> Any:
         """Wait for the collectives; ``{name: average (or sum) over ranks}`` in each tensor's shape, or
-        with ``order`` (names) those results flat, concatenated in that order: one cat and one division
-        for the whole bucket (what a DDP hook returns)."""
+        with ``order`` (names) those results flat, one after the other in that order (what a DDP hook
+        returns): the codec's decode sums the compressed part there where it can (:meth:`_in_order`),
+        then one division for the whole bucket."""
         b = self.bucket
         self.complete(comm)
+        if order is not None:
+            return self._in_order(comm, average, b.placement(order))
         parts = self._totals(comm)
         self.rounds.release()
-        if order is not None:
-            sums = {b.names[i]: total[start : start + b.numels[i]]
-                    for total, starts in parts for i, start in starts.items()}
-            return self._scaled(b.ops.concat([sums[name] for name in order]), average)
         results: Dict[str, Array] = {}
         for total, starts in parts:
             flat = self._scaled(total, average)
             for i, start in starts.items():
                 results[b.names[i]] = b.ops.reshape(flat[start : start + b.numels[i]], b.shapes[i])
         return results
+
+    def _in_order(self, comm: Any, average: bool, placement: Placement) -> Array:
+        """The sums flat in the placement's order, scaled: where the codec sums into that order
+        (``placement.shift``), the dense part's runs are copied into its sums (one launch on torch), else
+        both parts are concatenated in that order."""
+        b = self.bucket
+        if placement.shift is None or not b.compressed:
+            parts = self._totals(comm)
+            self.rounds.release()
+            sums = {i: total[start : start + b.numels[i]] for total, starts in parts for i, start in starts.items()}
+            return self._scaled(b.ops.concat([sums[i] for i in placement.order]), average)
+        self.placement = placement
+        parts = self._totals(comm)
+        self.rounds.release()
+        total = parts[-1][0]  # the compressed part's, in the placement's order
+        if b.dense:
+            dense = parts[0][0]
+            total = b.ops.placed(total, [(to, dense[start : start + n]) for to, start, n in placement.dense_runs])
+        return self._scaled(total[: placement.numel] if b.codec.spare else total, average)
 
     def _totals(self, comm: Any) -> List[Tuple[Array, Dict[int, int]]]:
         """The sums over ranks (accumulation dtype), each with its tensors' first entries: the dense part's,

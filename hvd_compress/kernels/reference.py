@@ -601,7 +601,7 @@ BUCKET_FUNCTIONS = (
     "fill_zero", "index_add", "isnan", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
     "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
-    "keep_rows", "keep_finite_rows", "scale_rows",
+    "keep_rows", "keep_finite_rows", "scale_rows", "placed",
 )
 
 
@@ -744,6 +744,14 @@ def joined(buffer: np.ndarray, parts: Sequence[np.ndarray]) -> np.ndarray:
     """``buffer``, whose consecutive slices ``parts`` were written into (``out=``, :func:`copy_into`;
     numpy's and torch's arrays alike)."""
     return buffer
+
+
+def placed(out: np.ndarray, parts: Sequence[Tuple[int, np.ndarray]]) -> np.ndarray:
+    """``out`` with each ``(start, values)`` of ``parts`` written from ``start`` on (in place: numpy's and
+    torch's arrays; torch's in one launch)."""
+    for start, values in parts:
+        out[start : start + values.shape[0]] = values
+    return out
 
 
 def sum_along(a: np.ndarray, axis: int) -> np.ndarray:

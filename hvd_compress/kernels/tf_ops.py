@@ -621,6 +621,15 @@ def joined(buffer, parts: Sequence) -> tf.Tensor:
     return tf.concat([tf.cast(p, buffer.dtype) for p in parts], axis=0)
 
 
+def placed(out, parts) -> tf.Tensor:
+    """``out`` with each ``(start, values)`` of ``parts`` written from ``start`` on (a new tensor)."""
+    if not parts:
+        return out
+    where = np.concatenate([np.arange(start, start + int(values.shape[0])) for start, values in parts])
+    values = tf.concat([tf.cast(v, out.dtype) for _, v in parts], 0)
+    return tf.tensor_scatter_nd_update(out, tf.constant(where[:, None], tf.int64), values)
+
+
 def sum_along(a, axis: int) -> tf.Tensor:
     return tf.reduce_sum(a, axis)
 

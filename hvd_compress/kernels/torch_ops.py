@@ -635,12 +635,13 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
 def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
                           uniform: torch.Tensor) -> torch.Tensor:
     """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``; ``|clip(g)| = min(|g|, b)`` and ``clip``
-    keeps the sign, so ``clip(g)`` is never formed."""
+    keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
+    ``minimum`` (NaN included), in place without an ``out`` argument."""
     ratio = torch.abs(a)
     for grp in groups:
         view = grp.view(ratio)
         if bound is not None:
-            torch.minimum(view, grp.column(bound), out=view)
+            view.clamp_(max=grp.column(bound))
         view.div_(grp.column(scale))
     keep = torch.lt(uniform, ratio).view(torch.int8)
     # sign(g) keep = keep - 2 (keep and g < 0): where keep is 1, |g| > 0 (a 0 never passes u < 0)
@@ -663,6 +664,13 @@ def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def copy_into(out: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.copy_(values)
+
+
+def placed(out: torch.Tensor, parts) -> torch.Tensor:
+    if parts:
+        torch._foreach_copy_([out[start : start + values.shape[0]] for start, values in parts],
+                             [values for _, values in parts])
+    return out
 
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

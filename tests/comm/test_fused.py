@@ -222,32 +222,58 @@ def test_a_dense_part_reduced_in_place_changes_no_result_and_no_gradient(kind, s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("kind", ["none", "topk", "terngrad"])
+@pytest.mark.parametrize("kind", ["none", "topk", "gaussiank", "regtopk", "terngrad"])
 def test_flat_finish_is_the_results_concatenated(kind, dtype):
-    """``finish(order=names)`` (a DDP hook's flat bucket: one cat, one division) is ``finish()``'s
-    results flattened and concatenated in that order, bit for bit: torch and numpy buckets."""
+    """``finish(order=names)`` (a DDP hook's flat bucket: the sparsifiers' decode sums straight into that
+    order, Gaussian-k's unused slots included; others concatenate) is ``finish()``'s results flattened and
+    concatenated in that order, bit for bit: torch buckets the CPU's way and the accelerator's, numpy
+    buckets; a NaN on one rank at step 1 (its flag moves with its tensor)."""
     order = ["e", "b", "a", "f", "d", "c"]
 
-    def steps(comm, make, grads, flat):
+    def steps(comm, make, grads, flat, way):
         compressor, out = make(), []
-        for step in range(3):
-            exchange = BucketExchange(compressor, comm, "bucket")
-            for name, g in grads(comm.rank, step).items():
-                exchange.add(name, g)
-            exchange.launch()
-            result = exchange.finish(average=True, order=order if flat else None)
-            out.append(result if flat else np.concatenate([np.asarray(result[n]).reshape(-1) for n in order]))
+        with way_of(way):
+            for step in range(3):
+                exchange = BucketExchange(compressor, comm, "bucket")
+                for name, g in grads(comm.rank, step).items():
+                    exchange.add(name, with_entry(g, 5, float("nan")) if (comm.rank, step, name) == (1, 1, "f") else g)
+                exchange.launch()
+                result = exchange.finish(average=True, order=order if flat else None)
+                out.append(result if flat else np.concatenate([np.asarray(result[n]).reshape(-1) for n in order]))
         return out
 
     fused = lambda rank, step: gradients(rank, step, dtype)  # noqa: E731
     numpy = lambda rank, step: {n: g.float().numpy() for n, g in gradients(rank, step, dtype).items()}  # noqa: E731
-    for grads, wire in ((fused, torch.Tensor), (numpy, np.ndarray)):
-        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True))
-        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False))
+    for grads, wire, way in ((fused, torch.Tensor, "host"), (fused, torch.Tensor, "accelerator"),
+                             (numpy, np.ndarray, "numpy")):
+        flats = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, True, way))
+        wants = run_ranks(3, lambda comm: steps(comm, COMPRESSORS[kind], grads, False, way))
         for flat, want in zip(flats, wants):
             for got, expected in zip(flat, want):
                 assert isinstance(got, wire) and got.shape == expected.shape
                 np.testing.assert_array_equal(np.asarray(got.float() if wire is torch.Tensor else got), expected)
+
+
+def test_flat_finish_of_some_tensors_is_theirs_concatenated():
+    """An ``order`` naming some of the bucket's tensors (not a permutation of all) gives those results
+    flat, in that order (the sums concatenated rather than decoded in place)."""
+    order = ["c", "a"]
+
+    def steps(comm, flat):
+        compressor, out = TopK(0.05), []
+        with torch_ops.accelerator_path():
+            for step in range(2):
+                exchange = BucketExchange(compressor, comm, "bucket")
+                for name, g in gradients(comm.rank, step, torch.float32).items():
+                    exchange.add(name, g)
+                exchange.launch()
+                result = exchange.finish(average=True, order=order if flat else None)
+                out.append(result if flat else torch.cat([result[n].reshape(-1) for n in order]))
+        return out
+
+    for got, want in zip(run_ranks(2, lambda comm: steps(comm, True)), run_ranks(2, lambda comm: steps(comm, False))):
+        for g, w in zip(got, want):
+            assert g.shape == (2000 + 40 * 50,) and torch.equal(g, w)
 
 
 @pytest.mark.parametrize("numpy", [False, True], ids=["torch", "numpy"])

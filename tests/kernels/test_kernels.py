@@ -108,6 +108,14 @@ def test_array_utilities_match_reference(K, dtype, data):
     assert K.ops.to_list(K.ops.as_int64([1, 2], t)) == R.to_list(R.as_int64([1, 2], a)) == [1, 2]
 
 
+def test_placed_writes_each_part_at_its_start(K):
+    """``placed(out, [(start, values), ...])``: a DDP bucket's dense sums copied to their places (hand-computed)."""
+    out, values = np.array([0.5, -1.25, 3.0, 7.5, 2.25, -0.75], np.float32), np.array([9.1, -8.3, 6.7], np.float32)
+    want = np.array([0.5, 6.7, 3.0, 9.1, -8.3, -0.75], np.float32)
+    np.testing.assert_array_equal(R.placed(out.copy(), [(3, values[:2]), (1, values[2:])]), want)
+    K.check(lambda o, v: K.ops.placed(o, [(3, v[:2]), (1, v[2:])]), [K.tensor(out), K.tensor(values)], want)
+
+
 def test_fp16_cast_of_float64_rounds_once(K):
     """float64 -> float16 must round to nearest directly, as numpy does; a detour through
     float32 rounds twice: 1.1967773426534207 lies just below 1.19677734375, the midpoint
