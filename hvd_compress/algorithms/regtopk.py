@@ -31,6 +31,7 @@ class RegTopK(LargestScores, Sparsifier):
     """RegTop-k with temperature ``mu`` (default 5; the reference's linear regression uses 4)."""
 
     mu = checked("mu", check_temperature, "Temperature of the scores, a number in float32's normal range.")
+    observes_sums = True
 
     def __init__(
         self,

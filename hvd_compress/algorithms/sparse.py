@@ -72,6 +72,9 @@ class Sparsifier(Compressor):
     )
     #: whether ``exact_every > 1`` applies (a selection of the ``k`` largest scores: Top-k, RegTop-k)
     reuses_thresholds = False
+    #: whether :meth:`bucket_observe` reads the sums over ranks at the bucket's work positions (RegTop-k's
+    #: posterior): then a decode keeps them there instead of summing straight into a route's layout
+    observes_sums = False
 
     @property
     def indices(self) -> str:

@@ -73,7 +73,7 @@ class SparseBucketCodec:
         #: each compressed tensor's slots (work order), and whether the decode may sum into another layout
         #: (:meth:`shift`): only where nothing reads the sums at work positions afterwards (RegTop-k does)
         self.widths = [slots(g.n) for g in groups for _ in range(g.rows)]
-        self.placeable = type(compressor).bucket_observe.__qualname__ == "Sparsifier.bucket_observe"
+        self.placeable = not getattr(compressor, "observes_sums", False)
 
     def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: ``K`` (value, index) slots and a flag with its position per tensor."""
