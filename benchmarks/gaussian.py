@@ -7,7 +7,7 @@ bell-shaped and takes its threshold from two moments instead of a sort::
 
 then corrects ``thr`` at most 3 times (x0.5 below ``2k/3`` selected, x1.5 above
 ``4k/3``; hclhkbu/GaussianK-SGD), cutting a set to its first ``k`` when it
-overshoots (:func:`hvd_compress.kernels.reference.gaussiank_select`). So
+overshoots (:func:`hvd_compress.kernels.reference.gaussiank_from`). So
 ``|S| <= 4k/3`` always, and ``|S| >= 2k/3`` unless every threshold tried
 selected fewer.
 
@@ -81,10 +81,11 @@ class GaussianProbe(cnn.Probe):
                 a = g if residual is None else g + residual.reshape(-1)
                 ops = kernels.ops_for(a, name)
                 # |S| of this rank's step: the selection the engine makes of the same a (in its slots)
-                selected.append(int(ops.gaussiank_select(a, self.ratio).shape[0]))
+                threshold = ops.gaussiank_threshold(a, self.ratio)
+                chosen = ops.gaussiank_from(abs(a), threshold, ops.num_selected(a.shape[0], self.ratio))
+                selected.append(int(chosen.shape[0]))
                 if rank > 0:
                     continue
-                threshold = ops.gaussiank_threshold(a, self.ratio)
                 entry["first_guess"].append(int(np.count_nonzero(np.abs(np.asarray(a)) > threshold)))
                 if name == self.layer and step in self.snapshot_steps:
                     self.snapshots.append(self._snapshot(step, np.asarray(a, dtype=np.float64), threshold))

@@ -11,10 +11,6 @@ residuals and bytes are a real route's (``bytes_sent_per_rank``: what each rank 
 the collectives, the layout check's header at a layout's first step included; Gaussian-k
 sends its ``floor(4k/3)`` slots per tensor as every route does).
 
-A compressor without a bucket codec (``fused = False``, which no route runs) is stepped
-tensor by tensor instead: every rank ``encode``s, every rank ``decode``s the list of
-payloads in rank order (:meth:`Compressor.encode_options` first: TernGrad's shared scale).
-
 Example::
 
     sim = Simulator(4, TopK(0.01), seed=0)
@@ -38,12 +34,6 @@ from hvd_compress.transport.lockstep import LockstepGroup
 from hvd_compress.wire import array_nbytes
 
 
-def runs_engine(compressor: Compressor) -> bool:
-    """Whether the Simulator runs ``compressor`` on the bucket engine (lockstep ranks): every compressor
-    that brings a bucket codec (``fused``: every built-in one, ``Auto`` and the wrappers around one;
-    shared index sets and reused thresholds exist only there)."""
-    return bool(getattr(compressor, "fused", False))
-
 
 class Simulator:
     """In-process simulation of ``n_ranks`` ranks training with ``compression``.
@@ -56,6 +46,9 @@ class Simulator:
         if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
             raise ValueError(f"hvd_compress: n_ranks must be a positive int, got {n_ranks!r}")
         compression = as_compressor(compression, "Simulator's compression")
+        if not getattr(compression, "fused", False):
+            raise TypeError(f"hvd_compress: {type(compression).__name__} brings no bucket codec, which the Simulator "
+                            "runs as every route does (see docs/adding_a_compressor.md)")
         self.n_ranks = n_ranks
         self.compressors: List[Compressor] = []
         for rank in range(n_ranks):
@@ -69,7 +62,7 @@ class Simulator:
         #: values (entries) each rank sent in the last step
         self.values_sent_per_rank: List[int] = [0] * n_ranks
         #: what each rank handed to each collective in the last step: ``(name, "allreduce" or
-        #: "allgather", bytes)`` (the per-tensor loop: each payload, allgathered)
+        #: "allgather", bytes)``
         self.collectives_per_rank: List[List[Tuple[str, str, int]]] = [[] for _ in range(n_ranks)]
         self.dense_bytes = 0
         self.steps = 0
@@ -96,29 +89,13 @@ class Simulator:
         originals = {name: per_rank[0] for name, per_rank in grads.items()}
         grads = {name: self._rank_arrays(name, per_rank) for name, per_rank in grads.items()}
         before = [(c.stats.bytes_sent, c.stats.values_sent) for c in self.compressors]
-        if runs_engine(self.compressors[0]):
-            out = self._engine_step(grads, originals)
-        else:
-            out = self._per_tensor_step(grads, originals)
+        out = self._engine_step(grads, originals)
         self.bytes_sent_per_rank = [c.stats.bytes_sent - b for c, (b, _) in zip(self.compressors, before)]
         self.values_sent_per_rank = [c.stats.values_sent - v for c, (_, v) in zip(self.compressors, before)]
         self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1
         return out
 
-    def _per_tensor_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
-        """A compressor without a bucket codec: per tensor, every rank encodes, every rank decodes."""
-        shared = self.compressors[0].encode_options(self.compressors, grads)
-        self.collectives_per_rank = [[] for _ in range(self.n_ranks)]
-        out: Dict[str, Any] = {}
-        for name, per_rank in grads.items():
-            options = shared.get(name, {})
-            payloads = [c.encode(g, name, **options) for c, g in zip(self.compressors, per_rank)]
-            for posted, payload in zip(self.collectives_per_rank, payloads):
-                posted.append((name, "allgather", int(payload.nbytes)))
-            decoded = [c.decode(payloads, tuple(per_rank[0].shape), name=name) for c in self.compressors]
-            out[name] = in_form_of(decoded[0], originals[name])
-        return out
 
     def _engine_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
         """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.transport.lockstep`):

@@ -1,24 +1,16 @@
-"""What travels on the wire: every payload format, its size, and the bucket header.
+"""What travels on the wire: the formats' sizes, and the bucket header.
 
 This module is the one place that defines the formats; it imports nothing of
-the library, so kernels, compressors, exchanges and the Simulator all build on it.
+the library, so kernels, codecs, exchanges and the Simulator all build on it.
 
-Payloads (one tensor of one rank, produced by a compressor's ``encode``):
-
-- :class:`DensePayload`: the whole tensor, possibly cast (FP16); dense payloads
-  of a bucket travel as one allreduce-Sum of their concatenation.
-- :class:`SparsePayload`: ``values[i]`` at ``indices[i]`` of a flattened tensor;
-  a bucket's indices and values travel as two allgathers.
-- :class:`TernaryPayload`: TernGrad codes ``t`` in {-1, 0, 1} and a scale ``S``.
-  With a scale shared by all ranks, the codes ``t + 1`` of ``N`` ranks are summed
-  by an int32 allreduce of *lanes*: fields of ``b = ceil(log2(2N + 1))`` bits,
-  ``floor(32 / b)`` per int32, so a field's sum over ranks never carries into the
-  next; or, when that moves fewer bytes (:func:`ternary_wire_format`), the codes
-  travel as 2-bit fields (four per byte) in one allgather. Without a shared
-  scale every rank's 2-bit codes and scale are allgathered.
-
-``nbytes`` is what one rank hands to the collectives for the tensor, the
-quantity Horovod's timeline and our byte counters report. The packing itself
+A fused bucket's dense tensors travel as one allreduce-Sum of their concatenation;
+a sparsifier's (value, index) slots as two allgathers. TernGrad's codes ``t`` in
+{-1, 0, 1}, with a scale shared by all ranks, are summed by an int32 allreduce of
+*lanes*: the codes ``t + 1`` of ``N`` ranks in fields of ``b = ceil(log2(2N + 1))``
+bits, ``floor(32 / b)`` per int32, so a field's sum over ranks never carries into
+the next; or, when that moves fewer bytes (:func:`ternary_wire_format`), the codes
+travel as 2-bit fields (four per byte) in one allgather. Without a shared scale
+every rank's 2-bit codes and scale are allgathered. The packing itself
 (numpy specification) is ``pack_ternary``/``pack_two_bit`` in
 :mod:`hvd_compress.kernels.reference`, with torch and TensorFlow kernels beside it.
 
@@ -32,7 +24,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -142,58 +133,4 @@ def array_nbytes(array: Any) -> int:
     return int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size  # tensorflow
 
 
-@dataclass(frozen=True)
-class DensePayload:
-    """The whole tensor, possibly cast (``FP16``); ``dtype`` is the dtype to decode to."""
 
-    values: Any
-    dtype: Any
-
-    @property
-    def nbytes(self) -> int:
-        return array_nbytes(self.values)
-
-
-@dataclass(frozen=True)
-class SparsePayload:
-    """Selected entries of a flattened tensor of ``numel`` elements: ``values[i]`` at ``indices[i]``."""
-
-    values: Any
-    indices: Any
-    numel: int
-
-    @property
-    def nbytes(self) -> int:
-        return array_nbytes(self.values) + array_nbytes(self.indices)
-
-
-@dataclass(frozen=True)
-class TernaryPayload:
-    """TernGrad codes ``t`` in {-1, 0, 1} (int8) and the scale ``S``; the tensor is ``S * t``.
-
-    ``world_size`` and ``shared_scale`` fix the wire format: with a shared scale the
-    codes of all ranks are summed by an integer allreduce of packed lanes (or
-    allgathered as 2-bit codes when that moves fewer bytes); without one, each
-    rank's 2-bit codes and scale are allgathered.
-    """
-
-    codes: Any
-    scale: float
-    world_size: int = 1
-    shared_scale: bool = True
-    dtype: Any = np.float32
-
-    @property
-    def wire_format(self) -> str:
-        if not self.shared_scale:
-            return "allgather"
-        return ternary_wire_format(self.codes.shape[0], self.world_size)
-
-    @property
-    def nbytes(self) -> int:
-        numel = int(self.codes.shape[0])
-        if self.wire_format == "allreduce":
-            code_bytes = 4 * ternary_lanes(numel, self.world_size)
-        else:
-            code_bytes = two_bit_bytes(numel)
-        return code_bytes + np.dtype(np.float32).itemsize  # + the scale

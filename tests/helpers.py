@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
+from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference import NO_DISTORTION
 
 # --------------------------------------------------------------------------- #
@@ -51,11 +52,12 @@ def topk_oracle(a: np.ndarray, k: int) -> np.ndarray:
     return np.sort(order[:k])
 
 
-def densify(payload, numel: int) -> np.ndarray:
-    """A sparse payload scattered into a dense float64 vector."""
-    out = np.zeros(numel)
-    out[np.asarray(payload.indices, dtype=np.int64)] = payload.values
-    return out
+
+def reference_gaussiank(a: np.ndarray, ratio: float) -> np.ndarray:
+    """Gaussian-k of one tensor on the numpy kernels: the count rule (``gaussiank_from``) on ``|a|`` from the
+    reference's first threshold (what numpy's rows run on each row)."""
+    return reference.gaussiank_from(np.abs(a), reference.gaussiank_threshold(a, ratio),
+                                    reference.num_selected(a.shape[0], ratio))
 
 
 def rank_uniforms(seed: int, rank: int, numel: int) -> np.ndarray:

@@ -1,22 +1,23 @@
-"""The compressor interface shared by every algorithm.
+"""The compressor interface shared by every algorithm: configuration, a bucket codec, run state.
 
-A compressor turns one rank's gradient into a payload (``encode``) and a list of
-all ranks' payloads into the dense aggregate (``decode``): the algorithm's definition,
-one tensor at a time. Neither call communicates; the exchanges in :mod:`hvd_compress.engine`
-(and the :class:`~hvd_compress.simulator.Simulator`) run the compressor's bucket codec
-instead, which gives the same results.
+A compressor is its options (checked, in :meth:`Compressor.config`, agreed on by the ranks) and
+the codec of a fused bucket's compressed part (:meth:`Compressor.bucket_codec`), which the one
+engine (:mod:`hvd_compress.engine`) runs on every route and in the
+:class:`~hvd_compress.simulator.Simulator`. What a run accumulates lives in a
+:class:`~hvd_compress.algorithms.state.CompressorState`. The per-tensor definition of each
+algorithm, the yardstick the engine is tested against, is the numpy spec outside the package
+(``spec/`` of the repository).
 """
 
 from __future__ import annotations
 
-import math
 import numbers
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional
 
 import numpy as np
 
 from hvd_compress import kernels
-from hvd_compress.wire import DensePayload, TernaryPayload, header_hash
+from hvd_compress.wire import header_hash
 from hvd_compress.algorithms.checkpoint import check_state, state_checksum, writer
 from hvd_compress.algorithms.residual import TensorMemory
 from hvd_compress.algorithms.state import ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, state_for_route
@@ -34,9 +35,9 @@ def check_ratio(ratio: Any) -> float:
 
 
 def as_tensor(tensor: Any) -> Any:
-    """Numpy arrays and framework tensors pass; lists and scalars become numpy arrays, and eager
-    TensorFlow tensors on the CPU too (:func:`hvd_compress.kernels.computed_form`)."""
-    if isinstance(tensor, (list, tuple, numbers.Number)):
+    """Numpy arrays and framework tensors pass; anything else (lists, scalars) becomes a numpy array, and
+    eager TensorFlow tensors on the CPU too (:func:`hvd_compress.kernels.computed_form`)."""
+    if not (hasattr(tensor, "shape") and hasattr(tensor, "dtype")):
         return np.asarray(tensor)
     return kernels.computed_form(tensor)
 
@@ -45,28 +46,11 @@ class NonFiniteGradientError(ValueError, FloatingPointError):
     """A gradient (or, with ``nonfinite="raise"``, an exchanged gradient) holds NaN/Inf."""
 
 
-def check_gradient(flat: Any, ops: Any, name: str, who: str) -> None:
-    """Reject what no compressor can handle, naming the tensor."""
-    if not ops.is_floating(flat):
-        raise TypeError(
-            f"hvd_compress: {who} cannot compress '{name}' of dtype {flat.dtype}; "
-            "gradients must be floating point"
-        )
-    if flat.shape[0] == 0:
-        raise ValueError(f"hvd_compress: {who} cannot compress '{name}': the tensor is empty")
-    bad = ops.count_nonfinite(flat)
-    if bad:
-        raise NonFiniteGradientError(
-            f"hvd_compress: gradient '{name}' has {bad} NaN/Inf of {flat.shape[0]} entries; "
-            f"{who} cannot compress it (lower the learning rate or loss scale, or skip the step)"
-        )
-
-
 class Compressor:
     """Base class: validation, per-tensor memory, rank binding and checkpoints.
 
-    Subclasses implement ``_encode(flat, name, shape)`` and, when their payload is
-    not dense, ``_sum(payloads, numel)``.
+    Subclasses bring a bucket codec (:meth:`bucket_codec`; a :class:`~hvd_compress.algorithms.sparse.Sparsifier`
+    needs only its selection, ``_select``).
 
     Capabilities the exchanges dispatch on (never on the class):
     ``payload_kind`` (``"dense"``, ``"sparse"`` or ``"ternary"``), ``fused`` (it has a bucket
@@ -99,8 +83,8 @@ class Compressor:
 
     @property
     def state(self) -> CompressorState:
-        """The compressor's own run state, :attr:`own_state` (stock Horovod's, the Simulator's, a direct
-        ``encode``'s; a route with a state of its own passes that one explicitly)."""
+        """The compressor's own run state, :attr:`own_state` (stock Horovod's, the Simulator's; a route
+        with a state of its own passes that one explicitly)."""
         return self.own_state
 
     @state.setter
@@ -164,46 +148,6 @@ class Compressor:
         return f"{type(self).__name__}({params})"
 
     # ------------------------------------------------------------- interface
-    def encode(self, tensor: Any, name: str, **options: Any) -> Any:
-        """One rank's payload for ``tensor``; updates that tensor's residual."""
-        flat, shape, ops = self._validated(tensor, name)
-        payload = self._encode(flat, name, tuple(shape), ops, **options)
-        self.stats.record(payload, flat.shape[0], ops.itemsize(flat))
-        return payload
-
-    def _validated(self, tensor: Any, name: str):
-        """``(flat tensor, shape, kernel module)`` of a gradient this compressor accepts."""
-        tensor = as_tensor(tensor)
-        ops = kernels.ops_for(tensor, name)
-        flat = ops.reshape(tensor, (-1,))
-        check_gradient(flat, ops, name, type(self).__name__)
-        self.own_state.adopt_loaded(ops, flat)
-        return flat, tuple(tensor.shape), ops
-
-    def decode(
-        self,
-        payloads: Sequence[Any],
-        shape: Sequence[int],
-        average: bool = True,
-        name: Optional[str] = None,
-    ) -> np.ndarray:
-        """Dense aggregate of all ranks' ``payloads`` (rank order), averaged or summed.
-
-        With ``name``, compressors that learn from the aggregate (RegTop-k) record it
-        for that tensor's next selection.
-        """
-        payloads = list(payloads)
-        if not payloads:
-            raise ValueError("hvd_compress: decode needs the payloads of at least one rank")
-        shape = tuple(int(n) for n in shape)
-        numel = math.prod(shape)
-        ops = kernels.ops_for(payload_tensor(payloads[0]))
-        total, dtype = self._sum(payloads, numel, ops)
-        if name is not None:
-            self._observe(name, total, ops)
-        if average:
-            total = ops.divide(total, len(payloads))
-        return ops.reshape(ops.cast(total, dtype), shape)
 
     @property
     def dense_only(self) -> bool:
@@ -215,14 +159,6 @@ class Compressor:
     def fused_kind(self, numel: int) -> str:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
         return "dense"
-
-    def encode_options(self, compressors: Sequence["Compressor"],
-                       grads: Dict[str, List[Any]]) -> Dict[str, Dict[str, Any]]:
-        """For ranks stepped tensor by tensor (the Simulator's compressors without a bucket codec, the
-        tests' per-tensor spec): ``{name: options}`` of every rank's ``encode`` that a real exchange
-        learns from the other ranks first (TernGrad's shared scale); ``compressors`` and ``grads``
-        hold every rank's. Default: nothing."""
-        return {}
 
     def bucket_codec(self, bucket: Any) -> Any:
         """The codec of a fused bucket's compressed part (:mod:`hvd_compress.algorithms.rounds`; its
@@ -284,44 +220,4 @@ class Compressor:
         run.origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 
     # ------------------------------------------------------------ for subclasses
-    def _compensated(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        """``a = g + r``, the gradient plus its error-feedback residual, in the residual's dtype
-        (``g`` itself without ``error_feedback``).
 
-        Residuals live in at least float32 (:func:`~hvd_compress.kernels.reference.accumulation_dtype`):
-        a float16 gradient's residual would overflow past 65504 where the gradient does not.
-        What is sent goes back to the gradient's dtype (``wire_dtype`` of the split).
-        """
-        if not getattr(self, "error_feedback", False):
-            return flat
-        acc = ops.accumulation_dtype(flat.dtype)
-        residual = self.memory.get(name, "residual", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
-        # flat here; a checkpoint of a bucketed route holds it in the parameter's shape
-        return ops.cast(flat, acc) + ops.cast(ops.reshape(residual, (-1,)), acc)
-
-    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        raise NotImplementedError
-
-    def _sum(self, payloads: List[Any], numel: int, ops: Any):
-        """Sum over ranks of dense payloads; returns ``(total, dtype to decode to)``."""
-        return dense_sum(payloads, numel, ops)
-
-    def _observe(self, name: str, total: Any, ops: Any) -> None:
-        """Hook for compressors that learn from the aggregate; default: nothing."""
-
-
-def payload_tensor(payload: Any) -> Any:
-    """A tensor of ``payload``, to pick the kernels that decode it."""
-    return payload.codes if isinstance(payload, TernaryPayload) else payload.values
-
-
-def dense_sum(payloads: List[DensePayload], numel: int, ops: Any):
-    """Sum of dense payloads in rank order, in at least float32."""
-    flats = [ops.reshape(p.values, (-1,)) for p in payloads]
-    for flat in flats:
-        if flat.shape[0] != numel:
-            raise ValueError(
-                f"hvd_compress: a rank sent {flat.shape[0]} elements, "
-                f"expected {numel}; ranks disagree on the tensor shape"
-            )
-    return ops.dense_sum(flats), payloads[0].dtype

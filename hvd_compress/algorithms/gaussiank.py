@@ -15,7 +15,7 @@ the correction, the rest stays in the residual, and no evaluation needs more tha
 a count. (Up to this release the cut kept the set's ``k`` largest entries, a top-k
 of the row that an accelerator had to run for every tensor at every step.)
 
-The per-tensor compressor (``encode``) sends ``S`` variable-size. The exchange's fused
+``|S|`` varies per tensor and step. The exchange's fused
 bucket (every route, the Simulator) sends ``floor(4k/3)`` slots per tensor, the most
 the correction can select, unused ones padded: no count travels and nothing is
 read back, at up to a third more (value, index) bytes than Top-k (the wire
@@ -48,9 +48,6 @@ class GaussianK(Sparsifier):
     @Sparsifier.ratio.setter
     def ratio(self, value: float) -> None:
         self._ratio = check_gaussiank_ratio(check_ratio(value))
-
-    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
-        return ops.gaussiank_select(a, self.ratio)
 
     def slots(self, numel: int) -> int:
         return reference.gaussiank_slots(self.k(numel))

@@ -72,13 +72,6 @@ class RegTopK(LargestScores, Sparsifier):
         numel = math.prod(run.memory.shape(name))
         return kernels.ops_for(values).regtopk_expand(idx, values, numel)
 
-    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
-        idx = self.memory.peek(name, "posterior_indices")
-        if idx is None:  # no aggregate seen yet: D = 1e8 everywhere, plain Top-k
-            return ops.topk_select(a, self.k(a.shape[0]))
-        values = self.memory.peek(name, "posterior_values")
-        return ops.regtopk_select_sparse(a, idx, values, self.mu, self.k(a.shape[0]))
-
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``, damped by ``|tanh((1 + D) / mu)|`` where the last aggregate informed ``D``."""
         if posterior is None:  # D = 1e8 everywhere: plain Top-k
@@ -95,14 +88,4 @@ class RegTopK(LargestScores, Sparsifier):
         distortion = (ops.take(total, idx) - own) / own
         return idx, ops.where(informative, distortion, ops.NO_DISTORTION)
 
-    def _sent(self, name: str, indices: Any, values: Any) -> None:
-        self.memory.set(name, "sent_indices", indices)
-        self.memory.set(name, "sent_values", values)
 
-    def _observe(self, name: str, total: Any, ops: Any) -> None:
-        indices = self.memory.peek(name, "sent_indices")
-        if indices is None:
-            return
-        idx, values = ops.regtopk_posterior(total, indices, self.memory.peek(name, "sent_values"))
-        self.memory.set(name, "posterior_indices", idx)
-        self.memory.set(name, "posterior_values", values)

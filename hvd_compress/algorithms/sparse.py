@@ -27,12 +27,11 @@ whose exchanged tensor is non-finite leaves ``u`` (and ``r``) as before the step
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from hvd_compress.kernels import reference
-from hvd_compress.algorithms.base import Compressor, check_ratio, dense_sum
+from hvd_compress.algorithms.base import Compressor, check_ratio
 from hvd_compress.algorithms.state import CompressorState
-from hvd_compress.wire import DensePayload, SparsePayload
 from hvd_compress.algorithms.validation import (
     check_bool, check_count, check_exact_every, check_indices, check_momentum, checked,
 )
@@ -41,16 +40,10 @@ from hvd_compress.algorithms.validation import (
 DENSE_BELOW = 1024
 
 
-def updated_velocity(memory: Any, flat: Any, name: str, shape: tuple, momentum: float, ops: Any) -> Any:
-    """``u = m u + g`` for tensor ``name`` (its velocity in ``memory``, zeros at first), flat, in at least
-    float32: a new array; ``memory`` is left as it was (the caller stores ``u``, masked or not)."""
-    acc = ops.accumulation_dtype(flat.dtype)
-    velocity = memory.get(name, "velocity", shape, lambda: ops.cast(ops.zeros_like(flat), acc))
-    return ops.momentum_update(ops.cast(ops.reshape(velocity, (-1,)), acc), flat, momentum)
-
-
 class Sparsifier(Compressor):
-    """Base of the sparse compressors; subclasses implement ``_select(a, name)``.
+    """Base of the sparse compressors; a subclass implements ``_select(a, name, shape, ops)`` (the indices ``S``
+    of one tensor's ``a``, which :meth:`bucket_select` runs on each tensor of a bucket) or
+    :meth:`bucket_select` itself (every tensor at once: Top-k, Gaussian-k, RegTop-k).
 
     Every parameter is checked when the compressor is made and when it is
     assigned later (``TypeError`` for a wrong type, ``ValueError`` out of range).
@@ -217,7 +210,7 @@ class Sparsifier(Compressor):
         """A fused bucket's selection, ``(positions, probe)``: per row (tensor) of the work buffer ``a``
         what :meth:`_select` chooses on that row alone, ``k`` slots a row, as work positions (row
         start + index), the rows visited in the order the tensors were added (``Rows.each``: random
-        draws come in the per-tensor compressor's and the Simulator's order); and per row a value
+        draws come in that order on every route); and per row a value
         that is NaN or Inf exactly where the row holds NaN/Inf (its largest ``|a|``), so ``0 * probe``
         is its flag. Top-k, Gaussian-k and RegTop-k override it with one selection of every row at
         once (:class:`LargestScores`; :mod:`~hvd_compress.kernels.torch_rows`,
@@ -235,7 +228,14 @@ class Sparsifier(Compressor):
         return ops.concat([chosen[first] for first in sorted(chosen)]), rows.largest(abs(a))
 
     def warn_dense(self, name: str, numel: int) -> None:
-        self._warn_dense_once(name, numel, "; its residual is sent with it")
+        """Warn once per tensor that ``name``, which held a residual, now travels dense where that is cheaper."""
+        if name not in self._warned_dense and self.dense_is_cheaper(numel):
+            self._warned_dense.add(name)
+            warnings.warn(
+                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
+                "allreduce; its residual is sent with it",
+                stacklevel=4,
+            )
 
     def _dense_reason(self, numel: int) -> str:
         if self.shared:
@@ -249,95 +249,10 @@ class Sparsifier(Compressor):
         ``run``: a route's state (default: the compressor's own)."""
         return (self.own_state if run is None else run).array(name, "velocity")
 
-    def _encode(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        numel = flat.shape[0]
-        if self.shared or self.exact_every > 1:
-            what, fix = (("shares one index set between ranks", "cannot agree on it. Use indices='gather'") if self.shared
-                         else ("keeps a threshold per tensor between exact selections", "keeps none. Use exact_every=1"))
-            raise ValueError(
-                f"hvd_compress: {self!r} {what}, which takes the bucket engine's rounds of collectives (the drop-in "
-                "optimizers, the DDP hook, stock Horovod, the MPI optimizer, thread ranks, the Simulator); a "
-                f"per-tensor encode {fix} here"
-            )
-        if self.momentum:
-            return self._encode_velocity(flat, name, shape, ops)
-        if numel < self.dense_below:
-            return DensePayload(values=flat, dtype=flat.dtype)
-        self.memory.track(name, shape)
-        a = self._compensated(flat, name, shape, ops)
-        if self.dense_is_cheaper(numel):
-            return self._send_dense(a, flat.dtype, name, ops)
-        return self._send_sparse(a, flat.dtype, name, shape, ops)
-
-    def _encode_velocity(self, flat: Any, name: str, shape: tuple, ops: Any) -> Any:
-        """Momentum correction: ``u = m u + g``, then ``u`` is what error feedback compresses
-        (sent dense as it is, or ``a = r + u`` sparsified and ``u[S] = 0``)."""
-        u = updated_velocity(self.memory, flat, name, shape, self.momentum, ops)
-        if self.fused_kind(flat.shape[0]) == "dense":
-            return self._send_velocity(u, flat.dtype, name, ops)
-        a = self._compensated(u, name, shape, ops)
-        payload = self._send_sparse(a, flat.dtype, name, shape, ops)
-        self.memory.set(name, "velocity", ops.momentum_mask(u, payload.indices))
-        return payload
-
-    def _send_sparse(self, a: Any, dtype: Any, name: str, shape: tuple, ops: Any) -> SparsePayload:
-        """``send a[S]``; ``r = a`` with ``a[S] = 0`` (``a`` is the caller's buffer)."""
-        indices = self._select(a, name, shape, ops)
-        values, residual = ops.error_feedback_split(a, indices, in_place=self.error_feedback, wire_dtype=dtype)
-        if self.error_feedback:
-            self.memory.set(name, "residual", residual)
-        self._sent(name, indices, values)
-        return SparsePayload(values=values, indices=indices, numel=a.shape[0])
-
-    def _send_velocity(self, u: Any, dtype: Any, name: str, ops: Any) -> DensePayload:
-        """A tensor sent dense under momentum correction: ``u`` (plus the residual left from when it was
-        compressed, once), unmasked, in the gradient's ``dtype`` (saturated)."""
-        if u.shape[0] >= self.dense_below:
-            self._warn_dense_once(name, u.shape[0])
-        residual = self.memory.peek(name, "residual")
-        sent = u if residual is None else u + ops.cast(ops.reshape(residual, (-1,)), u.dtype)
-        self.memory.discard(name, "residual")
-        self.memory.set(name, "velocity", u)
-        self._sent(name, None, None)
-        return DensePayload(values=ops.saturate(sent, dtype), dtype=dtype)
-
-    def _warn_dense_once(self, name: str, numel: int, after: str = "") -> None:
-        """Warn once per tensor that ``name`` travels dense where that is cheaper (``after``: what else happens)."""
-        if name not in self._warned_dense and self.dense_is_cheaper(numel):
-            self._warned_dense.add(name)
-            warnings.warn(
-                f"hvd_compress: {type(self).__name__} sends '{name}' dense: {self._dense_reason(numel)} a dense "
-                f"allreduce{after}",
-                stacklevel=5,
-            )
-
-    def _send_dense(self, a: Any, dtype: Any, name: str, ops: Any) -> DensePayload:
-        """All of ``a`` (gradient + residual) in the gradient's ``dtype``: the residual keeps only
-        what that dtype cannot carry (nothing, unless ``a`` is beyond its range)."""
-        self._warn_dense_once(name, a.shape[0])
-        sent = ops.saturate(a, dtype)
-        if self.error_feedback:
-            self.memory.set(name, "residual", a - ops.cast(sent, a.dtype))
-        self._sent(name, None, None)
-        return DensePayload(values=sent, dtype=dtype)
-
     def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
-        """Indices ``S`` to send of the error-compensated gradient ``a``."""
+        """Indices ``S`` to send of one tensor's error-compensated gradient ``a`` (``k(numel)`` of them, in the
+        kernel module ``ops``'s index dtype)."""
         raise NotImplementedError
-
-    def _sent(self, name: str, indices: Any, values: Any) -> None:
-        """Hook: what this rank sent for ``name`` (RegTop-k keeps it)."""
-
-    def _sum(self, payloads: List[Any], numel: int, ops: Any):
-        if all(isinstance(p, DensePayload) for p in payloads):
-            return dense_sum(payloads, numel, ops)
-        if not all(isinstance(p, SparsePayload) and p.numel == numel for p in payloads):
-            raise ValueError(
-                f"hvd_compress: payloads disagree with a tensor of {numel} elements "
-                "(mixed dense/sparse or other sizes); ranks are configured differently"
-            )
-        total = ops.sparse_sum([p.indices for p in payloads], [p.values for p in payloads], numel)
-        return total, payloads[0].values.dtype
 
 
 class LargestScores:

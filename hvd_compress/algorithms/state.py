@@ -19,8 +19,7 @@ The route owns the state: the drop-in and MPI optimizers and the DDP hook each h
 route holds it, else a new one) and hand it to the exchanges explicitly
 (:func:`~hvd_compress.engine.exchange.open_exchange`), whose steps work on it (``step.run``);
 checkpoints and inspection take it as an argument (``compressor.state_dict(run)``). Calls
-without one use the compressor's own (stock Horovod's ``compression=`` route, the Simulator,
-direct ``encode`` calls).
+without one use the compressor's own (stock Horovod's ``compression=`` route, the Simulator).
 """
 
 from __future__ import annotations
@@ -32,23 +31,17 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from hvd_compress import kernels
 from hvd_compress.algorithms.checkpoint import host_array
 from hvd_compress.algorithms.residual import TensorMemory
-from hvd_compress.wire import SparsePayload
 
 
 @dataclass
 class WireStats:
-    """What ``encode`` produced since the last ``reset()``: payload bytes vs the dense gradients."""
+    """What the steps handed to the collectives since the last ``reset()``: bytes vs the dense gradients."""
 
     bytes_sent: int = 0
     dense_bytes: int = 0
     values_sent: int = 0
     numel: int = 0
 
-    def record(self, payload: Any, numel: int, itemsize: int) -> None:
-        self.bytes_sent += payload.nbytes
-        self.dense_bytes += numel * itemsize
-        self.values_sent += payload.values.shape[0] if isinstance(payload, SparsePayload) else numel
-        self.numel += numel
 
     @property
     def density(self) -> float:

@@ -7,13 +7,9 @@ largest magnitude of ``a = g + r``: ``S = argtop_k |a_j|``.
 
 from __future__ import annotations
 
-from typing import Any
-
 from hvd_compress.algorithms.sparse import LargestScores, Sparsifier
 
 
 class TopK(LargestScores, Sparsifier):
     """Exact Top-k: ``S`` = the ``k`` largest ``|a_j|`` (ties to the lower index)."""
 
-    def _select(self, a: Any, name: str, shape: tuple, ops: Any) -> Any:
-        return ops.topk_select(a, self.k(a.shape[0]))

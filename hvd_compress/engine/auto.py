@@ -172,7 +172,6 @@ class InnerState(Compressor):
         return self.inner.state_for(holder, route, state)
 
 
-
 class DenseView(InnerState):
     """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),
     its statistics, its fused plans (a switch rebuilds the bucket's plan and moves state)."""
@@ -390,17 +389,9 @@ class Auto(InnerState):
         return self.alternative_choice
 
     # per-tensor use: the inner compressor's encode and decode
-    def encode(self, tensor: Any, name: str, **options: Any) -> Any:
-        return self.inner.encode(tensor, name, **options)
-
-    def decode(self, payloads, shape, average: bool = True, name: Optional[str] = None):
-        return self.inner.decode(payloads, shape, average=average, name=name)
 
     def fused_kind(self, numel: int) -> str:
         return self.inner.fused_kind(numel)
-
-    def encode_options(self, compressors, grads):
-        return self.inner.encode_options([c.inner for c in compressors], grads)
 
     def residual(self, name: str, run: Any = None):
         return self.inner.residual(name, run)

@@ -1,13 +1,14 @@
-"""Pure-numpy specification of every algorithm (the oracle).
+"""The numpy kernels: the engine's operations on numpy arrays, the reference of the other kernel modules.
 
-Each function is a stateless step of one algorithm on a flattened 1-D array; the
-compressor classes hold the state (residuals, RegTop-k's distortion, random
-generators) and call these. Torch and TensorFlow kernels implement the same
-functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
-and TernGrad given the same random draws, the same threshold rule for Gaussian-k.
-The last section holds what the fused bucket path (``hvd_compress.engine.fused``) needs
-beside them: buffers, indexed reads and writes, and TernGrad's steps of every row of
-a bucket; on numpy each row is the per-tensor function's.
+Each function is a stateless step on flat arrays (one tensor's row, or a fused bucket's
+buffers); the engine and the codecs hold the state. Torch and TensorFlow kernels implement
+the same functions and are tested against this module: bit-for-bit for Top-k, RegTop-k
+and TernGrad given the same random draws, the same threshold rule for Gaussian-k. The
+last section holds what the fused bucket path (``hvd_compress.engine.fused``) needs
+beside them: buffers, indexed reads and writes, and TernGrad's steps of every row of a
+bucket; numpy's row selections (:mod:`~hvd_compress.kernels.reference_rows`) run the
+functions above row by row. The per-tensor definition of each algorithm, the tests'
+yardstick, is the spec outside the package (``spec/`` of the repository).
 
 Notation (docs/design.md): ``a`` is the error-compensated gradient
 ``g + r`` of one tensor on one rank, ``d`` its length, ``k = max(1, ceil(ratio * d))``.
@@ -51,20 +52,10 @@ def index_dtype(numel: int) -> np.dtype:
 # --------------------------------------------------------------------------- #
 # Array utilities (each kernel module provides the same)
 # --------------------------------------------------------------------------- #
-def is_floating(a: np.ndarray) -> bool:
-    return a.dtype.kind == "f"
-
 
 def itemsize(a: np.ndarray) -> int:
     return a.itemsize
 
-
-def count_nonfinite(a: np.ndarray) -> int:
-    """NaN/Inf entries of ``a``; one cheap sum first, the exact count only when it is not finite."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        if np.isfinite(np.sum(a)):
-            return 0
-    return int(a.size - np.count_nonzero(np.isfinite(a)))
 
 
 def zeros_like(a: np.ndarray) -> np.ndarray:
@@ -118,6 +109,7 @@ def split(a: np.ndarray, sizes) -> list:
 def generator(seed: int, rank: int, like: np.ndarray) -> np.random.Generator:
     """The random stream of ``rank``: ``default_rng([seed, rank])``."""
     return np.random.default_rng([seed, rank])
+
 
 
 def uniform(rng: np.random.Generator, like: np.ndarray) -> np.ndarray:
@@ -206,10 +198,6 @@ def topk_indices(scores: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.concatenate([above, ties])).astype(index_dtype(numel))
 
 
-def topk_select(a: np.ndarray, k: int) -> np.ndarray:
-    """Top-k: ``S`` = indices of the ``k`` largest ``|a_j|`` (Aji & Heafield 2017)."""
-    return topk_indices(np.abs(a), k)
-
 
 # --------------------------------------------------------------------------- #
 # Gaussian-k
@@ -249,25 +237,6 @@ def normal_tail_quantile(ratio: float) -> float:
     """``Phi^-1(1 - ratio / 2)``, computed as ``-Phi^-1(ratio / 2)`` so tiny ratios stay finite."""
     return -NormalDist().inv_cdf(ratio / 2.0)
 
-
-def gaussiank_select(a: np.ndarray, ratio: float) -> np.ndarray:
-    """Gaussian-k: ``S = {j : |a_j| > thr}`` with a bounded correction of ``thr``.
-
-    Follows hclhkbu/GaussianK-SGD ``compression.py``: up to ``GAUSSIANK_ROUNDS``
-    evaluations; when fewer than ``2k/3`` entries pass, ``thr *= 0.5``; when more
-    than ``4k/3`` pass, ``thr *= 1.5``; no sort, so ``|S|`` varies per rank and
-    step. The multiplicative steps can overshoot back and forth (12 -> 398 -> 102
-    entries for k = 20); when the last evaluation is outside ``[2k/3, 4k/3]`` and
-    some evaluation selected more than ``4k/3`` entries, the smallest such set is
-    cut to its first ``k`` indices, as the reference code cuts its last set
-    (``indexes[0:k]``): every entry kept still lies above a threshold of the
-    correction, and what is cut stays in the residual. No sort anywhere, so on an
-    accelerator the whole correction is a few counting passes (see
-    :func:`gaussiank_correct`).
-    """
-    k = num_selected(a.shape[0], ratio)
-    magnitude = np.abs(a)
-    return gaussiank_from(magnitude, gaussiank_threshold(a, ratio), k)
 
 
 def gaussiank_from(magnitude: np.ndarray, threshold: float, k: int) -> np.ndarray:
@@ -398,33 +367,6 @@ def regtopk_scores(a: np.ndarray, distortion: np.ndarray, mu: float) -> np.ndarr
     return np.abs(damping) * np.abs(a)
 
 
-def regtopk_select(a: np.ndarray, distortion: np.ndarray, mu: float, k: int) -> np.ndarray:
-    """RegTop-k: ``S`` = the ``k`` largest scores (:func:`regtopk_scores`)."""
-    return topk_indices(regtopk_scores(a, distortion, mu), k)
-
-
-def regtopk_posterior(
-    total: np.ndarray, indices: np.ndarray, sent: np.ndarray
-) -> Tuple[np.ndarray, np.ndarray]:
-    """The informative part of the posterior distortion: ``(j, D_j)`` for the ``j`` this rank sent.
-
-    ``total`` is the sum over ranks of the sent sparse vectors (``N *`` average),
-    ``indices``/``sent`` what this rank sent: ``D_j = (T_j - s_j) / s_j``, the other
-    ranks' total relative to this rank's own (``Delta_updater`` of the reference
-    code). Entries sent as exactly 0 carry no information and are left out.
-    Computed in at least float32.
-    """
-    dtype = accumulation_dtype(total.dtype)
-    informative = sent != 0
-    idx = indices[informative]
-    own = sent[informative].astype(dtype, copy=False)
-    return idx, (total[idx].astype(dtype, copy=False) - own) / own
-
-
-def regtopk_distortion(total: np.ndarray, indices: np.ndarray, sent: np.ndarray, numel: int) -> np.ndarray:
-    """The whole posterior distortion ``D``: :func:`regtopk_posterior` where informative, ``1e8`` elsewhere."""
-    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
-
 
 def regtopk_expand(idx: np.ndarray, values: np.ndarray, numel: int) -> np.ndarray:
     """Dense ``D`` from its informative part: ``values`` at ``idx``, ``1e8`` elsewhere."""
@@ -432,17 +374,6 @@ def regtopk_expand(idx: np.ndarray, values: np.ndarray, numel: int) -> np.ndarra
     distortion[idx] = values
     return distortion
 
-
-def regtopk_select_sparse(
-    a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu: float, k: int
-) -> np.ndarray:
-    """:func:`regtopk_select` with ``D`` given by its informative part ``(idx, values)``.
-
-    Elsewhere ``D = 1e8`` and ``tanh((1 + 1e8) / mu)`` is exactly 1, so the score is
-    ``|a_j|``: only the entries sent last step need ``tanh``. Same result as the
-    dense form, at the cost of one ``|a|`` pass.
-    """
-    return topk_indices(regtopk_sparse_scores(a, idx, values, mu), k)
 
 
 def regtopk_sparse_scores(a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu: float) -> np.ndarray:
@@ -456,23 +387,6 @@ def regtopk_sparse_scores(a: np.ndarray, idx: np.ndarray, values: np.ndarray, mu
 # --------------------------------------------------------------------------- #
 # TernGrad
 # --------------------------------------------------------------------------- #
-def terngrad_clip(g: np.ndarray, c: float) -> np.ndarray:
-    """Gradient clipping of TernGrad: ``clip(g, -c*sigma, c*sigma)``, ``sigma = std(g)``.
-
-    Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
-    Distributed Deep Learning" (NeurIPS 2017), section 3.3 (c = 2.5). A constant
-    tensor (``sigma = 0``) is left as it is.
-    """
-    bound = c * float(np.std(g, dtype=np.float64))
-    if bound == 0 or np.max(g) == np.min(g):  # a constant tensor: clipping would erase it
-        return g
-    return np.clip(g, -bound, bound).astype(g.dtype, copy=False)
-
-
-def terngrad_scale(g: np.ndarray) -> float:
-    """Local TernGrad scale ``s = max|g|`` (after optional clipping)."""
-    return float(np.max(np.abs(g)))
-
 
 def terngrad_codes(g: np.ndarray, scale: float, uniform: np.ndarray) -> np.ndarray:
     """Ternary codes ``t_j = sign(g_j) * b_j``, ``b_j ~ Bernoulli(|g_j| / S)``.
@@ -549,10 +463,6 @@ def concat(arrays: Sequence[np.ndarray], out=None) -> np.ndarray:
     return np.concatenate(arrays, out=out)
 
 
-def sum_codes(codes: Sequence[np.ndarray]) -> np.ndarray:
-    """Sum of the ranks' int8 codes, in int32."""
-    return np.sum([c.astype(np.int32) for c in codes], axis=0, dtype=np.int32)
-
 
 def sum_int32_wrapping(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """Elementwise int32 sum with two's-complement wrap-around, as an int32 allreduce does."""
@@ -578,13 +488,6 @@ def dense_sum(values: Sequence[np.ndarray]) -> np.ndarray:
         total = total + v.astype(dtype, copy=False)
     return total
 
-
-def sparse_sum(indices: Sequence[np.ndarray], values: Sequence[np.ndarray], numel: int) -> np.ndarray:
-    """Dense ``sum over ranks of scatter(values_r at indices_r)``, ranks in order 0..N-1."""
-    dtype = accumulation_dtype(np.result_type(*values))
-    total = np.zeros(numel, dtype=dtype)
-    np.add.at(total, np.concatenate(indices).astype(np.int64), np.concatenate(values).astype(dtype))
-    return total
 
 
 # --------------------------------------------------------------------------- #

@@ -3,9 +3,8 @@
 Same names, same arguments, same results, for ``tf.Tensor`` and ``tf.Variable``
 inputs: bit-exact for Top-k (ties to the lower index, indices ascending),
 RegTop-k, the error-feedback split, TernGrad's codes given the same draws, the
-int32 lane and 2-bit packings, the wrapping int32 sum, ``dense_sum`` and
-``sparse_sum`` (one scatter-add per rank, in rank order, so float sums match
-numpy on every device), and float64 -> float16 casts (rounded once, as numpy
+int32 lane and 2-bit packings, the wrapping int32 sum, ``dense_sum`` (in rank order,
+so float sums match numpy on every device), and float64 -> float16 casts (rounded once, as numpy
 does; ``tf.cast`` goes through float32 and can round twice). Reductions (mean,
 std: Gaussian-k's threshold, TernGrad's clipping bound) run in at least float32
 and agree with the float64 reference within float rounding; Gaussian-k applies
@@ -18,11 +17,11 @@ with the same results as eagerly: there is no Python branching on tensor values
 (Gaussian-k's three correction rounds are unrolled into scalar ``tf.where``s, its
 cut is a ``tf.cond``), and divisions by constants use ``DivNoNan``, which
 grappler does not turn into a multiplication by the reciprocal.
-``count_nonfinite``, ``gaussiank_threshold`` and ``terngrad_scale`` return Python
-numbers when executing eagerly and scalar tensors in graph mode;
+``gaussiank_threshold`` returns a Python
+number when executing eagerly and scalar tensors in graph mode;
 ``generator_state`` returns a numpy copy eagerly. ``to_list`` is eager only.
 ``generator`` owns a ``tf.Variable``: create it once, eagerly or on a function's
-first trace, and keep it (as ``Compressor.generator`` does). Tensors are
+first trace, and keep it (as the run state's streams do). Tensors are
 immutable, so ``error_feedback_split(in_place=True)`` returns a new residual.
 """
 
@@ -107,19 +106,10 @@ def _python_or_tensor(value: tf.Tensor, kind: type):
 
 
 # ------------------------------------------------------------------ utilities
-def is_floating(a) -> bool:
-    return a.dtype.is_floating
-
 
 def itemsize(a) -> int:
     return a.dtype.size
 
-
-def count_nonfinite(a):
-    if tf.executing_eagerly() and bool(tf.math.is_finite(tf.reduce_sum(a))):
-        return 0
-    bad = tf.size(a, out_type=tf.int64) - tf.math.count_nonzero(tf.math.is_finite(a), dtype=tf.int64)
-    return _python_or_tensor(bad, int)
 
 
 def zeros_like(a) -> tf.Tensor:
@@ -194,6 +184,7 @@ def generator(seed: int, rank: int, like) -> tf.random.Generator:
     key = np.random.SeedSequence([seed, rank]).generate_state(1, dtype=np.uint64).view(np.int64)
     with _on(like):
         return tf.random.Generator.from_key_counter(int(key[0]), [0, 0], "philox")
+
 
 
 def uniform(rng: tf.random.Generator, like) -> tf.Tensor:
@@ -286,9 +277,6 @@ def topk_positions(scores, k: int) -> tf.Tensor:
     return tf.cast(-tf.math.top_k(-positions, k, sorted=True).values, tf.int64)
 
 
-def topk_select(a, k: int) -> tf.Tensor:
-    return topk_indices(tf.abs(a), k)
-
 
 # ------------------------------------------------------------------ Gaussian-k
 def _threshold(a, ratio: float) -> tf.Tensor:
@@ -306,10 +294,6 @@ def gaussiank_first_threshold(a, ratio: float) -> tf.Tensor:
     """:func:`gaussiank_threshold` as a float64 scalar tensor, also eagerly (read nothing back)."""
     return _threshold(a, ratio)
 
-
-def gaussiank_select(a, ratio: float) -> tf.Tensor:
-    """:func:`gaussiank_from` on ``|a|`` from :func:`gaussiank_threshold` (as the reference)."""
-    return gaussiank_from(tf.abs(a), _threshold(a, ratio), num_selected(a.shape[0], ratio))
 
 
 def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
@@ -400,42 +384,13 @@ def regtopk_scores(a, distortion, mu: float) -> tf.Tensor:
     return tf.cast(tf.abs(damping), dtype) * tf.cast(tf.abs(a), dtype)
 
 
-def regtopk_select(a, distortion, mu: float, k: int) -> tf.Tensor:
-    return topk_indices(regtopk_scores(a, distortion, mu), k)
-
-
-def regtopk_posterior(total, indices, sent) -> Tuple[tf.Tensor, tf.Tensor]:
-    dtype = accumulation_dtype(total.dtype)
-    informative = tf.reshape(tf.where(tf.not_equal(sent, 0)), [-1])  # one where, two gathers: an eager
-    idx = tf.gather(indices, informative)  # tf.boolean_mask costs 6x as much
-    own = tf.cast(tf.gather(sent, informative), dtype)
-    return idx, _divide(tf.cast(tf.gather(total, idx), dtype) - own, own)
-
-
-def regtopk_distortion(total, indices, sent, numel: int) -> tf.Tensor:
-    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
-
 
 def regtopk_expand(idx, values, numel: int) -> tf.Tensor:
     return tf.tensor_scatter_nd_update(full(numel, NO_DISTORTION, values), tf.reshape(idx, [-1, 1]), values)
 
 
-def regtopk_select_sparse(a, idx, values, mu: float, k: int) -> tf.Tensor:
-    return topk_indices(regtopk_sparse_scores(a, idx, values, mu), k)
-
 
 # -------------------------------------------------------------------- TernGrad
-def terngrad_clip(g, c: float) -> tf.Tensor:
-    """``clip(g, -c sigma, c sigma)``; a constant tensor (or ``sigma = 0``) is left as it is."""
-    bound = c * tf.cast(tf.math.reduce_std(tf.cast(g, accumulation_dtype(g.dtype))), tf.float64)
-    constant = tf.equal(bound, 0.0) | tf.equal(tf.reduce_max(g), tf.reduce_min(g))
-    limit = cast(bound, g.dtype)
-    return tf.where(constant, g, tf.clip_by_value(g, -limit, limit))
-
-
-def terngrad_scale(g):
-    return _python_or_tensor(tf.reduce_max(tf.abs(g)), float)
-
 
 def terngrad_codes(g, scale, uniform) -> tf.Tensor:
     """``scale`` is rounded once to ``g``'s dtype, as numpy does; ``scale == 0`` gives zeros
@@ -502,25 +457,12 @@ def concat(arrays: Sequence, out=None) -> tf.Tensor:
     return tf.concat(list(arrays), axis=0)
 
 
-def sum_codes(codes: Sequence) -> tf.Tensor:
-    return tf.add_n([tf.cast(c, tf.int32) for c in codes])
-
 
 def sum_int32_wrapping(arrays: Sequence) -> tf.Tensor:
     return _wrap_int32(tf.add_n([tf.cast(a, tf.int64) for a in arrays]))
 
 
 # ----------------------------------------------------------------- aggregation
-def sparse_sum(indices: Sequence, values: Sequence, numel: int) -> tf.Tensor:
-    """One scatter-add per rank, in rank order: the same float sums as ``np.add.at``
-    (a single scatter of all ranks would add in no fixed order on GPUs)."""
-    dtype = accumulation_dtype(_result_type(*(v.dtype for v in values)))
-    with _on(values[0]):
-        total = tf.zeros([numel], dtype)
-    for idx, v in zip(indices, values):
-        total = tf.tensor_scatter_nd_add(total, tf.reshape(idx, [-1, 1]), tf.cast(v, dtype))
-    return total
-
 
 # ------------------------------------------------------------ fused buckets
 #: what :func:`fusable` takes: the engine's float dtypes

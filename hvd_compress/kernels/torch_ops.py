@@ -2,14 +2,11 @@
 
 Same names, same arguments, same results: bit-exact for Top-k, RegTop-k, the
 error-feedback split and TernGrad's codes given the same draws; reductions
-(mean, std) agree within float rounding. On CUDA the sparse sums' scatter-adds
-(``index_add_``, float atomics) flush subnormal values (float32: below 1.2e-38) to
-zero, so a sum that is subnormal in the reference may come back 0 there (the
-kernel tests accept exactly that). Tensors stay on their device; the only
-host synchronisations of the per-tensor functions are the scalars the algorithms
-branch on (Gaussian-k's count, TernGrad's scale) and the sizes of ``nonzero``. The
-selections of the fused path, which read nothing back on an accelerator, are
-:mod:`hvd_compress.kernels.torch_rows`.
+(mean, std) agree within float rounding. On CUDA the scatter-adds (``index_add_``,
+float atomics) flush subnormal values (float32: below 1.2e-38) to zero, so a sum
+that is subnormal in the reference may come back 0 there. Tensors stay on their
+device. The selections of the fused path, which read nothing back on an
+accelerator, are :mod:`hvd_compress.kernels.torch_rows`.
 """
 
 from __future__ import annotations
@@ -96,18 +93,10 @@ def index_dtype(numel: int) -> torch.dtype:
 
 
 # ------------------------------------------------------------------ utilities
-def is_floating(a: torch.Tensor) -> bool:
-    return a.is_floating_point()
-
 
 def itemsize(a: torch.Tensor) -> int:
     return a.element_size()
 
-
-def count_nonfinite(a: torch.Tensor) -> int:
-    if bool(torch.isfinite(a.sum())):
-        return 0
-    return int(a.numel() - torch.isfinite(a).sum().item())
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -208,6 +197,7 @@ def generator(seed: int, rank: int, like: torch.Tensor) -> torch.Generator:
     return stream
 
 
+
 def uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
     """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
     draws = torch.rand(like.shape[0], generator=rng, dtype=torch.float32, device=like.device)
@@ -302,9 +292,6 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return chosen.to(index_dtype(numel))
 
 
-def topk_select(a: torch.Tensor, k: int) -> torch.Tensor:
-    return topk_indices(torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)), k)
-
 
 # ------------------------------------------------------------------ Gaussian-k
 def gaussiank_threshold(a: torch.Tensor, ratio: float) -> float:
@@ -332,12 +319,6 @@ def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> T
     selected = torch.nonzero(scores > _rounded(chosen, scores.dtype)).flatten()[:k]
     return selected.to(index_dtype(scores.shape[0])), chosen
 
-
-def gaussiank_select(a: torch.Tensor, ratio: float) -> torch.Tensor:
-    """One moments pass, then per correction round one comparison and one count; no sort of ``a``."""
-    k = num_selected(a.shape[0], ratio)
-    magnitude = torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device))
-    return gaussiank_from(magnitude, gaussiank_threshold(a, ratio), k)
 
 
 def gaussiank_from(magnitude: torch.Tensor, threshold: float, k: int) -> torch.Tensor:
@@ -384,23 +365,6 @@ def regtopk_scores(a: torch.Tensor, distortion: torch.Tensor, mu: float) -> torc
     return damping.abs() * a.abs()
 
 
-def regtopk_select(a: torch.Tensor, distortion: torch.Tensor, mu: float, k: int) -> torch.Tensor:
-    return topk_indices(regtopk_scores(a, distortion, mu), k)
-
-
-def regtopk_posterior(total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor):
-    dtype = accumulation_dtype(total.dtype)
-    informative = sent != 0
-    idx = indices[informative]
-    own = sent[informative].to(dtype)
-    return idx, (total[idx.long()].to(dtype) - own) / own
-
-
-def regtopk_distortion(
-    total: torch.Tensor, indices: torch.Tensor, sent: torch.Tensor, numel: int
-) -> torch.Tensor:
-    return regtopk_expand(*regtopk_posterior(total, indices, sent), numel)
-
 
 def regtopk_expand(idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
     distortion = full(numel, NO_DISTORTION, values)
@@ -408,28 +372,8 @@ def regtopk_expand(idx: torch.Tensor, values: torch.Tensor, numel: int) -> torch
     return distortion
 
 
-def regtopk_select_sparse(
-    a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float, k: int
-) -> torch.Tensor:
-    return topk_indices(regtopk_sparse_scores(a, idx.long(), values, mu), k)
-
 
 # -------------------------------------------------------------------- TernGrad
-def terngrad_clip(g: torch.Tensor, c: float) -> torch.Tensor:
-    bound = c * float(torch.std(g, correction=0))
-    low, high = torch.aminmax(g)
-    if bound == 0 or low == high:  # a constant tensor: clipping would erase it
-        return g
-    bound = _rounded(bound, g.dtype)
-    return torch.clamp(g, -bound, bound, out=_empty(g.shape[0], g.dtype, g.device))
-
-
-def terngrad_scale(g: torch.Tensor) -> float:
-    """``max|g| = max(-min g, max g)``: one pass, no ``|g|`` temporary; ``abs`` of the result
-    keeps it ``+0.0`` for an all-zero ``g`` and ``maximum`` propagates NaN, as ``g.abs().max()``."""
-    low, high = torch.aminmax(g)
-    return float(torch.maximum(-low, high).abs())
-
 
 def terngrad_codes(g: torch.Tensor, scale: float, uniform: torch.Tensor) -> torch.Tensor:
     """``sign(g) * [u < |g| / S]`` in int8: ``sign(g) = [g > 0] - [g < 0]`` (booleans are 0/1
@@ -517,28 +461,12 @@ def concat(arrays: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -
     return torch.cat(list(arrays), out=out)
 
 
-def sum_codes(codes: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([c.to(torch.int32) for c in codes]).sum(dim=0, dtype=torch.int32)
-
 
 def sum_int32_wrapping(arrays: Sequence[torch.Tensor]) -> torch.Tensor:
     return _wrap_int32(torch.stack([a.to(torch.int64) for a in arrays]).sum(dim=0))
 
 
 # ----------------------------------------------------------------- aggregation
-def sparse_sum(indices: Sequence[torch.Tensor], values: Sequence[torch.Tensor], numel: int) -> torch.Tensor:
-    """Scatter-add of every rank's values, one ``index_add_`` per rank, in rank order.
-
-    A rank's indices are distinct, so each of its ``index_add_`` touches an entry at
-    most once: the sums are in rank order on every device (one ``index_add_`` of all
-    ranks would add with atomics in no fixed order on CUDA, and replicas could differ).
-    """
-    dtype = accumulation_dtype(values[0].dtype)
-    total = torch.zeros(numel, dtype=dtype, device=values[0].device)
-    for idx, v in zip(indices, values):
-        total.index_add_(0, idx.long(), v.to(dtype))
-    return total
-
 
 # ---------------------------------------------------------------- fused buckets
 #: dtypes a fused bucket takes

@@ -12,6 +12,7 @@ import pytest
 
 from hvd_compress import FP16, GaussianK, NoneCompressor, RegTopK, TernGrad, TopK
 from hvd_compress.kernels import reference
+from tests.helpers import reference_gaussiank
 from hvd_compress import wire
 from hvd_compress.engine.exchange import open_exchange
 from hvd_compress.simulator import Simulator
@@ -195,7 +196,7 @@ def test_gaussiank_halves_threshold_when_too_few(fixed_first_threshold):
     # eval 1: thr 8 -> 3 entries (< 4) -> thr 8 * 0.5 = 4
     # eval 2: thr 4 -> the three 9s and 4.5 = 4 entries: in range, sent.
     # (a factor 0.6 would give thr 4.8 -> 3, then 2.88 -> 5 entries; 0.4 -> 3.2 -> 5 entries)
-    np.testing.assert_array_equal(reference.gaussiank_select(a, 0.2), [0, 1, 2, 3])
+    np.testing.assert_array_equal(reference_gaussiank(a, 0.2), [0, 1, 2, 3])
 
 
 def test_gaussiank_grows_threshold_when_too_many(fixed_first_threshold):
@@ -204,7 +205,7 @@ def test_gaussiank_grows_threshold_when_too_many(fixed_first_threshold):
     # eval 1: thr 1 -> 17 entries (> 8) -> thr 1 * 1.5 = 1.5
     # eval 2: thr 1.5 -> five 1.6s and two 1.55s = 7 entries: in range, sent.
     # (a factor 1.25 would give 1.25 -> 17, then 1.5625 -> 5 entries)
-    np.testing.assert_array_equal(reference.gaussiank_select(a, 0.2), np.arange(7))
+    np.testing.assert_array_equal(reference_gaussiank(a, 0.2), np.arange(7))
 
 
 def test_gaussiank_at_most_three_evaluations_last_set_sent(fixed_first_threshold):
@@ -214,21 +215,21 @@ def test_gaussiank_at_most_three_evaluations_last_set_sent(fixed_first_threshold
     # eval 2: thr 4 -> {9} = 1 -> thr 2
     # eval 3: thr 2 -> {9, 3, 3} = 3, still < 4, but no fourth evaluation: these 3 are sent
     # (a 4th evaluation at thr 1 would send 6 entries; stopping after 2 would send 1)
-    np.testing.assert_array_equal(reference.gaussiank_select(a, 0.2), [0, 1, 2])
+    np.testing.assert_array_equal(reference_gaussiank(a, 0.2), [0, 1, 2])
 
 
 @pytest.mark.parametrize("count", [4, 8])  # exactly 2k/3 and exactly 4k/3 are accepted
 def test_gaussiank_bounds_are_inclusive(fixed_first_threshold, count):
     fixed_first_threshold(1.0)
     a = _with_magnitudes(30, [(2, count), (0.5, 10)])
-    np.testing.assert_array_equal(reference.gaussiank_select(a, 0.2), np.arange(count))
+    np.testing.assert_array_equal(reference_gaussiank(a, 0.2), np.arange(count))
 
 
 def test_gaussiank_threshold_is_strict(fixed_first_threshold):
     fixed_first_threshold(2.0)
     # 6 entries equal to the threshold (not > thr) and 5 above it: only the 5 pass (5 in [4, 8])
     a = _with_magnitudes(30, [(3, 5), (2, 6)])
-    np.testing.assert_array_equal(reference.gaussiank_select(a, 0.2), np.arange(5))
+    np.testing.assert_array_equal(reference_gaussiank(a, 0.2), np.arange(5))
 
 
 def test_gaussiank_class_uses_the_loop(fixed_first_threshold):
@@ -256,12 +257,13 @@ def test_regtopk_score():
 
 
 def test_regtopk_distortion_update():
-    total = arr(5, 0, -2, 7)
-    indices = np.array([0, 2, 3], np.int32)
-    sent = arr(2, -1, 0)
-    # j=0: (5 - 2) / 2 = 1.5;  j=1 not sent: 1e8;  j=2: (-2 - (-1)) / (-1) = 1;
-    # j=3 sent a value of exactly 0: no information -> 1e8
-    np.testing.assert_array_equal(reference.regtopk_distortion(total, indices, sent, 4), [1.5, 1e8, 1.0, 1e8])
+    # d = 4, ratio 0.5 -> k = 2. Rank 0 sends 2 at 0 and 0 at 1 (the tie of zeros to the lower index);
+    # rank 1 sends 3 at 0 and 4 at 3: T = [5, 0, 0, 4]. Rank 0: j=0: (5 - 2) / 2 = 1.5; j=1 sent a value
+    # of exactly 0: no information -> 1e8; not sent: 1e8. Rank 1: j=0: (5 - 3) / 3; j=3: (4 - 4) / 4 = 0.
+    sim = Simulator(2, RegTopK(0.5, dense_below=0, dense_when_cheaper=False))
+    sim.step({"w": [arr(2, 0, 0, 0), arr(3, 0.25, -1, 4)]})
+    np.testing.assert_array_equal(sim.compressors[0].distortion("w"), [1.5, 1e8, 1e8, 1e8])
+    np.testing.assert_array_equal(sim.compressors[1].distortion("w"), [2 / 3, 1e8, 1e8, 0])
 
 
 def test_regtopk_two_ranks_two_steps_in_simulator():
@@ -337,7 +339,6 @@ def test_terngrad_clipping_at_c_std():
     # g = nine zeros and one 10: mean 1, population variance (9 * 1 + 81) / 10 = 9, std 3
     # bound c * std = 2.5 * 3 = 7.5 -> clipped max |g| = 7.5
     g = arr(*([0] * 9 + [10]))
-    np.testing.assert_allclose(reference.terngrad_clip(g, 2.5), [0] * 9 + [7.5], rtol=1e-15)
     # the clipped entry has p = 7.5 / 7.5 = 1: always coded +1 (-1 for -g); zeros always 0;
     # one rank sends S * codes; unclipped, S = 10
     for clip, grad, expected in ((2.5, g, 7.5), (2.5, -g, -7.5), (None, g, 10.0)):

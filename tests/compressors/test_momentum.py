@@ -24,7 +24,7 @@ from hvd_compress import GaussianK, RegTopK, TopK
 from hvd_compress.transport.threads import run_ranks
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.horovod.torch_buckets import Plan
-from hvd_compress.kernels import reference
+from spec import sparse as spec_sparse
 from hvd_compress.simulator import Simulator
 from tests.oracle import PerTensorRanks
 from tests import conformance
@@ -66,14 +66,9 @@ def spec_run(kind: str, grads, m: float, ratio: float, mu: float = 5.0):
         g = g.astype(np.float32)
         u = g.copy() if u is None else u * np.float32(m) + g
         a = u if r is None else r + u
-        k = reference.num_selected(a.size, ratio)
-        if kind == "topk":
-            S = reference.topk_select(a, k)
-        elif kind == "gaussiank":
-            S = reference.gaussiank_select(a, ratio)
-        else:
-            S = (reference.topk_select(a, k) if posterior is None
-                 else reference.regtopk_select_sparse(a, *posterior, mu, k))
+        select = {"topk": spec_sparse.topk_select, "gaussiank": spec_sparse.gaussiank_select}.get(
+            kind, spec_sparse.regtopk_select)
+        S = select(a, ratio, posterior, mu)
         sent = np.zeros_like(a)
         sent[S] = a[S]
         r = a.copy()
@@ -81,7 +76,9 @@ def spec_run(kind: str, grads, m: float, ratio: float, mu: float = 5.0):
         u = u.copy()
         u[S] = 0
         if kind == "regtopk":
-            posterior = reference.regtopk_posterior(sent, S, a[S])
+            state = {}
+            spec_sparse.learn_posterior(sent, {"indices": S, "values": a[S]}, state)
+            posterior = state["posterior"]
         out.append((sent, r, u))
     return out
 

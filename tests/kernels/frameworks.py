@@ -26,7 +26,6 @@ import inspect
 import os
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Sequence
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -84,9 +83,6 @@ class Framework:
         """The framework's own cast, without the kernels' single rounding."""
         raise NotImplementedError
 
-    def fixed_threshold(self, threshold: float):
-        """A context in which ``ops.gaussiank_select`` starts from ``threshold``."""
-        raise NotImplementedError
 
     def run(self, fn: Callable, *args) -> Dict[str, Any]:
         """``{mode: fn(*args)}`` for every execution mode."""
@@ -174,9 +170,6 @@ class TorchFramework(Framework):
     def native_cast(self, t, dtype):
         return t.to(self.dtype(dtype))
 
-    def fixed_threshold(self, threshold):
-        return mock.patch.object(self.ops, "gaussiank_threshold", lambda _a, _r: threshold)
-
 
 class TFFramework(Framework):
     """:mod:`hvd_compress.kernels.tf_ops`, eagerly and in a graph; fewer examples (each traces)."""
@@ -213,9 +206,6 @@ class TFFramework(Framework):
     def native_cast(self, t, dtype):
         return self.tf.cast(t, self.dtype(dtype))
 
-    def fixed_threshold(self, threshold):
-        tf = self.tf
-        return mock.patch.object(self.ops, "_threshold", lambda _a, _r: tf.constant(threshold, tf.float64))
 
     def run(self, fn, *args):
         """Eagerly, and traced by ``tf.function`` for the args' static shapes."""

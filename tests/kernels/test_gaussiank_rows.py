@@ -2,7 +2,7 @@
 
 On an accelerator :meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank` counts every
 threshold the correction can meet in one pass and applies the rule to the counts. Row by
-row it must select what ``reference.gaussiank_select`` selects from the same first threshold
+row it must select what ``reference.gaussiank_from`` (from ``reference.gaussiank_threshold``) selects from the same first threshold
 (the moments are reductions, equal within rounding only: the reference is handed the
 kernel's threshold), never more than ``reference.gaussiank_slots(k)`` entries, with unused
 slots holding ``n``. Both ways run on every device: read back (the CPU's, row by row) and
@@ -22,6 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hvd_compress.kernels import reference as R  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.kernels.torch_rows import Rows, _OUTCOMES  # noqa: E402
+from tests.helpers import reference_gaussiank  # noqa: E402
 from tests.kernels.frameworks import FLOATS  # noqa: E402
 from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 
@@ -71,7 +72,7 @@ def test_gaussiank_rows_follow_the_reference_row_by_row(K, dtype, read_back, dat
         used = chosen[chosen < n]
         assert np.all(chosen[used.shape[0]:] == n), "unused slots come last and hold n"
         with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: float(threshold)):
-            want = R.gaussiank_select(row, ratio)
+            want = reference_gaussiank(row, ratio)
         np.testing.assert_array_equal(used, want)
 
 
@@ -118,7 +119,7 @@ def test_rows_of_several_groups_cut_an_overshooting_superset_to_its_first_k(K, d
         for i in range(count):
             a = flat[start + i * n : start + (i + 1) * n]
             with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: float(first[row])):
-                want = R.gaussiank_select(a, ratio)
+                want = reference_gaussiank(a, ratio)
             if row < 2:
                 counts = [int(np.sum(np.abs(a) > a.dtype.type(3.1 * f))) for f in (1.0, 0.5, 0.75)]
                 assert counts[0] < 2 * k / 3 and min(counts[1:]) > 4 * k / 3, counts  # the cut is taken

@@ -3,7 +3,7 @@
 A fused bucket lays its tensors out as rows of a flat buffer, grouped by size
 (:class:`hvd_compress.kernels.groups.Group`). Every row of numpy's
 :class:`~hvd_compress.kernels.reference_rows.Rows` must select what
-:func:`reference.topk_indices` and :func:`reference.gaussiank_select` select on that row
+:func:`reference.topk_indices` and :func:`reference.gaussiank_from` select on that row
 alone (Top-k: ties to the lower index; Gaussian-k: in index order in its first slots,
 the others the spare position), and TernGrad's bucket kernels must give each row the
 reference's scale, codes (same uniforms) and residual, bit for bit; a row holding NaN/Inf
@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from hvd_compress.kernels.groups import Group
 from hvd_compress.kernels import reference as R
 from hvd_compress.kernels.reference_rows import Rows
+from spec import terngrad as terngrad_spec
+from tests.helpers import reference_gaussiank
 
 DTYPES = st.sampled_from([np.float16, np.float32, np.float64])
 
@@ -77,7 +79,7 @@ def test_gaussiank_of_every_row_is_the_reference(bucket, ratio):
     slot = 0
     for row, (first, entries) in enumerate(rows_of(flat, groups)):
         width = R.gaussiank_slots(R.num_selected(entries.shape[0], ratio))
-        want = R.gaussiank_select(entries, ratio)
+        want = reference_gaussiank(entries, ratio)
         mine = positions[slot : slot + width]
         np.testing.assert_array_equal(mine[: want.shape[0]] - first, want)
         assert np.all(mine[want.shape[0] :] == spare), "unused slots hold the spare position"
@@ -108,10 +110,11 @@ def test_terngrad_bucket_kernels_are_the_reference_row_by_row(bucket, clip, seed
     with np.errstate(all="ignore"):
         codes = R.terngrad_bucket_codes(flat, groups, bound, scale, uniform)
     residual = R.terngrad_bucket_residual(flat.copy(), groups, codes, scale)
-    for row, (first, entries) in enumerate(rows_of(flat, groups)):
-        clipped = entries if clip is None else R.terngrad_clip(entries, clip)
-        assert scale[row] == R.terngrad_scale(clipped), row
-        want = R.terngrad_codes(clipped, float(scale[row]), uniform[first : first + entries.shape[0]])
+    option = terngrad_spec.TernGrad(clip=clip)
+    for row, (first, entries) in enumerate(rows_of(flat, groups)):  # the spec, one tensor at a time
+        measured = terngrad_spec.measure(option, entries, {})
+        assert float(scale[row]) == float(measured["scale"]), row
+        want = terngrad_spec.codes(option, measured, scale[row], uniform[first : first + entries.shape[0]], {})
         np.testing.assert_array_equal(codes[first : first + entries.shape[0]], want)
         np.testing.assert_array_equal(residual[first : first + entries.shape[0]],
                                       entries - float(scale[row]) * want.astype(entries.dtype))

@@ -1,7 +1,7 @@
 """The fused path's row selections on TensorFlow against the per-tensor kernels and numpy's rows.
 
 Every row of :class:`~hvd_compress.kernels.tf_rows.Rows` must select what
-:func:`tf_ops.topk_indices` and :func:`tf_ops.gaussiank_select` select on that row alone, in its
+:func:`tf_ops.topk_indices` and :func:`tf_ops.gaussiank_from` select on that row alone, in its
 slots (Gaussian-k: in index order in the first, the others the spare position), eagerly and
 traced by ``tf.function``; and what numpy's :class:`~hvd_compress.kernels.reference_rows.Rows`
 selects: Top-k bit for bit (each row's largest score too), Gaussian-k from the same first
@@ -87,7 +87,7 @@ def test_gaussiank_rows_are_the_kernels_and_numpys(bucket, ratio):
     flat, groups = bucket
     slots = layout(groups, ratio, R.gaussiank_slots)
     a = tf.constant(flat)
-    kernel = per_row(a, groups, ratio, lambda row: F.gaussiank_select(row, ratio), R.gaussiank_slots)
+    kernel = per_row(a, groups, ratio, lambda row: F.gaussiank_from(abs(row), F.gaussiank_first_threshold(row, ratio), R.num_selected(row.shape[0], ratio)), R.gaussiank_slots)
     thresholds = np.array([F.gaussiank_threshold(a[first : first + row.shape[0]], ratio)
                            for first, row in rows_of(flat, groups)])
     handed = iter(thresholds)
@@ -122,7 +122,7 @@ def test_bfloat16_rows_are_the_kernels(bucket, ratio):
     assert top.dtype == tf.bfloat16 and np.array_equal(tf.cast(top, tf.float32), single_top)
     slots = layout(groups, ratio, R.gaussiank_slots)
     positions, _ = tf_rows.Rows(slots, a.device, spare=flat.shape[0]).gaussiank(a, tf.abs(a), ratio)
-    want = per_row(a, groups, ratio, lambda row: F.gaussiank_select(row, ratio), R.gaussiank_slots)
+    want = per_row(a, groups, ratio, lambda row: F.gaussiank_from(abs(row), F.gaussiank_first_threshold(row, ratio), R.num_selected(row.shape[0], ratio)), R.gaussiank_slots)
     np.testing.assert_array_equal(positions, want)
 
 

@@ -7,7 +7,7 @@
 * Larger and costlier runs through the Simulator: every compressor keeps torch tensors on
   their device and dtype, float16 gradients, gradients of thousands of entries over 4 steps, TernGrad's decode for up to 16 ranks and both wire formats, TernGrad bit-exact
   with numpy's draws, a Simulator checkpoint of every rank's stream (TensorFlow runs the
-  same compressors against numpy, payload by payload, in the shared tests).
+  same compressors against numpy through the Simulator in the shared tests).
 * TernGrad's estimate on torch is unbiased: 4000 draws, through torch's own random stream.
 """
 
@@ -27,6 +27,7 @@ from tests.helpers import ALL_COMPRESSORS, permille, training_runs
 from tests.kernels.frameworks import FLOATS_32_64
 from tests.kernels.frameworks import given_per_framework as given
 from tests.kernels.test_kernels import E2E, assert_simulators_agree, run_both
+from tests.oracle import PerTensorRanks
 
 
 pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=True)
@@ -48,22 +49,19 @@ def test_simulator_on_torch_equals_simulator_on_numpy(K, kind, dtype, grads, p):
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
 def test_terngrad_torch_is_unbiased(K, dtype):
     """Mean of S * t over 4000 draws is within 5 standard errors of g, per entry
-    (Var[S t_j] = S |g_j| - g_j^2; entries with zero variance must be exact)."""
+    (Var[S t_j] = S |g_j| - g_j^2; entries with zero variance must be exact): ten values, each
+    400 times in one tensor, over 10 steps of one rank."""
     torch = K.torch
-    draws = 4000
-    g = K.tensor(np.array([0.0, 1e-3, -0.25, 0.5, -0.9, 1.0, -1.0, 0.3, 0.01, -0.6], dtype=dtype))
-    compressor = TernGrad(clip=None, dense_below=0, seed=11)
-    total = torch.zeros_like(g, dtype=torch.float64)
-    for _ in range(draws):
-        payload = compressor.encode(g, "w")
-        total += payload.scale * payload.codes.to(torch.float64)
-    mean = K.numpy(total / draws)
-    gn = K.numpy(g).astype(np.float64)
+    values = np.array([0.0, 1e-3, -0.25, 0.5, -0.9, 1.0, -1.0, 0.3, 0.01, -0.6], dtype=dtype)
+    g = K.tensor(np.tile(values, 400))
+    sim = Simulator(1, TernGrad(clip=None, dense_below=0, seed=11))
+    sent = [sim.step({"w": [g]})["w"].to(torch.float64) for _ in range(10)]
+    mean = K.numpy(torch.stack(sent).reshape(-1, 400, 10).mean(dim=(0, 1)))
+    gn = values.astype(np.float64)
     scale = float(np.max(np.abs(gn)))
-    stderr = np.sqrt((scale * np.abs(gn) - gn**2) / draws)
+    stderr = np.sqrt((scale * np.abs(gn) - gn**2) / 4000)
     assert np.all(np.abs(mean - gn) <= 5 * stderr), (mean, gn, stderr)
-    # and the stream does move: two encodes differ
-    assert not torch.equal(compressor.encode(g, "w").codes, compressor.encode(g, "w").codes)
+    assert not torch.equal(sent[0], sent[1])  # the stream moves
 
 
 @pytest.mark.parametrize("dtype", FLOATS_32_64)
@@ -93,26 +91,11 @@ def test_terngrad_decode_is_scale_times_code_sum_over_n(K, n_ranks, numel, scala
     """Both wire formats (packed int32 allreduce, 2-bit allgather) and per-rank scales."""
     rng = np.random.default_rng(n_ranks * numel)
     grads = [K.tensor((rng.standard_normal(numel) * (r + 1)).astype(np.float32)) for r in range(n_ranks)]
-    compressors = [
-        TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2).bind(r, n_ranks)
-        for r in range(n_ranks)
-    ]
-    shared = max(c.local_scale(g, "w") for c, g in zip(compressors, grads)) if scalar_sharing else None
-    payloads = [c.encode(g, "w", scale=shared) for c, g in zip(compressors, grads)]
-    out = compressors[0].decode(payloads, (numel,))
+    make = lambda: TernGrad(clip=None, dense_below=0, scalar_sharing=scalar_sharing, seed=2)  # noqa: E731
+    out = Simulator(n_ranks, make()).step({"w": grads})["w"]
     assert out.dtype == K.dtype(np.float32)
-    if scalar_sharing:
-        code_sum = np.sum([K.numpy(p.codes).astype(np.int32) for p in payloads], axis=0)
-        want = (code_sum.astype(np.float32) * np.float32(shared)) / np.float32(n_ranks)
-    else:
-        scaled = [K.numpy(p.codes).astype(np.float32) * np.float32(p.scale) for p in payloads]
-        want = scaled[0]
-        for term in scaled[1:]:  # rank order
-            want = want + term
-        want = want / np.float32(n_ranks)
-    K.assert_same(out, want)  # the same float32 operations in the same order: exact
-    sim = Simulator(n_ranks, TernGrad(dense_below=0, scalar_sharing=scalar_sharing, seed=2))
-    K.assert_same(sim.step({"w": grads})["w"], want, "Simulator")
+    want = PerTensorRanks(n_ranks, make()).step({"w": grads})["w"]
+    K.assert_same(out, K.numpy(want), "the spec on torch's draws")
 
 
 def test_terngrad_equals_numpy_given_the_same_uniforms(K, numpy_draws):
