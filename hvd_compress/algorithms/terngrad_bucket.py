@@ -10,7 +10,7 @@ one packed int32 allreduce-Sum (or one 2-bit allgather,
 :func:`hvd_compress.wire.ternary_wire_format`); without it, one round gathers every
 rank's scales and 2-bit codes. The decode multiplies each group's code sums by its
 scales, NaN for a flagged tensor. Each tensor draws its own uniforms, in the order the
-tensors were added, so the results equal the per-tensor compressor's bit for bit.
+tensors were added, so the results equal the per-tensor spec's (one tensor at a time) bit for bit.
 """
 
 from __future__ import annotations

@@ -54,9 +54,8 @@ rank), so a NaN/Inf on any rank makes that tensor non-finite on every rank
 keeps its values from before the step. Dense tensors carry NaN/Inf through the
 sum themselves.
 
-Results are those of the per-tensor compressors (``encode``/``decode``, tensor by tensor) bit
-for bit, on numpy, torch and TensorFlow, except FP16's, whose per-tensor ``decode`` adds in
-float32 where the allreduce rounds the float16 sum (within float16's rounding): same selection (ties to the lower index), same sums
+Results are those of the per-tensor spec (``spec/`` of the repository, tensor by tensor) bit
+for bit, on numpy, torch and TensorFlow: same selection (ties to the lower index), same sums
 in rank order, same draws (each tensor draws its own uniforms, in the order the
 tensors were added); TernGrad's clipping bound on torch comes from a row-wise
 std, which may round differently from one tensor's.

@@ -3,12 +3,12 @@
 The numpy counterpart of :class:`hvd_compress.kernels.torch_rows.Rows` (same layout, same
 results): a fused bucket (:mod:`hvd_compress.engine.fused`) lays its compressed tensors out
 in one flat work buffer, those of equal size next to each other, and each row (tensor)
-selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_select` selects
-on it alone, as work positions in a fixed number of slots per row. On the host nothing
-is to be saved by batching the rows: a loop over them calls the reference itself, so the
-selections are the per-tensor compressors' (the Simulator's) by construction. A selection of another kind visits
-the rows one by one in the order their tensors were added (:meth:`Rows.each`,
-:func:`each_row`), so that random draws come in the per-tensor compressors' order.
+selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_from` (from
+:func:`reference.gaussiank_threshold`) selects on it alone, as work positions in a fixed number
+of slots per row. On the host nothing is to be saved by batching the rows: a loop over them
+calls those functions on each row. A selection of another kind visits the rows one by one in
+the order their tensors were added (:meth:`Rows.each`, :func:`each_row`), so that random draws
+come in that order on every framework.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Rows:
         return positions, np.array(top, dtype=scores.dtype)
 
     def gaussiank(self, a: np.ndarray, magnitude: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
-        """:func:`reference.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, first)``:
+        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, first)``:
         each row's selection in index order in its first slots, the others ``spare``, and each
         row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
         positions = np.full(self.width, self.spare, dtype=np.int64)

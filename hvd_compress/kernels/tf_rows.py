@@ -3,8 +3,8 @@
 The TensorFlow counterpart of :class:`hvd_compress.kernels.reference_rows.Rows` (same layout,
 same results): a fused bucket (:mod:`hvd_compress.engine.fused`) lays its compressed tensors out
 in one flat work buffer, those of equal size next to each other, and each row (tensor) selects
-what :func:`tf_ops.topk_indices` or :func:`tf_ops.gaussiank_select` selects on it alone (which
-is :func:`reference.topk_indices`, and :func:`reference.gaussiank_select` from the kernels' own
+what :func:`tf_ops.topk_indices` or :func:`tf_ops.gaussiank_from` selects on it alone (which
+is :func:`reference.topk_indices`, and :func:`reference.gaussiank_from` from the kernels' own
 first threshold), as work positions in a fixed number of slots per row. Top-k runs one
 ``tf.math.top_k`` per size group (:func:`tf_ops.topk_positions`: each row's positions in order,
 ties to the lower index, as one row alone); Gaussian-k runs each row's own threshold rule
@@ -75,7 +75,7 @@ class Rows(reference_rows.Rows):
             return _joined(parts, tf.int64), _joined(top, scores.dtype)
 
     def gaussiank(self, a: tf.Tensor, magnitude: tf.Tensor, ratio: float) -> Tuple[tf.Tensor, tf.Tensor]:
-        """:func:`tf_ops.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, first)``:
+        """:func:`tf_ops.gaussiank_from` (from its own first threshold) of every row (``magnitude = |a|``): ``(positions, first)``:
         each row's selection in index order in its first slots, the others ``spare``, and each
         row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
         with ops.on_device(self.device):

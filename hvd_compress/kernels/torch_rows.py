@@ -3,7 +3,7 @@
 The fused path (:mod:`hvd_compress.engine.fused`) lays a bucket's compressed tensors out in one
 flat work buffer, those of equal size next to each other. A :class:`Rows` is that layout
 (groups of equal-length rows) and selects for every row what :func:`reference.topk_indices` or
-:func:`reference.gaussiank_select` selects on that row alone, as work positions in a fixed
+:func:`reference.gaussiank_from` (from its threshold) selects on that row alone, as work positions in a fixed
 number of slots per row. On an accelerator nothing is read back to the host, and a bucket
 costs a few kernels per group of equal-size tensors plus a fixed number for the whole bucket.
 
@@ -30,7 +30,7 @@ counting and marking passes from each row's kept threshold, toward ``[ceil(k/2),
 Scores are non-negative with the sign bit clear (``|a|``, NaN included): read as integers of
 their width their order is the floats' order, NaN above +Inf, so ``torch.topk`` of the bits is
 exact for every float dtype and a tie is an equal bit pattern. On the CPU, outside
-:func:`~hvd_compress.kernels.torch_ops.accelerator_path`, each row takes the per-tensor
+:func:`~hvd_compress.kernels.torch_ops.accelerator_path`, each row takes the
 kernels' host shortcuts instead (numpy's selection, a loop over the rows), faster there.
 """
 
@@ -227,7 +227,7 @@ class Rows:
 
     def gaussiank(self, a: torch.Tensor, magnitude: torch.Tensor, ratio: float,
                   host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """:func:`reference.gaussiank_select` of every row (``magnitude = |a|``): ``(positions, mean)``.
+        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, mean)``.
 
         ``positions``: int64 work positions, each row's selection in index order in its
         first slots, the other slots ``spare``; ``mean``: each row's mean (float64, NaN or

@@ -4,25 +4,18 @@ kernel module: torch on CPU and on CUDA, TensorFlow eagerly and traced (``framew
 Every function of the kernel module that shares a name with the reference gets the same
 inputs and must give the same result:
 
-* bit-exact (same dtype, every value and sign of zero): Top-k and RegTop-k selection, the
-  RegTop-k scores (up to float32), posterior and distortion, the error-feedback split,
-  TernGrad's codes given the same uniforms, the ternary and 2-bit packings, the int32 sums,
-  ``concat``, ``maximum``, ``dense_sum`` and the float64 -> float16 cast.
-  ``sparse_sum`` adds one rank at a time (a rank's indices are distinct), so its sums are in
-  rank order like ``np.add.at`` on CUDA too, where one ``index_add_`` of all ranks would add
-  with atomics in no fixed order (:func:`test_sparse_sum_adds_in_rank_order` would catch another
-  order);
+* bit-exact (same dtype, every value and sign of zero): Top-k selection, the RegTop-k scores
+  (up to float32) and the dense posterior, the error-feedback split, TernGrad's codes given the
+  same uniforms, the ternary and 2-bit packings, the int32 sums, ``concat``, ``maximum``,
+  ``dense_sum`` and the float64 -> float16 cast;
 * within a stated tolerance (``K.reduction_rtol``): the reductions (Gaussian-k's mean/std
   threshold, TernGrad's clipping bound), computed by the framework in the input dtype or at
   least float32, by the reference in float64;
-* Gaussian-k: the same count rule, checked exactly by handing the reference the framework's
-  threshold; with its own threshold the selected set must be equal unless an |a_j| lies
-  between the two thresholds (at some correction round), where rounding decides.
+* Gaussian-k: the same count rule from the same first threshold, exactly.
 
-Then dtype/device preservation, the dispatch, the compressor classes fed framework tensors
-against the same classes fed numpy arrays (payloads, residuals, decoded aggregates) and the
-:class:`~hvd_compress.simulator.Simulator` fed framework tensors vs numpy arrays, TernGrad's
-random stream and checkpoints. What only one framework has: ``test_torch_only.py``,
+Then dtype/device preservation, the dispatch, the :class:`~hvd_compress.simulator.Simulator` (the
+engine) fed framework tensors against the same fed numpy arrays (averages, residuals, RegTop-k's
+distortion, bytes), TernGrad's random stream and checkpoints. What only one framework has: ``test_torch_only.py``,
 ``test_tf_only.py``.
 """
 
