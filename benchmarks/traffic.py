@@ -50,7 +50,7 @@ def plan_bytes(compressor: Any, shapes: Sequence[tuple], world: int) -> Dict[str
     sent = plan.step_stats[0]
     gathered = 0
     if plan.codec is not None and not getattr(compressor, "shared", False) and hasattr(compressor, "indices"):
-        gathered = plan.codec.wire(plan, 4)[0]
+        gathered = plan.codec.wire(plan.layout, 4)[0]
     reduced = sent - gathered
     received = 2 * (world - 1) / world * reduced + (world - 1) * gathered
     return {"sent": sent, "gathered": gathered, "received": received}

@@ -160,10 +160,11 @@ class Compressor:
         """How a tensor of ``numel`` elements travels: ``"dense"``, or this compressor's payload kind."""
         return "dense"
 
-    def bucket_codec(self, bucket: Any) -> Any:
-        """The codec of a fused bucket's compressed part (:mod:`hvd_compress.algorithms.rounds`; its
-        arrays are the bucket's kernel module's, ``bucket.ops``);
-        compressors that send every tensor dense have none."""
+    def bucket_codec(self, layout: Any) -> Any:
+        """The codec of a fused bucket's compressed part, made once per ``layout`` (what the codec sees of the
+        bucket: its kernel module ``layout.ops``, its tensors, the compressed part's size groups; no state);
+        its steps are rounds of collectives (:mod:`hvd_compress.algorithms.rounds`). Compressors that send
+        every tensor dense have none."""
         raise NotImplementedError(f"{type(self).__name__} sends every tensor dense")
 
     def warn_dense(self, name: str, numel: int) -> None:

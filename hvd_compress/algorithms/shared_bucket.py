@@ -40,7 +40,7 @@ from typing import Any, Dict, Generator, List, Tuple
 import numpy as np
 
 from hvd_compress.algorithms.rounds import Send
-from hvd_compress.algorithms.sparse_bucket import (SparseBucketCodec, accumulated, adopted_posterior, flush_posterior,
+from hvd_compress.algorithms.sparse_bucket import (SparseBucketCodec, adopted_posterior, flush_posterior,
                                                    kept_in_place)
 
 #: an array of the bucket's kernel module (numpy array, torch or TensorFlow tensor)
@@ -49,9 +49,9 @@ Array = Any
 class SharedIndexCodec(SparseBucketCodec):
     """Plan and state of a shared-index compressed part (see the module docstring)."""
 
-    def __init__(self, compressor: Any, bucket: Any, rule: str) -> None:
+    def __init__(self, compressor: Any, layout: Any, rule: str) -> None:
         """``rule``: ``"leader"`` or ``"aggregate"`` (the sparsifier's checked ``indices``)."""
-        super().__init__(compressor, bucket, slots=None if rule == "leader" else compressor.k)
+        super().__init__(compressor, layout, slots=None if rule == "leader" else compressor.k)
         self.rule = rule
         self.rounds = 2 if rule == "leader" else 1
         self.placeable = False  # its decode sums in the work layout (the rates read it there)
@@ -59,98 +59,99 @@ class SharedIndexCodec(SparseBucketCodec):
         self.rate: Any = None
         self.age: Any = None
 
-    def adopt(self, bucket: Any, memory: Any) -> None:
+    def adopt(self, layout: Any, memory: Any) -> None:
         """The ``aggregate`` rule's rates and ages from each tensor's memory (``index_rate``, ``index_age``:
         another plan's, after a density change, or a checkpoint's); a tensor without them makes the next
         step send the whole part; RegTop-k's posterior as a single selection's."""
-        self.posterior = adopted_posterior(bucket, memory)
+        self.posterior = adopted_posterior(layout, memory)
         if self.rule != "aggregate":
             return
-        ops, parts = bucket.ops, {"index_rate": [], "index_age": []}
-        for i in bucket.compressed:
+        ops, parts = layout.ops, {"index_rate": [], "index_age": []}
+        for i in layout.compressed:
             for key, arrays in parts.items():
-                value = memory.peek(bucket.names[i], key)
-                if value is None or math.prod(value.shape) != bucket.numels[i]:
+                value = memory.peek(layout.names[i], key)
+                if value is None or math.prod(value.shape) != layout.numels[i]:
                     return
-                arrays.append(ops.cast(ops.reshape(value, (-1,)), bucket.acc))
-        self.rate, self.age = (ops.to_device(ops.concat(parts[key]), bucket.like) for key in parts)
+                arrays.append(ops.cast(ops.reshape(value, (-1,)), layout.acc))
+        self.rate, self.age = (ops.to_device(ops.concat(parts[key]), layout.like) for key in parts)
 
-    def flush(self, bucket: Any, memory: Any) -> None:
+    def flush(self, layout: Any, memory: Any) -> None:
         """Each tensor's posterior, rates and ages into its memory (copies: the plan's change in place)."""
-        flush_posterior(bucket, self.posterior, memory)
+        flush_posterior(layout, self.posterior, memory)
         if self.rule != "aggregate" or self.rate is None:
             return
-        for i in bucket.compressed:
-            start, n = bucket.offsets[i], bucket.numels[i]
-            memory.set(bucket.names[i], "index_rate", bucket.ops.clone(self.rate[start : start + n]))
-            memory.set(bucket.names[i], "index_age", bucket.ops.clone(self.age[start : start + n]))
+        for i in layout.compressed:
+            start, n = layout.offsets[i], layout.numels[i]
+            memory.set(layout.names[i], "index_rate", layout.ops.clone(self.rate[start : start + n]))
+            memory.set(layout.names[i], "index_age", layout.ops.clone(self.age[start : start + n]))
 
-    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+    def wire(self, layout: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a steady step: ``K`` values and the flags (the leader's
         ``K`` indices too); the ``aggregate`` rule's first step of a plan adds the rest of the part."""
-        index_size = bucket.ops.itemsize(bucket.ops.empty(0, self.index_dtype, bucket.like))
+        index_size = layout.ops.itemsize(layout.ops.empty(0, self.index_dtype, layout.like))
         indices = self.k_total * index_size if self.rule == "leader" else 0
         return (self.k_total + self.flag_count) * itemsize + indices, self.k_total
 
-    def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+    def exchange(self, layout: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """The rounds of one step (the leader's indices, then the values), then the decode:
         ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
-        a = accumulated(bucket, g, step)
+        a = step.accumulated(g)
         if self.rule == "leader":
-            idx, probe = yield from self._leader_set(bucket, a)
+            idx, probe = yield from self._leader_set(layout, a, step)
             age = None
         else:
-            idx, probe, age = self._aggregate_set(bucket, a, step.run)
-        message, values = self.framed(bucket, a, idx, probe, step)
+            idx, probe, age = self._aggregate_set(layout, a, step.run)
+        message, values = self.framed(layout, a, idx, probe, step)
         received = yield [Send("values", "sum", message)]
-        return self._decoded(bucket, received["values"], idx, values, age)
+        return self._decoded(layout, received["values"], idx, values, age)
 
-    def _leader_set(self, bucket: Any, a: Array) -> Generator[List[Send], Dict[str, Any], Tuple[Array, Array]]:
+    def _leader_set(self, layout: Any, a: Array,
+                    step: Any) -> Generator[List[Send], Dict[str, Any], Tuple[Array, Array]]:
         """Round 1: the leader's selection, allreduced (every other rank adds zeros); ``(S, probe)``."""
-        ops = bucket.ops
-        if self.compressor.rank == bucket.exchanges % bucket.world:
+        ops = layout.ops
+        if self.compressor.rank == step.exchanges % layout.world:
             scores = self.compressor.bucket_scores(a, self.posterior, ops)
             idx, probe = self.compressor.bucket_select(a, scores, self.rows, ops)
             chosen = ops.cast(idx, self.index_dtype)
         else:
-            probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, bucket.like)
+            probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, layout.like)
         received = yield [Send("leader", "sum", chosen)]
         return ops.cast(received["leader"], ops.int64), probe
 
-    def _aggregate_set(self, bucket: Any, a: Array, run: Any) -> Tuple[Array, Array, Any]:
+    def _aggregate_set(self, layout: Any, a: Array, run: Any) -> Tuple[Array, Array, Any]:
         """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
         position (and ``None`` for the age; counted in the statistics of the run state ``run``)."""
-        ops, probe = bucket.ops, self.rows.largest(abs(a))
+        ops, probe = layout.ops, self.rows.largest(abs(a))
         if self.rate is None:
-            unsent = bucket.n_compressed - self.k_total  # beyond a steady step's statistics
-            run.stats.add(unsent * ops.itemsize(ops.empty(0, bucket.dtype, bucket.like)), 0, unsent, 0)
-            return ops.as_int64(np.arange(bucket.n_compressed), bucket.like), probe, None
+            unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
+            run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
+            return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
         age = self.age + 1
         return self.rows.topk(self.rate * age)[0], probe, age
 
-    def _decoded(self, bucket: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
-        ops, count = bucket.ops, idx.shape[0]
-        summed = ops.cast(summed, bucket.acc)
-        total = ops.index_add(ops.zeros(bucket.n_compressed + self.spare, bucket.acc, bucket.like), idx, summed[:count])
+    def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
+        ops, count = layout.ops, idx.shape[0]
+        summed = ops.cast(summed, layout.acc)
+        total = ops.index_add(ops.zeros(layout.n_compressed + self.spare, layout.acc, layout.like), idx, summed[:count])
         flags = summed[count:]
         total = ops.index_add(total, self.flag_positions, flags)
         bad = ops.isnan(flags)
         if self.rule == "aggregate":
-            self._learn(bucket, total, idx, age, bad)
+            self._learn(layout, total, idx, age, bad)
             return total, bad
         posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
         if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
             self.posterior = kept_in_place(ops, self.posterior, posterior)
         return total, bad
 
-    def _learn(self, bucket: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
+    def _learn(self, layout: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
         """``rate[S] = |total[S]| / age[S]`` and ``age[S] = 0``, every other entry one step older; a flagged
         tensor keeps its rates and its entries count the step. Work of size K: the plan's rates and ages
         change where they lie (:meth:`flush` hands out copies)."""
-        ops = bucket.ops
+        ops = layout.ops
         if age is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
-            self.rate = ops.nonfinite_to_zero(abs(total[: bucket.n_compressed]))
-            self.age = ops.zeros(bucket.n_compressed, bucket.acc, bucket.like)
+            self.rate = ops.nonfinite_to_zero(abs(total[: layout.n_compressed]))
+            self.age = ops.zeros(layout.n_compressed, layout.acc, layout.like)
             return
         kept = ops.take(bad, self.rows.slot_row)  # per slot: its tensor's flag
         rate = ops.where(kept, ops.take(self.rate, idx), abs(ops.take(total, idx)) / ops.take(age, idx))

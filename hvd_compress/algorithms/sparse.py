@@ -185,16 +185,16 @@ class Sparsifier(Compressor):
         """(value, index) slots a tensor of ``numel`` elements sends on the fused path: ``k``."""
         return self.k(numel)
 
-    def bucket_codec(self, bucket: Any) -> Any:
+    def bucket_codec(self, layout: Any) -> Any:
         """:class:`~hvd_compress.algorithms.sparse_bucket.SparseBucketCodec` (an allgather), or with a
         shared index set :class:`~hvd_compress.algorithms.shared_bucket.SharedIndexCodec` (an allreduce)."""
         if self.shared:
             from hvd_compress.algorithms.shared_bucket import SharedIndexCodec
 
-            return SharedIndexCodec(self, bucket, self.indices)
+            return SharedIndexCodec(self, layout, self.indices)
         from hvd_compress.algorithms.sparse_bucket import SparseBucketCodec
 
-        return SparseBucketCodec(self, bucket)
+        return SparseBucketCodec(self, layout)
 
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""

@@ -68,8 +68,8 @@ class TernGrad(Compressor):
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else "ternary"
 
-    def bucket_codec(self, bucket: Any) -> Any:
+    def bucket_codec(self, layout: Any) -> Any:
         """:class:`~hvd_compress.algorithms.terngrad_bucket.TernaryBucketCodec`."""
         from hvd_compress.algorithms.terngrad_bucket import TernaryBucketCodec
 
-        return TernaryBucketCodec(self, bucket)
+        return TernaryBucketCodec(self, layout)

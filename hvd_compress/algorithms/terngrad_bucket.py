@@ -1,4 +1,4 @@
-"""TernGrad's codec for a fused bucket, numpy, torch or TensorFlow (the algorithm:
+"""TernGrad's codec for a fused layout, numpy, torch or TensorFlow (the algorithm:
 :mod:`hvd_compress.algorithms.terngrad`).
 
 The kernel module's ``terngrad_bucket_*`` functions work on every row (tensor) at once; torch's
@@ -29,74 +29,74 @@ class TernaryBucketCodec:
 
     spare = 0
 
-    def __init__(self, compressor: Any, bucket: Any) -> None:
+    def __init__(self, compressor: Any, layout: Any) -> None:
         self.compressor = compressor
         self.rounds = 2 if compressor.scalar_sharing else 1
         #: how the codes travel: packed lanes summed (``allreduce``) or 2-bit codes gathered
-        self.wire_format = (wire.ternary_wire_format(bucket.n_compressed, bucket.world)
+        self.wire_format = (wire.ternary_wire_format(layout.n_compressed, layout.world)
                             if compressor.scalar_sharing else "allgather")
         self.label = "lanes" if self.wire_format == "allreduce" else "codes2bit"
 
-    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+    def wire(self, layout: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: the codes, and a scale and a flag per tensor."""
-        codes = (4 * wire.ternary_lanes(bucket.n_compressed, bucket.world) if self.wire_format == "allreduce"
-                 else wire.two_bit_bytes(bucket.n_compressed))
-        acc_size = bucket.ops.itemsize(bucket.ops.empty(0, bucket.acc, bucket.like))
-        return codes + 2 * len(bucket.compressed) * acc_size, bucket.n_compressed
+        codes = (4 * wire.ternary_lanes(layout.n_compressed, layout.world) if self.wire_format == "allreduce"
+                 else wire.two_bit_bytes(layout.n_compressed))
+        acc_size = layout.ops.itemsize(layout.ops.empty(0, layout.acc, layout.like))
+        return codes + 2 * len(layout.compressed) * acc_size, layout.n_compressed
 
-    def exchange(self, bucket: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+    def exchange(self, layout: Any, g: Array, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """Scales, codes, then the decode ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
-        ops = bucket.ops
-        a = bucket.compensated(g)
-        local, bound = ops.terngrad_bucket_scales(a, bucket.groups, self.compressor.clip)
-        local = ops.cast(local, bucket.acc)  # max|clip(g)| of every compressed tensor
-        uniform = self._uniform(bucket, a, step.run)
+        ops = layout.ops
+        a = step.accumulated(g)
+        local, bound = ops.terngrad_bucket_scales(a, layout.groups, self.compressor.clip)
+        local = ops.cast(local, layout.acc)  # max|clip(g)| of every compressed tensor
+        uniform = self._uniform(layout, a, step.run)
         sanitized = ops.nonfinite_to_zero(local)
-        flags = ops.cast(sanitized != local, bucket.acc)  # a scale (>= 0) is NaN or +Inf
-        count = len(bucket.compressed)
+        flags = ops.cast(sanitized != local, layout.acc)  # a scale (>= 0) is NaN or +Inf
+        count = len(layout.compressed)
         if self.compressor.scalar_sharing:  # the codes need the Max over ranks
             received = yield [Send("scales", "max", ops.concat([sanitized, flags]))]
             shared = received["scales"]
             bad = shared[count:] > 0
             scale = shared[:count]
-            received = yield [self._codes_send(bucket, a, bound, uniform, scale, step)]
-            total = self._scaled_rows(bucket, self._code_sum(bucket, received[self.label]),
-                                      ops.where(bad, float("nan"), ops.cast(scale, bucket.acc)))
+            received = yield [self._codes_send(layout, a, bound, uniform, scale, step)]
+            total = self._scaled_rows(layout, self._code_sum(layout, received[self.label]),
+                                      ops.where(bad, float("nan"), ops.cast(scale, layout.acc)))
             return total, bad
-        scales = Send("scales", "gather", ops.concat([sanitized, flags]), [2 * count] * bucket.world)
-        received = yield [scales, self._codes_send(bucket, a, bound, uniform, sanitized, step)]
-        return self._decode_own_scales(bucket, received)
+        scales = Send("scales", "gather", ops.concat([sanitized, flags]), [2 * count] * layout.world)
+        received = yield [scales, self._codes_send(layout, a, bound, uniform, sanitized, step)]
+        return self._decode_own_scales(layout, received)
 
-    def _uniform(self, bucket: Any, a: Array, run: Any) -> Array:
+    def _uniform(self, layout: Any, a: Array, run: Any) -> Array:
         """Every compressed tensor's uniforms from this rank's stream in the run state ``run``, drawn in the
         order the tensors were added."""
-        ops = bucket.ops
-        uniform = ops.empty(bucket.n_compressed, ops.float32, bucket.like)
+        ops = layout.ops
+        uniform = ops.empty(layout.n_compressed, ops.float32, layout.like)
         comp = self.compressor
         generator = run.generator(ops, comp.seed, comp.rank, a)
         parts = {}
-        for i in sorted(bucket.compressed):
-            start = bucket.offsets[i]
-            parts[i] = ops.uniform_into(generator, uniform[start : start + bucket.numels[i]])
-        return ops.cast(ops.joined(uniform, [parts[i] for i in bucket.compressed]), bucket.dtype)
+        for i in sorted(layout.compressed):
+            start = layout.offsets[i]
+            parts[i] = ops.uniform_into(generator, uniform[start : start + layout.numels[i]])
+        return ops.cast(ops.joined(uniform, [parts[i] for i in layout.compressed]), layout.dtype)
 
-    def _codes_send(self, bucket: Any, a: Array, bound: Optional[Array], uniform: Array, scale: Array,
+    def _codes_send(self, layout: Any, a: Array, bound: Optional[Array], uniform: Array, scale: Array,
                     step: Any) -> Send:
         """Codes drawn with ``scale`` (one per compressed tensor): the residual ``r = a - S t``, and their collective."""
-        ops = bucket.ops
+        ops = layout.ops
         scale_a = ops.cast(scale, a.dtype)
-        codes = ops.terngrad_bucket_codes(a, bucket.groups, bound, scale_a, uniform)
-        if bucket.residual is not None:  # per group in place
-            step.residual = ops.terngrad_bucket_residual(a, bucket.groups, codes, scale_a)
+        codes = ops.terngrad_bucket_codes(a, layout.groups, bound, scale_a, uniform)
+        if step.feedback:  # per group in place
+            step.residual = ops.terngrad_bucket_residual(a, layout.groups, codes, scale_a)
         if self.wire_format == "allreduce":
-            return Send(self.label, "sum", ops.pack_ternary(codes, bucket.world))
+            return Send(self.label, "sum", ops.pack_ternary(codes, layout.world))
         packed = ops.pack_two_bit(codes)
-        return Send(self.label, "gather", packed, [packed.shape[0]] * bucket.world)
+        return Send(self.label, "gather", packed, [packed.shape[0]] * layout.world)
 
-    def _code_sum(self, bucket: Any, received: Array) -> Array:
+    def _code_sum(self, layout: Any, received: Array) -> Array:
         """``sum over ranks of t``: summed lanes unpacked, or every rank's 2-bit codes summed in int8
         (``|sum| <= N``) or int16."""
-        ops, n, world = bucket.ops, bucket.n_compressed, bucket.world
+        ops, n, world = layout.ops, layout.n_compressed, layout.world
         if self.wire_format == "allreduce":
             return ops.unpack_ternary_sum(received, n, world)
         chunk = wire.two_bit_bytes(n)
@@ -107,22 +107,22 @@ class TernaryBucketCodec:
             code_sum = ops.add_into(code_sum, ops.unpack_two_bit(received[r * chunk : (r + 1) * chunk], n))
         return code_sum
 
-    def _decode_own_scales(self, bucket: Any, received: Dict[str, Any]) -> Tuple[Array, Array]:
+    def _decode_own_scales(self, layout: Any, received: Dict[str, Any]) -> Tuple[Array, Array]:
         """Each rank's codes times its own scales, summed in rank order; a flagged tensor: NaN
         from the first rank's part on."""
-        ops, count, n = bucket.ops, len(bucket.compressed), bucket.n_compressed
-        shared = ops.cast(ops.reshape(received["scales"], (bucket.world, 2 * count)), bucket.acc)
+        ops, count, n = layout.ops, len(layout.compressed), layout.n_compressed
+        shared = ops.cast(ops.reshape(received["scales"], (layout.world, 2 * count)), layout.acc)
         bad = ops.any_along(shared[:, count:] > 0, 0)
         chunk = wire.two_bit_bytes(n)
         total = None
-        for r in range(bucket.world):
+        for r in range(layout.world):
             codes = ops.unpack_two_bit(received[self.label][r * chunk : (r + 1) * chunk], n)
             scale = ops.where(bad, float("nan"), shared[r, :count]) if r == 0 else shared[r, :count]
-            part = self._scaled_rows(bucket, codes, scale)
+            part = self._scaled_rows(layout, codes, scale)
             total = part if total is None else ops.add_into(total, part)
         return total, bad
 
     @staticmethod
-    def _scaled_rows(bucket: Any, codes: Array, scale: Array) -> Array:
+    def _scaled_rows(layout: Any, codes: Array, scale: Array) -> Array:
         """``codes * S`` per compressed tensor, in the accumulation dtype (integer codes convert exactly)."""
-        return bucket.ops.scale_rows(bucket.groups, codes, scale, bucket.acc, bucket.n_compressed)
+        return layout.ops.scale_rows(layout.groups, codes, scale, layout.acc, layout.n_compressed)

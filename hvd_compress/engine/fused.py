@@ -18,10 +18,12 @@ compressor configuration, world size) and holds
   ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, each
   laid out grouped by size so that each group of equal-size tensors is one
   ``(rows, n)`` matrix;
-- the compressor's *codec* of the compressed part (``compressor.bucket_codec(bucket)``:
+- the compressor's *codec* of the compressed part (``compressor.bucket_codec(layout)``:
   :class:`~hvd_compress.algorithms.sparse_bucket.SparseBucketCodec`,
   :class:`~hvd_compress.algorithms.terngrad_bucket.TernaryBucketCodec`): every size
-  on the wire, what each round of collectives sends, how the sums decode;
+  on the wire, what each round of collectives sends, how the sums decode. The codec sees
+  the bucket's :class:`Layout` (no state) and, in a step, what the step carries
+  (:class:`Launched`: ``accumulated(g)``, ``feedback``, ``momentum``, ``exchanges``, ``run``);
 - the state: the compressed part's error-feedback residual as one flat buffer
   (in at least float32: a float16 gradient's residual cannot overflow; values
   travel in the gradient's dtype, saturated, the rest stays in the residual); under
@@ -109,7 +111,7 @@ class Placement:
             self.starts[i], self.numel = self.numel, self.numel + bucket.numels[i]
         every_tensor_once = sorted(self.order) == list(range(len(bucket.names)))
         codec = bucket.codec
-        self.shift = (codec.shift(bucket, self.starts, self.numel)
+        self.shift = (codec.shift(bucket.layout, self.starts, self.numel)
                       if every_tensor_once and getattr(codec, "placeable", False) else None)
         self.dense_runs = _runs([(self.starts[i], bucket.dense_offsets[i], bucket.numels[i]) for i in bucket.dense]
                                 if self.shift is not None else [])
@@ -124,6 +126,31 @@ def _runs(pieces: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
         else:
             runs.append((to, start, n))
     return runs
+
+
+class Layout:
+    """What a codec sees of a fused bucket (``compressor.bucket_codec(layout)`` and every call of the codec):
+    the kernel module ``ops`` and the arrays' form (``like``: an empty array of the bucket's ``dtype`` and
+    device; ``acc``: the accumulation dtype), the world size, the tensors (``names``, ``shapes``,
+    ``numels``) and the compressed part's layout (``groups`` of equal-size rows, ``compressed``: the
+    tensors in work order, ``offsets``: each one's first work position, ``n_compressed`` entries).
+    No state: what a step carries (error feedback, momentum, the run's step count) the codec gets from
+    the step (:class:`Launched`)."""
+
+    def __init__(self, bucket: "FusedBucket") -> None:
+        b = bucket
+        self.ops, self.like, self.dtype, self.acc, self.world = b.ops, b.like, b.dtype, b.acc, b.world
+        self.names, self.shapes, self.numels = b.names, b.shapes, b.numels
+        self.groups, self.compressed, self.offsets = b.groups, b.compressed, b.offsets
+        self.n_compressed = b.n_compressed
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """A kernel module does not pickle (a route's state may be): its name does."""
+        return {**self.__dict__, "ops": self.ops.__name__}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.ops = module(state["ops"])
 
 
 class FusedBucket:
@@ -147,8 +174,10 @@ class FusedBucket:
         self.n_compressed = self.groups[-1].stop if self.groups else 0
         self.offsets = _offsets(self.groups)  # tensor -> its first entry in the compressed part
         self.signature = wire.header_hash((self.names, self.shapes, self.kinds, str(self.dtype)))
-        #: the compressor's codec of the compressed part (what travels, how it decodes)
-        self.codec = compressor.bucket_codec(self) if self.compressed else None
+        #: what the codec sees of the bucket, and the compressor's codec of the compressed part (what travels,
+        #: how it decodes)
+        self.layout = Layout(self)
+        self.codec = compressor.bucket_codec(self.layout) if self.compressed else None
         #: spare work entries after the compressed part (Gaussian-k's unused slots point there; stay 0)
         self.padded = self.codec.spare if self.codec is not None else 0
         self.spare_zero = ops.zeros(self.padded, self.dtype, like)
@@ -202,7 +231,7 @@ class FusedBucket:
         sent = self.n_dense * (itemsize if wire_dtype is None else size(getattr(self.ops, wire_dtype)))
         values = self.n_dense
         if self.codec is not None:
-            codec_bytes, codec_values = self.codec.wire(self, itemsize)
+            codec_bytes, codec_values = self.codec.wire(self.layout, itemsize)
             sent, values = sent + codec_bytes, values + codec_values
         numel = self.n_dense + self.n_compressed
         return sent, numel * itemsize, values, numel
@@ -272,7 +301,7 @@ class FusedBucket:
             memory.discard(name, "residual")  # sent once (above); the velocity is the bucket's until flush();
             memory.discard(name, "velocity")  # a RegTop-k posterior stays for when the tensor is compressed again
         if hasattr(self.codec, "adopt"):  # the codec's own per-tensor state (RegTop-k's posterior...)
-            self.codec.adopt(self, memory)
+            self.codec.adopt(self.layout, memory)
         for i in self.compressed:
             memory.reset(self.names[i])  # the bucket's state is the truth until flush()
 
@@ -301,7 +330,7 @@ class FusedBucket:
             if self.velocity is not None:
                 memory.set(name, "velocity", ops.reshape(ops.clone(self.velocity[start : start + n]), shape))
         if hasattr(self.codec, "flush"):
-            self.codec.flush(self, memory)
+            self.codec.flush(self.layout, memory)
         for i, r in self.flush_into_dense.items():
             memory.track(self.names[i], self.shapes[i])
             memory.set(self.names[i], "residual", ops.reshape(r, self.shapes[i]))
@@ -333,7 +362,7 @@ class FusedBucket:
             out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
-            out.rounds.begin(self.codec.exchange(self, g, out), self.codec.rounds)
+            out.rounds.begin(self.codec.exchange(self.layout, g, out), self.codec.rounds)
         run.stats.add(*self.step_stats)
         self.exchanges += 1
         if complete:
@@ -392,6 +421,19 @@ class Launched:
         self.dense_velocity: Optional[Array] = None
         self.header: Any = None  # the layout check still to wait for (name-matched transports)
         self.placement: Optional[Placement] = None  # where the codec's decode sums, when not in the work layout
+        #: what a codec reads of the step: the run's step count (before this step), whether error feedback
+        #: keeps a residual (the codec hands the step's in ``residual``), momentum correction's decay
+        self.exchanges, self.feedback, self.momentum = bucket.exchanges, bucket.residual is not None, bucket.momentum
+
+    def accumulated(self, g: Array) -> Array:
+        """What error feedback compresses: ``a = g + r`` (``g``: the step's own copy of the compressed part),
+        or under momentum correction ``u = m u + g`` (this step's velocity, in :attr:`velocity`) and
+        ``a = r + u``; in the residual's dtype, at least float32."""
+        b = self.bucket
+        if b.momentum:
+            self.velocity = u = b.ops.momentum_update(b.velocity, g, b.momentum)
+            return u if b.residual is None else u + b.residual
+        return b.compensated(g)
 
     @float_errors_ignored
     def complete(self, comm: Any) -> None:

@@ -13,7 +13,7 @@ compressed part, and beside it one allreduce-Sum of a flag per tensor (``0 * max
 NaN where the tensor holds NaN/Inf on this rank), so a tensor with NaN/Inf on some rank is
 NaN on every rank, as a dense allreduce would give. No format the library knows: the
 compressor brings its fused bucket's codec (``bucket_codec``, written with the bucket's
-kernel functions only, ``bucket.ops``), and the exchange runs its round without a line of
+kernel functions only, ``layout.ops``), and the exchange runs its round without a line of
 ``hvd_compress`` changed. :class:`VoteSpec` is the algorithm's definition in numpy, tensor by
 tensor, that the tests hold the engine to. ``Compression.register`` gives it a name:
 ``Compression.by_name`` builds it, and a rank running another compressor is told which one
@@ -60,8 +60,8 @@ class MajorityVote(Compressor):
     def fused_kind(self, numel: int) -> str:
         return "dense" if numel == 0 or numel < self.dense_below else self.payload_kind
 
-    def bucket_codec(self, bucket: Any) -> "MajorityVoteBucketCodec":
-        return MajorityVoteBucketCodec(bucket)
+    def bucket_codec(self, layout: Any) -> "MajorityVoteBucketCodec":
+        return MajorityVoteBucketCodec(layout)
 
 
 def majority(sign_sum: Any, world: int, dtype: Any, ops: Any) -> Any:
@@ -74,36 +74,36 @@ def majority(sign_sum: Any, world: int, dtype: Any, ops: Any) -> Any:
 class MajorityVoteBucketCodec:
     """The fused bucket's side: one round, the packed signs and a flag per tensor, both allreduce-Sum.
 
-    Written with the bucket's kernel functions (``bucket.ops``), slicing and arithmetic only,
+    Written with the bucket's kernel functions (``layout.ops``), slicing and arithmetic only,
     each result a new array: the same code runs numpy arrays, torch tensors and TensorFlow's tensors.
     """
 
     rounds = 1
     spare = 0  # no work entry beyond the compressed part
 
-    def __init__(self, bucket: Any) -> None:
-        ops = bucket.ops
+    def __init__(self, layout: Any) -> None:
+        ops = layout.ops
         #: each work entry's tensor (its row), to spread a tensor's flag over its entries
-        self.row_of = ops.concat([ops.full(grp.n, row, bucket.like, ops.int64)
-                                  for grp in bucket.groups for row in range(grp.first, grp.last)])
+        self.row_of = ops.concat([ops.full(grp.n, row, layout.like, ops.int64)
+                                  for grp in layout.groups for row in range(grp.first, grp.last)])
 
-    def wire(self, bucket: Any, itemsize: int) -> Tuple[int, int]:
+    def wire(self, layout: Any, itemsize: int) -> Tuple[int, int]:
         """``(bytes sent, values sent)`` of a step: the int32 lanes, and a flag per tensor."""
-        ops = bucket.ops
-        flag_size = ops.itemsize(ops.empty(0, bucket.acc, bucket.like))
-        return 4 * ternary_lanes(bucket.n_compressed, bucket.world) + len(bucket.compressed) * flag_size, \
-            bucket.n_compressed
+        ops = layout.ops
+        flag_size = ops.itemsize(ops.empty(0, layout.acc, layout.like))
+        return 4 * ternary_lanes(layout.n_compressed, layout.world) + len(layout.compressed) * flag_size, \
+            layout.n_compressed
 
-    def exchange(self, bucket: Any, g: Any, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
+    def exchange(self, layout: Any, g: Any, step: Any) -> Generator[List[Send], Dict[str, Any], Any]:
         """Signs and flags in one round; the decode: ``(N vote, NaN for a flagged tensor; the flags)``."""
-        ops, world = bucket.ops, bucket.world
-        largest, _ = ops.terngrad_bucket_scales(g, bucket.groups, None)  # max|g| of every tensor
-        flags = ops.cast(largest, bucket.acc) * 0  # 0, or NaN where the tensor holds NaN/Inf
+        ops, world = layout.ops, layout.world
+        largest, _ = ops.terngrad_bucket_scales(g, layout.groups, None)  # max|g| of every tensor
+        flags = ops.cast(largest, layout.acc) * 0  # 0, or NaN where the tensor holds NaN/Inf
         received = yield [Send("signs", "sum", ops.pack_ternary(signs(g, ops), world)),
                           Send("flags", "sum", flags)]
-        sign_sum = ops.unpack_ternary_sum(received["signs"], bucket.n_compressed, world)
+        sign_sum = ops.unpack_ternary_sum(received["signs"], layout.n_compressed, world)
         flagged = received["flags"]  # NaN where some rank's tensor held NaN/Inf
-        total = majority(sign_sum, world, bucket.dtype, ops) + ops.take(flagged, self.row_of)
+        total = majority(sign_sum, world, layout.dtype, ops) + ops.take(flagged, self.row_of)
         return total, ops.isnan(flagged)
 
 
