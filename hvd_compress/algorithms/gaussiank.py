@@ -41,7 +41,7 @@ from hvd_compress.algorithms.validation import check_gaussiank_ratio
 
 
 class GaussianK(Sparsifier):
-    """Gaussian-k threshold selection (see :func:`reference.gaussiank_select`)."""
+    """Gaussian-k threshold selection (see :func:`reference.gaussiank_threshold` and :func:`reference.gaussiank_from`)."""
 
     pads_slots = True  # the fused path sends floor(4k/3) slots per tensor, unused ones padded
 

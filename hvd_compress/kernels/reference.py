@@ -210,7 +210,7 @@ GAUSSIANK_SHRINK, GAUSSIANK_GROW = 0.5, 1.5
 
 
 def gaussiank_slots(k: int) -> int:
-    """The most entries :func:`gaussiank_select` returns for ``k``: ``floor(4k/3)``.
+    """The most entries Gaussian-k selects (:func:`gaussiank_from`) for ``k``: ``floor(4k/3)``.
 
     A threshold in range selects at most ``4k/3``; the fallbacks select fewer than
     ``2k/3`` (the last threshold, when nothing overshot) or exactly ``k`` (the cut).
@@ -357,7 +357,8 @@ def regtopk_scores(a: np.ndarray, distortion: np.ndarray, mu: float) -> np.ndarr
     Bereyhi et al., "Regularized Top-k: A Bayesian framework for gradient
     sparsification" (2025), the MAP sparsification mask; companion code
     AlBerey/RegTopK ``DistLearnLinearReg.py`` (function ``RegTopK``). ``D`` is the
-    posterior distortion from the last aggregation (:func:`regtopk_distortion`),
+    posterior distortion from the last aggregation (``D_j = (T_j - s_j) / s_j`` where this
+    rank sent ``s_j != 0``, ``T`` the sum over ranks; :func:`regtopk_expand` makes it dense),
     ``mu`` the temperature. With ``D = 1e8`` the score is ``|a_j|`` (Top-k).
     ``D`` is kept in at least float32; ``tanh`` is evaluated in float64 and
     rounded back, so every framework's kernel gets the same scores.
@@ -595,7 +596,8 @@ def uniform_into(rng: np.random.Generator, out: np.ndarray) -> np.ndarray:
 
 def terngrad_bucket_scales(a: np.ndarray, groups, clip):
     """Per row of ``groups`` (views of ``a``): ``(max|clip(a)|, clipping bound or None)`` in ``a``'s
-    dtype, the bound ``c std`` of :func:`terngrad_clip`, +Inf where that function leaves the row as it is."""
+    dtype, the clipping bound ``c std`` (TernGrad's, Wen et al. 2017, section 3.3), +Inf where the row is
+    left as it is (``std = 0`` or a constant row: clipping would erase it)."""
     rows_of = [row for grp in groups for row in grp.view(a)]
     largest = np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype)
     if clip is None:

@@ -585,7 +585,7 @@ def masked(a, mask) -> tf.Tensor:
 
 
 def regtopk_sparse_scores(a, idx, values, mu: float) -> tf.Tensor:
-    """``|a|``, damped by ``|tanh((1 + D) / mu)|`` at ``idx`` (what :func:`regtopk_select_sparse` ranks)."""
+    """``|a|``, damped by ``|tanh((1 + D) / mu)|`` at ``idx`` (RegTop-k's scores, ranked by the row selections)."""
     dtype = accumulation_dtype(_result_type(a.dtype, values.dtype))
     damped = tf.abs(tf.cast(regtopk_scores(tf.gather(a, idx), values, mu), dtype))
     return tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
@@ -639,8 +639,8 @@ def scale_rows(groups, values, scale, dtype, numel: int) -> tf.Tensor:
 
 
 def terngrad_bucket_scales(a, groups, clip):
-    """Per row: ``(max|clip(a)|, clipping bound or None)`` as :func:`terngrad_clip` and
-    :func:`terngrad_scale` give them (the bound +Inf where the row is left as it is)."""
+    """Per row: ``(max|clip(a)|, clipping bound or None)`` as :func:`reference.terngrad_bucket_scales` gives
+    them (the bound +Inf where the row is left as it is)."""
     rows = _rows(a, groups)
     largest = tf.stack([tf.reduce_max(tf.abs(row)) for row in rows])
     if clip is None:
