@@ -94,14 +94,9 @@ class Sparse:
 def sparse_send(option: Sparse, g: np.ndarray, state: Dict[str, Any]) -> Dict[str, np.ndarray]:
     """One rank's step for one compressed tensor: ``{"indices", "values"}``; ``state`` (the rank's
     ``residual``, ``velocity``, ``posterior`` of the tensor) is updated."""
-    acc = accumulation(g.dtype)
-    a = g
-    if option.momentum:
-        velocity = state.get("velocity", np.zeros(g.shape[0], acc))
-        a = velocity * acc.type(option.momentum) + g.astype(acc)
-        state["velocity"] = a.copy()
+    a = velocity_step(option, g, state) if option.momentum else g  # u, kept; u[S] = 0 below
     if option.error_feedback:
-        a = a + state.get("residual", np.zeros(g.shape[0], acc))
+        a = a + state.get("residual", np.zeros(g.shape[0], accumulation(g.dtype)))
     indices = np.asarray(option.select(a, option.ratio, state.get("posterior"), option.mu))
     values = saturate(a[indices], g.dtype)
     if option.error_feedback:
@@ -130,7 +125,8 @@ def learn_posterior(total: np.ndarray, part: Dict[str, np.ndarray], state: Dict[
 
 
 def velocity_step(option: Sparse, g: np.ndarray, state: Dict[str, Any]) -> np.ndarray:
-    """Momentum correction on a tensor sent dense: ``u = m u + g`` is sent whole and kept."""
+    """Momentum correction: ``u = m u + g``, kept in ``state`` (a tensor sent dense sends it whole; a compressed
+    one compresses ``r + u`` and then spends the sent entries, ``u[S] = 0``)."""
     acc = accumulation(g.dtype)
     u = state.get("velocity", np.zeros(g.shape[0], acc)) * acc.type(option.momentum) + g.astype(acc)
     state["velocity"] = u

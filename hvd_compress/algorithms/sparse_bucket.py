@@ -86,7 +86,7 @@ class SparseBucketCodec:
         message, positions, sent, kept = self._encode(layout, g, step)
         rows = [self.k_total + self.flag_count] * layout.world
         received = yield [Send("values", "gather", message, rows), Send("indices", "gather", positions, rows)]
-        total, bad = self._decode(layout, received, sent, getattr(step, "placement", None))
+        total, bad = self._decode(layout, received, sent, step.placement)
         if kept is not None:  # a non-finite tensor keeps its threshold (the first exact one: the new)
             self.thresholds = kept if self.thresholds is None else layout.ops.copy_into(
                 self.thresholds, layout.ops.where(bad[: self.rows.count], self.thresholds, kept))
