@@ -144,3 +144,15 @@ def distortions(draw, numel: int, dtype) -> np.ndarray:
     d = np.where(informative, rng.standard_normal(numel) * 3, d)
     with np.errstate(over="ignore"):
         return d.astype(dtype)
+
+
+def sampled_in_range_but_over_the_slots():
+    """12,800 entries, ``k = 128``: the counts look at every 2nd entry (:func:`reference.sample_stride`). 50
+    even-indexed and 150 odd-indexed entries lie above 1: the estimate ``2 x 50 = 100`` is in
+    ``[86, 170]``, so threshold 1 is chosen, but 200 entries lie above it, more than the 170 slots."""
+    rng = np.random.default_rng(3)
+    a = rng.uniform(-0.9, 0.9, 12800)
+    above = np.concatenate([rng.choice(np.arange(0, 12800, 2), 50, replace=False),
+                            rng.choice(np.arange(1, 12800, 2), 150, replace=False)])
+    a[above] = rng.uniform(1.1, 3.0, 200) * rng.choice([-1.0, 1.0], 200)
+    return a

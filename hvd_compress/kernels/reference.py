@@ -240,36 +240,14 @@ def normal_tail_quantile(ratio: float) -> float:
 
 
 def gaussiank_from(magnitude: np.ndarray, threshold: float, k: int) -> np.ndarray:
-    """:func:`gaussiank_correct` on ``|a|`` from a first ``threshold``: the indices selected, ascending."""
-    selected = gaussiank_correct(
-        lambda threshold: int(np.count_nonzero(magnitude > threshold)),
-        lambda threshold: np.flatnonzero(magnitude > threshold),
-        threshold,
-        k,
-    )
-    return selected.astype(index_dtype(magnitude.shape[0]))
+    """Gaussian-k's selection on ``|a|`` from a first ``threshold``: the indices selected, ascending
+    (:func:`threshold_select` toward ``[ceil(2k/3), floor(4k/3)]``, at most ``floor(4k/3)``)."""
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
 
 
 #: Every threshold the correction can evaluate, as multiples of the first: ``0.5^i 1.5^j`` for the
 #: paths of at most ``GAUSSIANK_ROUNDS - 1`` steps (exact in binary), ascending.
 GAUSSIANK_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.5, 2.25)
-
-
-def gaussiank_correct(count: Callable, select: Callable, threshold: float, k: int):
-    """The bounded threshold correction of Gaussian-k, for any framework.
-
-    ``count(thr)`` is the number of ``|a_j| > thr``, ``select(thr)`` their
-    indices, ascending. Each round only counts; the indices are gathered once,
-    for the threshold finally chosen. Round ``r`` evaluates ``threshold * f_r``,
-    ``f_r`` the product of the steps taken so far (one of
-    :data:`GAUSSIANK_FACTORS`, exact), rounded once: every threshold a row can
-    meet is known from the first, so an accelerator counts all of them in one
-    pass and applies this rule to the counts (:func:`threshold_choice`, with the
-    bounds ``[ceil(2k/3), floor(4k/3)]``).
-    """
-    chosen, cut = threshold_choice(count, threshold, *gaussiank_bounds(k))
-    selected = select(chosen)
-    return selected[:k] if cut else selected
 
 
 def gaussiank_bounds(k: int) -> Tuple[int, int]:
@@ -285,7 +263,11 @@ def threshold_choice(count: Callable, threshold: float, low: int, high: int) -> 
     Up to ``GAUSSIANK_ROUNDS`` evaluations of ``count(thr)``; below ``low`` the
     threshold halves, above ``high`` it grows 1.5x; the first in range is chosen.
     When none is, the smallest set above ``high`` seen is chosen, to be cut, or,
-    when none overshot, the last threshold evaluated.
+    when none overshot, the last threshold evaluated. Round ``r`` evaluates
+    ``threshold * f_r``, ``f_r`` the product of the steps taken so far (one of
+    :data:`GAUSSIANK_FACTORS`, exact), rounded once: every threshold a row can meet
+    is known from the first, so an accelerator counts all of them in one pass and
+    applies this rule to the counts.
     """
     superset = None  # the lowest count above high seen, and its threshold
     factor, last = 1.0, threshold
@@ -303,6 +285,44 @@ def threshold_choice(count: Callable, threshold: float, low: int, high: int) -> 
     return (last, False) if superset is None else (superset[1], True)
 
 
+#: Entries the correction's counts expect above a threshold in range, in their sample (``k / stride``).
+COUNT_SAMPLE = 64
+
+
+def sample_stride(k: int) -> int:
+    """Every how many entries the correction's counts look (:func:`threshold_select`):
+    ``max(1, k // COUNT_SAMPLE)``, so about 64 sampled entries lie above a threshold in range;
+    every entry (stride 1) below ``k = 128``."""
+    return max(1, k // COUNT_SAMPLE)
+
+
+def threshold_select(scores: np.ndarray, threshold: float, k: int, bounds: Tuple[int, int],
+                     width: int) -> Tuple[np.ndarray, float]:
+    """One row's selection by a threshold corrected toward a count in ``bounds``: ``(indices
+    ascending, the threshold chosen)``.
+
+    ``S = {j : score_j > thr}`` in index order, cut to its first ``k`` where the correction
+    cuts (:func:`threshold_choice`: up to three counts, x0.5 below ``low``, x1.5 above
+    ``high``), else to its first ``width`` (the slots a fused bucket sends). A count is
+    estimated from every ``s``-th entry, ``s`` = :func:`sample_stride` (``s`` times the
+    entries of ``scores[::s]`` above ``thr``): an accelerator counts the six thresholds the
+    correction can meet on ``n/s`` entries, then one pass over the row marks the chosen
+    set. With ``s = 1`` (``k < 128``) the counts are exact and no set in range exceeds
+    ``width >= high``; above, an estimate in range may miss the true count by about
+    ``1/sqrt(64)`` (one standard error), and ``width`` bounds what is sent.
+
+    Gaussian-k corrects its first threshold toward ``[ceil(2k/3), floor(4k/3)]`` in
+    ``floor(4k/3)`` slots; Top-k and RegTop-k between exact selections (``exact_every >
+    1``) correct the threshold they kept toward ``[ceil(k/2), k]`` in ``k`` slots
+    (:func:`reused_threshold_select`).
+    """
+    stride = sample_stride(k)
+    sample = scores[::stride]
+    chosen, cut = threshold_choice(lambda t: stride * int(np.count_nonzero(sample > t)), threshold, *bounds)
+    selected = np.flatnonzero(scores > chosen)[: k if cut else width]
+    return selected.astype(index_dtype(scores.shape[0])), chosen
+
+
 # --------------------------------------------------------------------------- #
 # Reused thresholds (Top-k and RegTop-k with ``exact_every > 1``)
 # --------------------------------------------------------------------------- #
@@ -312,40 +332,20 @@ def reuse_bounds(k: int) -> Tuple[int, int]:
     return (k + 1) // 2, k
 
 
-#: Entries a reused threshold's counts expect above it in their sample (``k / stride``).
-REUSE_SAMPLE = 64
-
-
-def reuse_stride(k: int) -> int:
-    """Every how many entries a reused threshold's counts look (:func:`reused_threshold_select`):
-    ``max(1, k // REUSE_SAMPLE)``, so about 64 sampled entries lie above a threshold in range."""
-    return max(1, k // REUSE_SAMPLE)
-
-
 def reused_threshold_select(scores: np.ndarray, threshold: float, k: int) -> Tuple[np.ndarray, float]:
     """One row's selection by a kept ``threshold`` into ``k`` slots: ``(indices ascending, the
-    threshold to keep)``.
+    threshold to keep)``: :func:`threshold_select` toward ``[ceil(k/2), k]`` in ``k`` slots.
 
-    ``S = {j : score_j > thr}`` in index order, at most its first ``k``; ``thr`` the kept
-    threshold corrected as Gaussian-k corrects its first (:func:`threshold_choice`: up
-    to three counts, x0.5 below ``ceil(k/2)``, x1.5 above ``k``), where a count is
-    estimated from every ``s``-th entry, ``s`` = :func:`reuse_stride` (``s`` times the
-    entries of ``scores[::s]`` above ``thr``): on an accelerator the six thresholds the
-    correction can meet are counted on ``n/s`` entries, then one pass over the row marks
-    the chosen set. The threshold chosen is kept for the next step, so it follows the
-    scores as they drift; an exact selection (every ``exact_every`` steps) sets it again
-    to the ``k``-th largest score. Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce
-    for Distributed Deep Learning", PPoPP 2022, arXiv:2201.07598) likewise selects by a
-    threshold it recomputes exactly only every few steps. (Marking once against the kept
-    threshold and moving it only for the next step, without the in-step correction, cost
-    1.3 points of accuracy on the Fashion-MNIST MLP: while the threshold catches up, the
-    cut keeps the lowest indices; docs/results.md.)
+    The threshold chosen is kept for the next step, so it follows the scores as they
+    drift; an exact selection (every ``exact_every`` steps) sets it again to the ``k``-th
+    largest score. Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed
+    Deep Learning", PPoPP 2022, arXiv:2201.07598) likewise selects by a threshold it
+    recomputes exactly only every few steps. (Marking once against the kept threshold and
+    moving it only for the next step, without the in-step correction, cost 1.3 points of
+    accuracy on the Fashion-MNIST MLP: while the threshold catches up, the cut keeps the
+    lowest indices; docs/results.md.)
     """
-    stride = reuse_stride(k)
-    sample = scores[::stride]
-    chosen, _ = threshold_choice(lambda t: stride * int(np.count_nonzero(sample > t)), threshold, *reuse_bounds(k))
-    selected = np.flatnonzero(scores > chosen)[:k]
-    return selected.astype(index_dtype(scores.shape[0])), chosen
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
 
 
 # --------------------------------------------------------------------------- #

@@ -42,14 +42,13 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
-    REUSE_SAMPLE,
+    COUNT_SAMPLE,
     gaussiank_bounds,
-    gaussiank_correct,
     gaussiank_slots,
     normal_tail_quantile,
     num_selected,
     reuse_bounds,
-    reuse_stride,
+    sample_stride,
     threshold_choice,
 )
 
@@ -297,27 +296,21 @@ def gaussiank_first_threshold(a, ratio: float) -> tf.Tensor:
 
 
 def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
-    """:func:`reference.gaussiank_correct` on ``|a|`` from a first ``threshold`` (float64 tensor or
-    number): :func:`_threshold_rule`'s threshold, one ``tf.where`` gathers the indices, and an
-    overshooting superset keeps its first ``k``."""
-    numel = magnitude.shape[0]
-    final, trim = _threshold_rule(magnitude, threshold, *gaussiank_bounds(k))
-    selected = tf.where(magnitude > cast(final, magnitude.dtype))[:, 0]
-    selected = tf.cond(trim, lambda: selected[:k], lambda: selected)
-    return tf.cast(selected, index_dtype(numel))
+    """:func:`reference.gaussiank_from` on ``|a|`` from a first ``threshold`` (float64 tensor or number)."""
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
 
 
 def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, offset: int = 0) -> tf.Tensor:
     """:func:`gaussiank_from`'s indices plus ``offset`` (int64) in ``width`` slots (at least as many as
     it selects: :func:`gaussiank_slots`), the unused ones ``spare``: no size depends on the data, so
     nothing is read back to the host."""
-    return threshold_positions(magnitude, threshold, gaussiank_bounds(k), k, width, spare, offset)[0]
+    return threshold_positions(magnitude, threshold, gaussiank_bounds(k), k, width, spare, offset, sample_stride(k))[0]
 
 
 def reused_positions(scores, threshold, k: int, spare: int, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
     """:func:`reference.reused_threshold_select` of one row from its kept ``threshold``: ``(its indices
     plus offset in k slots, the unused ones spare; the threshold to keep, float64)``."""
-    return threshold_positions(scores, threshold, reuse_bounds(k), k, k, spare, offset, reuse_stride(k))
+    return threshold_positions(scores, threshold, reuse_bounds(k), k, k, spare, offset, sample_stride(k))
 
 
 def threshold_positions(magnitude, threshold, bounds: Tuple[int, int], room: int, width: int, spare: int,
@@ -336,12 +329,17 @@ def threshold_positions(magnitude, threshold, bounds: Tuple[int, int], room: int
     return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0), final
 
 
-def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """:func:`reference.reused_threshold_select` of one tensor's scores: ``(indices ascending, the threshold
-    to keep)`` (a per-tensor helper; the fused path keeps :func:`reused_positions`' fixed slots)."""
+def threshold_select(scores, threshold, k: int, bounds: Tuple[int, int], width: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.threshold_select` of one tensor's scores: ``(indices ascending, the threshold chosen)``
+    (a per-tensor helper; the fused path keeps :func:`threshold_positions`' fixed slots)."""
     numel = scores.shape[0]
-    positions, chosen = reused_positions(scores, threshold, k, numel)
+    positions, chosen = threshold_positions(scores, threshold, bounds, k, width, numel, 0, sample_stride(k))
     return tf.cast(tf.boolean_mask(positions, positions < numel), index_dtype(numel)), chosen
+
+
+def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """:func:`reference.reused_threshold_select`: :func:`threshold_select` toward ``[ceil(k/2), k]`` in ``k`` slots."""
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
 
 
 def _threshold_rule(magnitude, threshold, low: int, high: int, stride: int = 1) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -349,7 +347,7 @@ def _threshold_rule(magnitude, threshold, low: int, high: int, stride: int = 1) 
     that set)``. Every round counts ``|a_j| > thr`` (``thr`` = the first threshold times
     the steps' product, in float64, rounded once to ``a``'s dtype as numpy compares); scalar
     ``tf.where``s keep the round that settles. ``stride``: the counts look at every ``stride``-th entry
-    and are scaled by it (a reused threshold's, :func:`reference.reuse_stride`)."""
+    and are scaled by it (:func:`reference.sample_stride`)."""
     sample = magnitude[::stride]
 
     def count_above(threshold):

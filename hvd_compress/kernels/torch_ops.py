@@ -26,17 +26,16 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
     GAUSSIANK_ROUNDS,
     GAUSSIANK_SHRINK,
     NO_DISTORTION,
-    REUSE_SAMPLE,
+    COUNT_SAMPLE,
     any_along,
     gaussiank_bounds,
-    gaussiank_correct,
     gaussiank_slots,
     joined,
     masked,
     normal_tail_quantile,
     num_selected,
     reuse_bounds,
-    reuse_stride,
+    sample_stride,
     sum_along,
     threshold_choice,
 )
@@ -306,56 +305,32 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
     return mean.double().abs_().add_(std.double().mul_(normal_tail_quantile(ratio)))
 
 
-def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
-    """:func:`reference.reused_threshold_select` of one tensor's scores (counts read back: a per-tensor
-    helper; the fused path runs :meth:`~hvd_compress.kernels.torch_rows.Rows.reused`)."""
-    stride = reuse_stride(k)
+def threshold_select(scores: torch.Tensor, threshold: float, k: int, bounds: Tuple[int, int],
+                     width: int) -> Tuple[torch.Tensor, float]:
+    """:func:`reference.threshold_select` of one tensor's scores (counts read back: the CPU's row by
+    row way and a per-tensor helper; an accelerator runs :class:`~hvd_compress.kernels.torch_rows.Rows`)."""
+    stride = sample_stride(k)
     sample = scores[::stride]
 
     def count(t: float) -> int:
         return stride * int(torch.count_nonzero(sample > _rounded(t, scores.dtype)))
 
-    chosen, _ = threshold_choice(count, threshold, *reuse_bounds(k))
-    selected = torch.nonzero(scores > _rounded(chosen, scores.dtype)).flatten()[:k]
+    chosen, cut = threshold_choice(count, threshold, *bounds)
+    selected = _flatnonzero(scores > _rounded(chosen, scores.dtype))[: k if cut else width]
     return selected.to(index_dtype(scores.shape[0])), chosen
 
 
+def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
+    """:func:`reference.reused_threshold_select`: :func:`threshold_select` toward ``[ceil(k/2), k]`` in ``k`` slots."""
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
+
 
 def gaussiank_from(magnitude: torch.Tensor, threshold: float, k: int) -> torch.Tensor:
-    """:func:`gaussiank_correct` on ``|a|`` from a first ``threshold``: the indices selected, ascending.
-
-    On CUDA a round counts with ``nonzero`` (a count, one host synchronisation, then
-    the indices), cheaper there than ``count_nonzero``, which converts the mask to
-    int64 first; the indices of the threshold finally chosen are then already there.
-    On CPU a round counts the mask and ``nonzero`` runs once, at the end. Only what
-    the correction can still choose is kept (the last round's and the smallest set
-    above ``4k/3``).
-    """
-    numel, device = magnitude.shape[0], magnitude.device
-    found = {}  # threshold -> (indices of |a_j| > threshold, or their mask; count)
-
-    def count(threshold: float) -> int:
-        mask = torch.gt(magnitude, _rounded(threshold, magnitude.dtype), out=_empty(numel, torch.bool, device))
-        if mask.is_cuda:
-            hits = torch.nonzero(mask).flatten()
-            found[threshold] = (hits, hits.shape[0])
-        else:
-            found[threshold] = (mask, int(torch.count_nonzero(mask)))
-        above = [t for t, (_, n) in found.items() if n > GAUSSIANK_HIGH * k]
-        smallest = min(above, key=lambda t: found[t][1], default=None)
-        for t in [t for t in found if t != threshold and t != smallest]:
-            del found[t]
-        return found[threshold][1]
-
-    def select(threshold: float) -> torch.Tensor:
-        if threshold not in found:
-            count(threshold)
-        hits = found[threshold][0]
-        return _flatnonzero(hits) if hits.dtype == torch.bool else hits
-
-    if threshold != threshold:  # NaN/Inf in a: no threshold selects anything, as in the reference
-        return torch.empty(0, dtype=index_dtype(numel), device=device)
-    return gaussiank_correct(count, select, threshold, k).to(index_dtype(numel))
+    """:func:`reference.gaussiank_from` on ``|a|`` from a first ``threshold``: the indices selected, ascending
+    (none where the threshold is NaN: ``a`` holds NaN or Inf, as in the reference)."""
+    if threshold != threshold:
+        return torch.empty(0, dtype=index_dtype(magnitude.shape[0]), device=magnitude.device)
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
 
 
 # -------------------------------------------------------------------- RegTop-k

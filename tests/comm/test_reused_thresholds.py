@@ -310,7 +310,7 @@ def test_counts_come_from_every_stride_th_entry():
     off_sample = np.flatnonzero(np.arange(20_000) % 10 != 0)
     where = np.sort(np.random.default_rng(2).choice(off_sample, 500, replace=False))
     scores[where] = 20.0
-    assert reference.reuse_stride(640) == 10
+    assert reference.sample_stride(640) == 10
     chosen, kept = reference.reused_threshold_select(scores, 10.0, 640)
     assert kept == 2.5
     np.testing.assert_array_equal(chosen, where)

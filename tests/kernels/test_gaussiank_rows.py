@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hvd_compress.kernels import reference as R  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
 from hvd_compress.kernels.torch_rows import Rows, _OUTCOMES  # noqa: E402
-from tests.helpers import reference_gaussiank  # noqa: E402
+from tests.helpers import reference_gaussiank, sampled_in_range_but_over_the_slots  # noqa: E402
 from tests.kernels.frameworks import FLOATS  # noqa: E402
 from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 
@@ -127,3 +127,22 @@ def test_rows_of_several_groups_cut_an_overshooting_superset_to_its_first_k(K, d
             mine = positions[slot : slot + R.gaussiank_slots(k)]
             np.testing.assert_array_equal(mine[mine < 4900] - (start + i * n), want)
             slot, row = slot + R.gaussiank_slots(k), row + 1
+
+
+@pytest.mark.parametrize("read_back", [True, False], ids=["read-back", "every-row"])
+def test_rows_keep_a_sampled_set_in_range_to_its_slots(K, read_back):
+    """Counted on every 2nd entry, the set above 1 is in range (100 estimated) but holds 200 entries:
+    both ways fill the row's 170 slots with its first 170, next to a row of the same data halved
+    (nothing above 1: the threshold halves until the count is in range)."""
+    a = sampled_in_range_but_over_the_slots()
+    n, k = a.shape[0], R.num_selected(a.shape[0], 0.01)
+    flat = K.tensor(np.concatenate([a, a / 2]))
+    rows = Rows([(0, 2, n, k, R.gaussiank_slots(k))], flat.device, spare=2 * n)
+    first = torch.tensor([1.0, 1.0], dtype=torch.float64, device=flat.device)
+    thresholds = rows.thresholds
+    rows.thresholds = lambda x, r: (first, thresholds(x, r)[1])
+    positions = K.numpy(rows.gaussiank(flat, flat.abs(), 0.01, read_back)[0]).reshape(2, -1)
+    np.testing.assert_array_equal(positions[0], np.flatnonzero(np.abs(a) > 1.0)[:170])
+    second = R.gaussiank_from(np.abs(a / 2), 1.0, k)
+    np.testing.assert_array_equal(positions[1][: second.shape[0]] - n, second)
+    assert np.all(positions[1][second.shape[0]:] == 2 * n)

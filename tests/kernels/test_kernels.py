@@ -41,6 +41,7 @@ from tests.helpers import (
     float_arrays,
     index_sets,
     permille,
+    sampled_in_range_but_over_the_slots,
     ternary_codes,
 )
 from tests.kernels.frameworks import FLOATS, FLOATS_32_64
@@ -387,6 +388,19 @@ def test_gaussiank_cuts_an_overshooting_superset(K):
     assert counts[0] < 2 * k / 3 and min(counts[1:]) > 4 * k / 3, counts  # the trim is taken
     np.testing.assert_array_equal(want, np.flatnonzero(np.abs(a) > thr * 0.75)[:k])
     K.check(lambda t: K.ops.gaussiank_from(abs(t), thr, k), [K.tensor(a)], want)
+
+
+def test_gaussiank_counts_every_sampled_entry_and_keeps_at_most_its_slots(K):
+    """The correction trusts the sampled count: threshold 1 is kept (not grown 1.5x, as the true count
+    of 200 > 170 would have it), and its set keeps its first ``floor(4k/3)`` indices, the slots a fused
+    bucket sends."""
+    a = sampled_in_range_but_over_the_slots()
+    k = R.num_selected(a.shape[0], 0.01)
+    assert (k, R.sample_stride(k), R.gaussiank_bounds(k), R.gaussiank_slots(k)) == (128, 2, (86, 170), 170)
+    assert 2 * int(np.sum(np.abs(a[::2]) > 1.0)) == 100 and int(np.sum(np.abs(a) > 1.0)) == 200
+    want = R.gaussiank_from(np.abs(a), 1.0, k)
+    np.testing.assert_array_equal(want, np.flatnonzero(np.abs(a) > 1.0)[:170])
+    K.check(lambda t: K.ops.gaussiank_from(abs(t), 1.0, k), [K.tensor(a)], want)
 
 
 # --------------------------------------------------------------------------- #
