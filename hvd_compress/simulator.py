@@ -34,7 +34,6 @@ from hvd_compress.transport.lockstep import LockstepGroup
 from hvd_compress.wire import array_nbytes
 
 
-
 class Simulator:
     """In-process simulation of ``n_ranks`` ranks training with ``compression``.
 
@@ -95,7 +94,6 @@ class Simulator:
         self.dense_bytes = sum(array_nbytes(per_rank[0]) for per_rank in grads.values())
         self.steps += 1
         return out
-
 
     def _engine_step(self, grads: Dict[str, List[Any]], originals: Dict[str, Any]) -> Dict[str, Any]:
         """One step of the real engine on every rank in lockstep (:mod:`~hvd_compress.transport.lockstep`):

@@ -131,6 +131,3 @@ def array_nbytes(array: Any) -> int:
     if hasattr(array, "element_size"):  # torch
         return int(array.numel() * array.element_size())
     return int(np.prod(array.shape, dtype=np.int64)) * array.dtype.size  # tensorflow
-
-
-

@@ -15,7 +15,7 @@ import warnings
 from typing import Any, List, Tuple, Type
 
 from hvd_compress.algorithms import registry
-from hvd_compress.algorithms.base import Compressor
+from hvd_compress.algorithms.base import Compressor, ExchangePolicy, is_compression
 from hvd_compress.algorithms.gaussiank import GaussianK
 from hvd_compress.algorithms.none import FP16, NoneCompressor
 from hvd_compress.algorithms.regtopk import RegTopK
@@ -57,16 +57,16 @@ class DenseFactory:
         return f"Compression.{self.name}"
 
 
-def as_compressor(value: Any, route: str = "compression") -> Compressor:
-    """The compressor a route runs: ``None`` is no compression, a factory or class is called.
+def as_compressor(value: Any, route: str = "compression") -> Any:
+    """What a route runs (a compressor or an exchange policy: Auto): ``None`` is none, a factory or class is called.
 
     Each call of a factory makes a new compressor, so optimizers never share state.
     """
     if value is None:
         return NoneCompressor()
-    if isinstance(value, Compressor):
+    if is_compression(value):
         return value
-    if isinstance(value, DenseFactory) or (isinstance(value, type) and issubclass(value, Compressor)):
+    if isinstance(value, DenseFactory) or (isinstance(value, type) and issubclass(value, (Compressor, ExchangePolicy))):
         try:
             return value()
         except TypeError as error:

@@ -42,6 +42,11 @@ def as_tensor(tensor: Any) -> Any:
     return kernels.computed_form(tensor)
 
 
+def fingerprint(config: Dict[str, Any], run: CompressorState, rank: int) -> int:
+    """:meth:`Compressor.config_hash`: a 31-bit hash of ``config`` and of ``run.note(rank)``."""
+    return header_hash((sorted(config.items()), run.note(rank)))
+
+
 class NonFiniteGradientError(ValueError, FloatingPointError):
     """A gradient (or, with ``nonfinite="raise"``, an exchanged gradient) holds NaN/Inf."""
 
@@ -141,7 +146,7 @@ class Compressor:
         every rank) hashes differently, so the cross-rank check stops every rank.
         ``run``: the state the steps run on (default: the compressor's own).
         """
-        return header_hash((sorted(self.config().items()), (self.own_state if run is None else run).note(self.rank)))
+        return fingerprint(self.config(), self.own_state if run is None else run, self.rank)
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
@@ -220,5 +225,20 @@ class Compressor:
         holds_state = bool(state["tensors"]) or bool(state.get("generators"))
         run.origin = (int(state["rank"]), int(state["world"])) if "rank" in state and holds_state else None
 
-    # ------------------------------------------------------------ for subclasses
 
+class ExchangePolicy:
+    """A ``compression=`` that is not a compressor: it holds one and picks, per bucket, how that compressor's
+    exchange runs (:class:`~hvd_compress.engine.auto.Auto`). What routes, the Simulator, schedules, callbacks and
+    checkpoints call on a ``compression=`` (a :class:`Compressor` has it all, the optional part where it has it):
+
+    - ``config()``, ``repr``, ``config_hash()``, ``seed``, ``rank``, ``bind(rank, size)``, ``nonfinite`` (set too);
+    - ``fused``, ``dense_only``, ``dense_wire_dtype``; ``state_for(holder, route, state)``, ``state``, ``memory``,
+      ``stats``; ``residual(name, run)``, ``reset(name, run)``, ``state_dict(run)``, ``load_state_dict(state, run)``;
+    - optional: ``ratio`` (schedules set it, and ``target_ratio``), ``dense_below``, ``error_feedback``,
+      ``momentum``, ``velocity(name, run)``, ``remeasure(run)`` (schedules call it), ``make_exchange(comm, key,
+      state)`` (:func:`~hvd_compress.engine.exchange.open_exchange`: the bucket's exchange)."""
+
+
+def is_compression(value: Any) -> bool:
+    """Whether a route runs ``value`` as ``compression=``: a :class:`Compressor` or an :class:`ExchangePolicy`."""
+    return isinstance(value, (Compressor, ExchangePolicy))

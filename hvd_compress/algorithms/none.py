@@ -20,4 +20,3 @@ class FP16(Compressor):
 
     fused = True
     dense_wire_dtype = "float16"
-

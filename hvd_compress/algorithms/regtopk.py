@@ -87,5 +87,3 @@ class RegTopK(LargestScores, Sparsifier):
         informative = (own != 0) & ~ops.take(bad, slot_rows)
         distortion = (ops.take(total, idx) - own) / own
         return idx, ops.where(informative, distortion, ops.NO_DISTORTION)
-
-

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Dict, List
 
-from hvd_compress.algorithms.base import Compressor, check_ratio
+from hvd_compress.algorithms.base import Compressor, check_ratio, is_compression
 
 __all__ = ["DensityWarmup", "warmup_density", "check_warmup_steps", "check_has_density", "check_start"]
 
@@ -69,7 +69,7 @@ def check_warmup_steps(value: Any, name: str = "warmup_steps") -> int:
 def check_has_density(compressor: Any, who: str) -> Compressor:
     """``compressor`` if it is one of ours with a settable ``ratio``; ``TypeError`` naming it otherwise."""
     ratio = getattr(type(compressor), "ratio", None)
-    if not isinstance(compressor, Compressor) or not isinstance(ratio, property) or ratio.fset is None:
+    if not is_compression(compressor) or not isinstance(ratio, property) or ratio.fset is None:
         raise TypeError(
             f"hvd_compress: {who} needs a compressor with a density (ratio), such as TopK, GaussianK, "
             f"RegTopK or Auto of one of them; {compressor!r} ({type(compressor).__name__}) has none"
@@ -91,11 +91,11 @@ def check_start(start: Any, target: float, who: str) -> float:
 def compressors_of(thing: Any, who: str) -> List[Compressor]:
     """The compressors a schedule sets: ``thing`` itself, its ``.compression``/``.compressor``, a list
     of compressors or its ``.compressors``; each checked by :func:`check_has_density`."""
-    if isinstance(thing, Compressor):
+    if is_compression(thing):
         found: List[Any] = [thing]
-    elif isinstance(getattr(thing, "compression", None), Compressor):
+    elif is_compression(getattr(thing, "compression", None)):
         found = [thing.compression]
-    elif isinstance(getattr(thing, "compressor", None), Compressor):
+    elif is_compression(getattr(thing, "compressor", None)):
         found = [thing.compressor]
     elif isinstance(getattr(thing, "compressors", None), (list, tuple)):
         found = list(thing.compressors)

@@ -42,7 +42,6 @@ class WireStats:
     values_sent: int = 0
     numel: int = 0
 
-
     @property
     def density(self) -> float:
         """Fraction of gradient entries sent (1 for dense and ternary payloads)."""

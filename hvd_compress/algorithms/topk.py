@@ -12,4 +12,3 @@ from hvd_compress.algorithms.sparse import LargestScores, Sparsifier
 
 class TopK(LargestScores, Sparsifier):
     """Exact Top-k: ``S`` = the ``k`` largest ``|a_j|`` (ties to the lower index)."""
-

@@ -131,4 +131,3 @@ def train(
         bytes_per_step=int(np.mean(sent)),
         dense_bytes_per_step=int(np.mean(dense)),
     )
-

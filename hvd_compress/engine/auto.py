@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.engine.exchange import BucketExchange
-from hvd_compress.algorithms.base import Compressor
+from hvd_compress.algorithms.base import Compressor, ExchangePolicy, fingerprint
 from hvd_compress.algorithms.state import WireStats
 from hvd_compress.algorithms.validation import check_count
 from hvd_compress.kernels import ops_for
@@ -150,43 +150,31 @@ class AutoStats(WireStats):
 
 
 # ---------------------------------------------------------------- dense view
-class InnerState(Compressor):
-    """A compressor whose state is another's, ``self.inner``: its ``state`` (memory, random streams,
-    fused plans), statistics, rank and seed are the inner compressor's (so subclasses skip
-    ``Compressor.__init__``)."""
+class DenseView:
+    """The inner compressor's tensors sent dense, as the compressor of a dense bucket's exchange, on its rank and run
+    state: memory (residuals flushed into the dense sum), statistics, fused plans (a switch rebuilds the plan)."""
 
-    inner: Compressor
-    state = property(lambda self: self.inner.state)
-    own_state = property(lambda self: self.inner.own_state)
-    stats = property(lambda self: self.inner.stats)
-    rank = property(lambda self: self.inner.rank)
-    size = property(lambda self: self.inner.size)
-    seed = property(lambda self: self.inner.seed)
-    nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
-
-    def bind(self, rank: int, size: int) -> "InnerState":
-        self.inner.bind(rank, size)
-        return self
-
-    def state_for(self, holder: Any, route: str, state: Any = None) -> Any:
-        return self.inner.state_for(holder, route, state)
-
-
-class DenseView(InnerState):
-    """The inner compressor's tensors sent dense: its memory (residuals flushed into the dense sum),
-    its statistics, its fused plans (a switch rebuilds the bucket's plan and moves state)."""
-
-    payload_kind = "dense"
-    fused = True
+    fused, dense_wire_dtype = True, None
 
     def __init__(self, inner: Compressor) -> None:
         self.inner = inner
 
+    state = property(lambda self: self.inner.state)
+    rank = property(lambda self: self.inner.rank)
     #: the inner compressor's momentum correction: its tensors sent dense send their velocity
     momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
+    fused_kind = staticmethod(lambda numel: DENSE)  # every tensor
+    warn_dense = staticmethod(lambda name, numel: None)  # nothing to warn of: the view sends every tensor dense
 
-    def config(self) -> Dict[str, Any]:
-        return {"type": "Dense", "of": repr(self.inner)}
+    def bind(self, rank: int, size: int) -> "DenseView":
+        self.inner.bind(rank, size)
+        return self
+
+    def config_hash(self, run: Any) -> int:
+        return fingerprint({"type": "Dense", "of": repr(self.inner)}, run, self.rank)
+
+    def __repr__(self) -> str:
+        return f"DenseView(of={repr(self.inner)!r})"
 
 
 # ------------------------------------------------------------------ measuring
@@ -198,16 +186,8 @@ class WaitOnce:
         self.comm = comm
         self.results: Dict[int, Tuple[Any, Any]] = {}
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # rank, size, the collectives: the communicator's
         return getattr(self.comm, name)
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
 
     def wait(self, handle: Any) -> Any:
         key = id(handle)
@@ -292,8 +272,9 @@ class AutoExchange:
         return results
 
 
-class Auto(InnerState):
-    """Per bucket, the cheaper of ``compressor`` and a dense allreduce, measured (see the module docstring).
+class Auto(ExchangePolicy):
+    """Per bucket, the cheaper of ``compressor`` and a dense allreduce, measured (see the module docstring): an
+    exchange policy (:class:`~hvd_compress.algorithms.base.ExchangePolicy`) holding the compressor, ``inner``.
 
     ``warmup``: timed exchanges per measurement (after one untimed); ``decide_every``: exchanges
     between measurements (0: decide once); ``margin``: how much faster compressed must be (0.05 =
@@ -308,7 +289,7 @@ class Auto(InnerState):
     def __init__(self, compressor: Compressor, warmup: int = 3, decide_every: int = 0, margin: float = 0.0,
                  pin: Optional[str] = None, log: Any = True, clock: Any = None, indices: Optional[str] = None
                  ) -> None:
-        if not isinstance(compressor, Compressor) or isinstance(compressor, Auto):
+        if not isinstance(compressor, Compressor):
             raise TypeError(f"hvd_compress: Auto(compressor) needs an hvd_compress compressor such as "
                             f"RegTopK(0.01), got {compressor!r}")
         self.inner = compressor
@@ -341,16 +322,32 @@ class Auto(InnerState):
         return run.stats
 
     #: :meth:`choices_in` and :meth:`stats_in` of the inner compressor's own state
-    choices = property(lambda self: self.choices_in(self.own_state))
-    stats = property(lambda self: self.stats_in(self.own_state))
+    choices = property(lambda self: self.choices_in(self.inner.own_state))
+    stats = property(lambda self: self.stats_in(self.inner.own_state))
 
-    # the inner compressor's capabilities (its state: InnerState)
-    payload_kind = property(lambda self: self.inner.payload_kind)
+    # what a route calls on its compression= (ExchangePolicy) that the inner compressor answers
+    state = property(lambda self: self.inner.state)
+    memory = property(lambda self: self.inner.memory)
+    rank = property(lambda self: self.inner.rank)
+    seed = property(lambda self: self.inner.seed)
+    nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
     fused = property(lambda self: self.inner.fused)
+    dense_only = property(lambda self: self.inner.dense_only)
     dense_wire_dtype = property(lambda self: self.inner.dense_wire_dtype)
     dense_below = property(lambda self: getattr(self.inner, "dense_below", 0))
     error_feedback = property(lambda self: getattr(self.inner, "error_feedback", False))
     momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
+
+    def bind(self, rank: int, size: int) -> "Auto":
+        self.inner.bind(rank, size)
+        return self
+
+    def state_for(self, holder: Any, route: str, state: Any = None) -> Any:
+        return self.inner.state_for(holder, route, state)
+
+    def config_hash(self, run: Any = None) -> int:
+        """A compressor's ``config_hash`` of :meth:`config`, on the inner compressor's state (default: its own)."""
+        return fingerprint(self.config(), self.inner.own_state if run is None else run, self.rank)
 
     @property
     def ratio(self) -> float:
@@ -368,7 +365,7 @@ class Auto(InnerState):
                 "decide_every": self.decide_every, "margin": self.margin, "pin": self.pin,
                 **({"indices": self.alternative.indices} if self.alternative is not None else {})}
 
-    def way(self, choice: str) -> Tuple[Compressor, str]:
+    def way(self, choice: str) -> Tuple[Any, str]:
         """The compressor a bucket travels with for ``choice`` and the suffix of its plan's key."""
         if choice == DENSE:
             return self.dense, ".dense"
@@ -388,18 +385,13 @@ class Auto(InnerState):
             return COMPRESSED
         return self.alternative_choice
 
-    # per-tensor use: the inner compressor's encode and decode
-
-    def fused_kind(self, numel: int) -> str:
-        return self.inner.fused_kind(numel)
-
+    # inspection: the inner compressor's state
     def residual(self, name: str, run: Any = None):
         return self.inner.residual(name, run)
 
     def velocity(self, name: str, run: Any = None):
         """The inner sparsifier's momentum-correction velocity of ``name`` (``None`` without)."""
-        velocity = getattr(self.inner, "velocity", None)
-        return None if velocity is None else velocity(name, run)
+        return self.inner.velocity(name, run) if hasattr(self.inner, "velocity") else None
 
     def reset(self, name: Optional[str] = None, run: Any = None) -> None:
         self.inner.reset(name, run)
@@ -438,7 +430,7 @@ class Auto(InnerState):
         """Reduce this rank's ``[dense_ms, compressed_ms(, alternative_ms)]`` (default: :meth:`medians`) across
         ranks (max), record the bucket's choice in the run state ``run`` (default: the inner compressor's
         own) and return it; the same on every rank."""
-        run = self.own_state if run is None else run
+        run = self.inner.own_state if run is None else run
         state = self.choices_in(run).setdefault(key, BucketChoice())
         like = added[0][1]
         ops = ops_for(like)
@@ -465,7 +457,7 @@ class Auto(InnerState):
     def remeasure(self, run: Any = None) -> None:
         """Measure every bucket again from its next exchange (call on every rank at the same step); ``run``:
         a route's state (default: the inner compressor's own)."""
-        for state in self.choices_in(self.own_state if run is None else run).values():
+        for state in self.choices_in(self.inner.own_state if run is None else run).values():
             state.remeasure, state.measured, state.samples = True, 0, []
 
     # --------------------------------------------------------------- checkpoints
@@ -473,7 +465,7 @@ class Auto(InnerState):
         """The inner compressor's state plus every bucket's choice and measurements (of ``run``, a route's
         state; default: the inner compressor's own)."""
         inner = self.inner.state_dict(run)
-        choices = self.choices_in(self.own_state if run is None else run)
+        choices = self.choices_in(self.inner.own_state if run is None else run)
         return {"config": self.config(), "inner": inner,
                 "decisions": {key: state.public() for key, state in choices.items()}}
 
@@ -482,7 +474,7 @@ class Auto(InnerState):
         if saved != "Auto":
             raise ValueError(f"hvd_compress: checkpoint holds {saved} state; cannot load it into {self!r}")
         self.inner.load_state_dict(state["inner"], run)
-        run = self.own_state if run is None else run
+        run = self.inner.own_state if run is None else run
         choices, stats = self.choices_in(run), self.stats_in(run)
         choices.clear()
         for key, entry in state.get("decisions", {}).items():

@@ -28,8 +28,8 @@ from hvd_compress.engine import fused
 def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> Any:
     """The exchange of bucket ``key`` on the run state ``state`` (a route's
     :class:`~hvd_compress.algorithms.state.CompressorState`; default: ``compressor.state``, the
-    compressor's own): the compressor's own exchange where it chooses per bucket
-    (``make_exchange``: :class:`~hvd_compress.engine.auto.Auto`), else a :class:`BucketExchange`."""
+    compressor's own) for a route's ``compression=``: an exchange policy's (``make_exchange``:
+    :class:`~hvd_compress.engine.auto.Auto`'s, a :class:`BucketExchange` of a way it chooses), else this."""
     make = getattr(compressor, "make_exchange", None)
     return make(comm, key, state) if make is not None else BucketExchange(compressor, comm, key, state)
 

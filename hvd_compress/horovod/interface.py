@@ -11,8 +11,8 @@ compressors (``hvd_compress.TopK`` ...) are defined here, each the algorithm of
     hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_compress.TopK(0.01))
 
 A compressor of your own (a :class:`~hvd_compress.algorithms.base.Compressor` subclass) gets
-the interface by deriving from :class:`HorovodInterface` too (``Auto`` does, around the engine's
-exchange policy), or is wrapped:
+the interface by deriving from :class:`HorovodInterface` too (so does ``Auto``, the engine's
+exchange policy around a compressor), or is wrapped:
 ``compression=HorovodCompression(MyCompressor(0.01))``. The names of
 ``Compression`` (``Compression.topk(0.01)``, ``Compression.fp16``) are registered here, with
 the header numbers 1 to 6 they have always carried.

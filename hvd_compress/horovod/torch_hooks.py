@@ -311,4 +311,3 @@ def decompress(compressor: Any, output: Any, ctx: Any):
         compressor.state.drop_bucket(f"hvd_compress.{ctx.name}")
         calls.agreed = True
     return result
-

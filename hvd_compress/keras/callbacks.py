@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow.keras import callbacks as horovod_callbacks
 
-from hvd_compress.algorithms.base import Compressor, check_ratio
+from hvd_compress.algorithms.base import Compressor, check_ratio, is_compression
 from hvd_compress.algorithms.schedule import (check_has_density, check_start, check_warmup_steps, reached_target,
                                                warmup_density)
 from hvd_compress.keras.versions import KERAS3, broadcast_variables
@@ -155,10 +155,10 @@ class LearningRateWarmupCallback(_MomentumCheck, horovod_callbacks.LearningRateW
 
 def compressor_of(compressor_or_optimizer: Any, who: str) -> Compressor:
     """The compressor itself, or an optimizer's ``.compression``; ``TypeError`` otherwise."""
-    if isinstance(compressor_or_optimizer, Compressor):
+    if is_compression(compressor_or_optimizer):
         return compressor_or_optimizer
     compression = getattr(compressor_or_optimizer, "compression", None)
-    if isinstance(compression, Compressor):
+    if is_compression(compression):
         return compression
     raise TypeError(
         f"hvd_compress: {who} needs an hvd_compress compressor or an optimizer made by "

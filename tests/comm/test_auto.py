@@ -315,3 +315,71 @@ def test_density_warmup_has_auto_measure_again_when_the_ramp_reaches_the_target(
     for _ in range(5):
         schedule.step()
     assert calls == [0.01]
+
+
+# ------------------------------------------------------------------ contract
+#: what routes, the Simulator, schedules, callbacks and checkpoints call on a ``compression=``
+#: (:class:`~hvd_compress.algorithms.base.ExchangePolicy`), Horovod's compress/decompress included
+ROUTE_MEMBERS = ("config", "config_hash", "seed", "rank", "bind", "nonfinite", "fused", "dense_only",
+                 "dense_wire_dtype", "state_for", "state", "memory", "stats", "residual", "reset", "state_dict",
+                 "load_state_dict", "ratio", "dense_below", "error_feedback", "momentum", "velocity", "remeasure",
+                 "make_exchange", "compress", "decompress")
+#: a compressor's own business (the engine calls them on the compressor an exchange runs), not a policy's
+COMPRESSOR_INTERNALS = ("bucket_codec", "fused_kind", "generator", "warn_dense", "own_state", "payload_kind")
+
+
+def test_auto_is_an_exchange_policy_holding_its_compressor():
+    from hvd_compress.algorithms import Compressor, as_compressor
+    from hvd_compress.algorithms.base import ExchangePolicy, is_compression
+
+    inner = TopK(0.01, momentum=0.9, dense_below=16)
+    auto = Auto(inner, log=False, indices="auto")
+    assert not isinstance(auto, Compressor) and isinstance(auto, ExchangePolicy) and is_compression(auto)
+    assert [m for m in ROUTE_MEMBERS if not hasattr(auto, m)] == []
+    assert [m for m in COMPRESSOR_INTERNALS if hasattr(auto, m)] == []
+    assert auto.bind(1, 2) is auto and (inner.rank, inner.size, auto.rank) == (1, 2, 1)
+    assert auto.state is inner.state and auto.memory is inner.memory and auto.stats is inner.stats
+    assert (auto.seed, auto.fused, auto.dense_only, auto.dense_wire_dtype, auto.dense_below, auto.error_feedback,
+            auto.momentum) == (0, True, False, None, 16, True, 0.9)
+    auto.nonfinite, auto.ratio = "raise", 0.05
+    assert inner.nonfinite == "raise" and inner.ratio == auto.alternative.ratio == auto.ratio == 0.05
+    assert as_compressor(auto) is auto
+    with pytest.raises(TypeError, match="needs arguments"):
+        as_compressor(Auto)
+    with pytest.raises(TypeError, match="hvd_compress: Auto"):
+        Auto(auto)
+
+
+def test_auto_and_its_dense_view_hash_their_configuration_as_before():
+    """The headers every rank compares (horovod.tensorflow's check of ``Auto``, a dense bucket's plan): the
+    numbers the compressor subclasses ``Auto`` and ``DenseView`` used to send."""
+    from hvd_compress.algorithms.state import CompressorState
+
+    auto = Auto(TopK(0.01), log=False, indices="auto").bind(1, 2)
+    assert (auto.config_hash(), auto.dense.config_hash(CompressorState())) == (1400225196, 2123790569)
+    assert repr(auto.dense) == f"DenseView(of={repr(auto.inner)!r})"
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.1, dense_below=16), lambda: RegTopK(0.1, momentum=0.9)])
+def test_the_simulator_runs_auto_pinned_as_its_compressor_or_dense(make):
+    """A route (the Simulator, 3 ranks) runs ``Auto`` pinned compressed to the inner compressor's averages,
+    residuals, velocities and bytes, and pinned dense to the plain average of the gradients."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    steps = [{n: [rng.normal(size=s) for _ in range(3)] for n, s in SHAPES.items()} for _ in range(3)]
+    auto, plain = Simulator(3, Auto(make(), pin="compressed", log=False)), Simulator(3, make())
+    dense = Simulator(3, Auto(TopK(0.1), pin="dense", log=False))
+    for grads in steps:
+        got, expected, averaged = auto.step(grads), plain.step(grads), dense.step(grads)
+        assert auto.bytes_sent_per_rank == plain.bytes_sent_per_rank
+        for n, (g0, g1, g2) in grads.items():
+            np.testing.assert_array_equal(got[n], expected[n])
+            np.testing.assert_allclose(averaged[n], (g0 + g1 + g2) / 3, rtol=1e-14, atol=1e-15)
+    for n in SHAPES:
+        for ours, theirs in [(auto.residuals(n), plain.residuals(n)), (auto.velocities(n), plain.velocities(n))]:
+            assert [x is None for x in ours] == [x is None for x in theirs]
+            for a, b in zip(ours, theirs):
+                if a is not None:
+                    np.testing.assert_array_equal(a, b)
+    assert any(r is not None for r in auto.residuals("w1"))
