@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from benchmarks.output import publish
-from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
+from benchmarks.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 from hvd_compress.algorithms import Compression
 from hvd_compress.engine.exchange import open_exchange
 from hvd_compress.kernels.reference import num_selected

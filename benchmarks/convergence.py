@@ -60,7 +60,7 @@ import numpy as np
 from benchmarks import cnn
 from benchmarks.datasets import Images
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench.report import pyplot, require_packages, save_figure
+from benchmarks.report import pyplot, require_packages, save_figure
 from hvd_compress.algorithms import Compression, DensityWarmup
 
 #: Models of ``--models`` by default; ``wide-mlp`` (hidden layers of 1024) has a gradient of 1.9M

@@ -36,7 +36,7 @@ import numpy as np
 from hvd_compress import kernels
 from benchmarks import cnn
 from benchmarks.output import publish
-from hvd_compress.bench.report import pyplot, require_packages, save_figure
+from benchmarks.report import pyplot, require_packages, save_figure
 from hvd_compress.algorithms import GaussianK
 from hvd_compress.kernels.reference import GAUSSIANK_HIGH, GAUSSIANK_LOW
 

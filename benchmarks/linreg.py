@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.output import describe_machine, publish
 from hvd_compress.bench import single_threaded_blas
-from hvd_compress.bench.report import progress_bar, pyplot, require_packages, save_figure
+from benchmarks.report import progress_bar, pyplot, require_packages, save_figure
 from hvd_compress.algorithms import Compressor
 from hvd_compress.simulator import Simulator
 

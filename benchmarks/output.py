@@ -8,7 +8,7 @@ import types
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from hvd_compress.bench.report import machine
+from benchmarks.report import machine
 
 
 def describe_machine() -> Dict[str, Any]:

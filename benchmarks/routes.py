@@ -294,7 +294,7 @@ def process_group(cuda: bool) -> Iterator[str]:
     """A one-rank default process group (nccl on CUDA, gloo on the CPU); yields the backend."""
     import torch.distributed as dist
 
-    from hvd_compress.bench import free_port
+    from benchmarks.report import free_port
 
     if dist.is_initialized():
         if dist.get_world_size() != 1:

@@ -70,7 +70,7 @@ import numpy as np
 
 from benchmarks import cluster
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks.compress import format_size
 from benchmarks.wire import numel, resnet18_shapes
 from hvd_compress.algorithms import TopK

@@ -49,7 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.compress import format_size, gradient
 from benchmarks.output import publish
-from hvd_compress.bench.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
+from benchmarks.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 
 #: ResNet-50's and GPT-2 small's parameter counts, rounded as the issue states them.
 DEFAULT_SIZES = (25_600_000, 124_000_000)

@@ -63,7 +63,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import cluster
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks.compress import format_size
 from benchmarks.wire import (
     COMPRESSORS,

@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks import cnn
 from benchmarks.output import publish
-from hvd_compress.bench.report import pyplot, require_packages, save_figure
+from benchmarks.report import pyplot, require_packages, save_figure
 from hvd_compress.algorithms import Compression, Compressor, TernGrad
 from hvd_compress.simulator import Simulator
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 
 MODULE = "benchmarks.tf_step"
 PROGRESS = "@progress "

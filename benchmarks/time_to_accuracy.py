@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from benchmarks import cluster, convergence
 from benchmarks.step import AUTO_PREFIX, AUTO_WARMUP, CountingCommunicator
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 
 MODULE = "benchmarks.time_to_accuracy"
 #: (rate, run compared, bound, "speedup" >= bound or "time ratio" <= bound): printed, never asserted.

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks import routes as step_routes
 
 MODELS = ("resnet50", "gpt2", "mlp")

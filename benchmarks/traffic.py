@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks.shapes import SHAPES
 from hvd_compress.engine.fused import FusedBucket
 from hvd_compress.algorithms import Compression

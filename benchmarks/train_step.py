@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.step_profile import METHOD, profile_step
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks import routes as step_routes
 from benchmarks.host_reads import count_host_reads
 from benchmarks.routes import (

@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks.output import describe_machine, publish
-from hvd_compress.bench import report
+from benchmarks import report
 from benchmarks.compress import format_size, gradient
 from hvd_compress.algorithms import Compression
 from hvd_compress.algorithms.base import check_ratio

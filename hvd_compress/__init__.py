@@ -16,11 +16,11 @@ density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
 allreduce on the real link and sends each bucket the cheaper way
 (:mod:`hvd_compress.engine.auto`).
 
-Every compressor has a communication-free ``encode(tensor, name) -> payload`` and
-``decode(payloads, shape, average=True) -> dense``. The numpy implementation in
-:mod:`hvd_compress.kernels.reference` is the specification every framework
-kernel is tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks
-in one process on the routes' bucket engine.
+Every compressor is its options plus a bucket codec, which the one bucket engine
+(:mod:`hvd_compress.engine`) runs on every route. The numpy kernels of
+:mod:`hvd_compress.kernels.reference` are what every framework's kernels are
+tested against; :class:`hvd_compress.simulator.Simulator` runs N ranks in one
+process on the routes' bucket engine.
 """
 
 from hvd_compress.algorithms import Compression, DensityWarmup

@@ -1,12 +1,13 @@
-"""Workloads of the ``hvd-compress`` command: the demo, and the report helpers (tables, progress
-lines, figures) the repository's benchmarks share with it.
+"""Workloads of the ``hvd-compress`` command: the demo, and what the repository's benchmarks share
+with it (optional packages, BLAS threads).
 
 The training-step timing and trace benchmarks, the paper reproductions and the link studies
 live in the repository's ``benchmarks/`` folder (``python -m benchmarks``), which is not installed.
 """
 
 import contextlib
-import socket
+import importlib
+from typing import Any
 
 
 def single_threaded_blas():
@@ -18,8 +19,12 @@ def single_threaded_blas():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def free_port() -> int:
-    """A TCP port free on localhost now (for a one-process rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def require(module: str, extra: str) -> Any:
+    """Import ``module``, or say which extra of ``hvd_compress`` installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"hvd-compress needs {module} for this command ({error}); "
+            f"install it with: pip install 'hvd_compress[{extra}]'"
+        ) from error

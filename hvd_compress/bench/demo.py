@@ -14,7 +14,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from hvd_compress.bench.report import require
+from hvd_compress.bench import require
 from hvd_compress.algorithms import Compressor
 from hvd_compress.simulator import Simulator
 

@@ -202,7 +202,7 @@ class AutoExchange:
     after its tensors are added."""
 
     def __init__(self, auto: "Auto", comm: Any, key: str, run: Any) -> None:
-        self.auto, self.compressor, self.key = auto, auto, key
+        self.auto, self.key = auto, key
         self.run = run  # the route's CompressorState: the inner compressor's, its choices and statistics
         self.state = auto.choices_in(run).setdefault(key, BucketChoice())
         self.mode = auto.mode(self.state)
@@ -329,7 +329,7 @@ class Auto(ExchangePolicy):
     state = property(lambda self: self.inner.state)
     memory = property(lambda self: self.inner.memory)
     rank = property(lambda self: self.inner.rank)
-    seed = property(lambda self: self.inner.seed)
+    seed = property(lambda self: self.inner.seed, lambda self, value: self._seed(value))
     nonfinite = property(lambda self: self.inner.nonfinite, lambda self, value: setattr(self.inner, "nonfinite", value))
     fused = property(lambda self: self.inner.fused)
     dense_only = property(lambda self: self.inner.dense_only)
@@ -337,6 +337,12 @@ class Auto(ExchangePolicy):
     dense_below = property(lambda self: getattr(self.inner, "dense_below", 0))
     error_feedback = property(lambda self: getattr(self.inner, "error_feedback", False))
     momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
+
+    def _seed(self, value: int) -> None:
+        """Seed the inner compressor and its copy in the other index mode (the Simulator's ``seed``)."""
+        for way in (self.inner, self.alternative):
+            if way is not None:
+                way.seed = value
 
     def bind(self, rank: int, size: int) -> "Auto":
         self.inner.bind(rank, size)

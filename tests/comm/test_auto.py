@@ -383,3 +383,21 @@ def test_the_simulator_runs_auto_pinned_as_its_compressor_or_dense(make):
                 if a is not None:
                     np.testing.assert_array_equal(a, b)
     assert any(r is not None for r in auto.residuals("w1"))
+
+
+def test_the_simulator_seeds_auto_as_its_compressor():
+    """``Simulator(n, Auto(c), seed=s)`` draws what ``Simulator(n, c, seed=s)`` draws (TernGrad's stream), in
+    both index modes' copies of a sparsifier."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    grads = {n: [rng.normal(size=s) for _ in range(2)] for n, s in SHAPES.items()}
+    got = Simulator(2, Auto(TernGrad(), pin="compressed", log=False), seed=3).step(grads)
+    want = Simulator(2, TernGrad(), seed=3).step(grads)
+    other = Simulator(2, TernGrad(), seed=4).step(grads)
+    for n in SHAPES:
+        np.testing.assert_array_equal(got[n], want[n])
+    assert any(not np.array_equal(want[n], other[n]) for n in SHAPES)
+    auto = Auto(TopK(0.1), indices="auto", log=False)
+    auto.seed = 9
+    assert auto.inner.seed == auto.alternative.seed == 9

@@ -3,9 +3,9 @@ bars, the machine's description and the figures' setup."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -13,20 +13,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvd_compress import __version__
+from hvd_compress.bench import require  # noqa: F401  (the benchmarks' import of it)
 
 
 # ---------------------------------------------------------------- dependencies
-def require(module: str, extra: str) -> Any:
-    """Import ``module``, or say which extra of ``hvd_compress`` installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        raise ImportError(
-            f"hvd-compress needs {module} for this command ({error}); "
-            f"install it with: pip install 'hvd_compress[{extra}]'"
-        ) from error
-
-
 def require_packages(torch: bool, plots: bool) -> None:
     """Fail before any work when torch (if ``torch``) or matplotlib (if a plot is to be written) is missing."""
     if torch:
@@ -135,3 +125,10 @@ def ratio_bars(ax: Any, names: Sequence[str], groups: Sequence[Tuple[str, Sequen
     ax.axhline(1.0, color="black", linewidth=1, linestyle="--")
     ax.set_xticks(range(len(names)), names)
     ax.set_yscale("log")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (for a one-process rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
