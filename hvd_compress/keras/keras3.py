@@ -58,17 +58,22 @@ def check_backend() -> None:
 check_backend()
 
 
-def compressor_config(compressor: algorithms.Compressor) -> Dict[str, Any]:
-    """Type, parameters and seed: what :func:`compressor_from_config` rebuilds the compressor from."""
+def compressor_config(compressor: Any) -> Dict[str, Any]:
+    """Type, parameters and seed: what :func:`compressor_from_config` rebuilds the compressor from
+    (``Auto``: its options and its compressor's config)."""
+    if isinstance(compressor, algorithms.ExchangePolicy):
+        return {**compressor.config(), "compressor": compressor_config(compressor.inner)}
     return {**compressor.config(), "seed": compressor.seed}
 
 
-def compressor_from_config(config: Dict[str, Any]) -> algorithms.Compressor:
+def compressor_from_config(config: Dict[str, Any]) -> Any:
     """A new compressor of :func:`compressor_config`'s type and parameters (no state)."""
     options = dict(config)
     cls = getattr(interface, str(options.pop("type", "")), None)  # the public compressors
-    if not (isinstance(cls, type) and issubclass(cls, algorithms.Compressor)):
+    if not (isinstance(cls, type) and issubclass(cls, (algorithms.Compressor, algorithms.ExchangePolicy))):
         raise ValueError(f"hvd_compress: unknown compressor in the optimizer config: {config!r}")
+    if issubclass(cls, algorithms.ExchangePolicy):
+        options["compressor"] = compressor_from_config(options["compressor"])
     return cls(**options)
 
 

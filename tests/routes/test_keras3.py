@@ -103,9 +103,10 @@ def distributed(keras3, compression, **options):
 def test_config_round_trip_keeps_compressor_and_op(keras3):
     import keras
 
-    from hvd_compress import TernGrad, TopK
+    from hvd_compress import Auto, TernGrad, TopK
 
-    for compression, op in ((TopK(0.02, dense_below=16, seed=7), "sum"), (TernGrad(clip=None), None)):
+    auto = Auto(TopK(0.03, seed=5), warmup=2, decide_every=50, margin=0.1, indices="leader", log=False)
+    for compression, op in ((TopK(0.02, dense_below=16, seed=7), "sum"), (TernGrad(clip=None), None), (auto, None)):
         opt = distributed(keras3, compression, op=op)
         again = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
         assert isinstance(again, keras3.DistributedOptimizer)
