@@ -49,26 +49,23 @@ def gaussiank_select(a: np.ndarray, ratio: float, posterior: Any = None, mu: flo
     """Gaussian-k (Shi et al. 2019; hclhkbu/GaussianK-SGD): ``S = {j : |a_j| > thr}``,
     ``thr = |mean a| + std(a) Phi^-1(1 - ratio / 2)``, then up to three counts: below ``ceil(2k/3)``
     the threshold halves, above ``floor(4k/3)`` it grows 1.5x, the first in range wins; else the
-    smallest set above range seen, cut to its first ``k`` indices, or the last threshold counted.
-    A count is ``s`` times the count over every ``s``-th entry, ``s = max(1, k // 64)``; a set not
-    cut keeps at most its first ``floor(4k/3)`` indices."""
+    smallest set above range seen, cut to its first ``k`` indices, or the last threshold counted."""
     k = k_of(a.shape[0], ratio)
     low, high = math.ceil(2.0 / 3.0 * k), math.floor(4.0 / 3.0 * k)
     magnitude = np.abs(a)
-    stride = max(1, k // 64)
     first = abs(float(np.mean(a, dtype=np.float64))) - float(np.std(a, dtype=np.float64)) * NormalDist().inv_cdf(
         ratio / 2.0)
     factor, last, over = 1.0, first, None
     for _ in range(3):
         threshold = first * factor
-        count = stride * int(np.count_nonzero(magnitude[::stride] > threshold))
+        count = int(np.count_nonzero(magnitude > threshold))
         if low <= count <= high:
-            return np.flatnonzero(magnitude > threshold)[:high]
+            return np.flatnonzero(magnitude > threshold)
         if count > high and (over is None or count < over[0]):
             over = (count, threshold)
         last, factor = threshold, factor * (0.5 if count < low else 1.5)
     if over is None:
-        return np.flatnonzero(magnitude > last)[:high]
+        return np.flatnonzero(magnitude > last)
     return np.flatnonzero(magnitude > over[1])[:k]
 
 

@@ -147,9 +147,10 @@ def distortions(draw, numel: int, dtype) -> np.ndarray:
 
 
 def sampled_in_range_but_over_the_slots():
-    """12,800 entries, ``k = 128``: the counts look at every 2nd entry (:func:`reference.sample_stride`). 50
-    even-indexed and 150 odd-indexed entries lie above 1: the estimate ``2 x 50 = 100`` is in
-    ``[86, 170]``, so threshold 1 is chosen, but 200 entries lie above it, more than the 170 slots."""
+    """12,800 entries, ``k = 128`` at 1%: 50 even-indexed and 150 odd-indexed entries lie above 1 (uniform
+    in [1.1, 3.0], either sign), the rest below 0.9. Counted on every 2nd entry
+    (:func:`reference.sample_stride`) the set above 1 holds ``2 x 50 = 100``, in Gaussian-k's ``[86, 170]``
+    and a reused threshold's ``[64, 128]``; counted exactly it holds 200, more than either's slots."""
     rng = np.random.default_rng(3)
     a = rng.uniform(-0.9, 0.9, 12800)
     above = np.concatenate([rng.choice(np.arange(0, 12800, 2), 50, replace=False),

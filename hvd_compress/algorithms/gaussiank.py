@@ -6,10 +6,7 @@ Shi et al., "Understanding Top-k Sparsification in Distributed Deep Learning"
     thr = |mean(a)| + std(a) * Phi^-1(1 - ratio / 2),   S = {j : |a_j| > thr}
 
 then at most 3 evaluations correcting ``thr`` (x0.5 below 2k/3, x1.5 above 4k/3),
-round ``r`` at ``thr * f_r`` with ``f_r`` the product of the steps so far, each a count
-over every ``s``-th entry times ``s`` (``s = max(1, k // 64)``: exact below ``k = 128``,
-else about 64 sampled entries above a threshold in range, one standard error ~12%);
-a set not cut keeps at most its first ``floor(4k/3)`` indices. No sort:
+round ``r`` at ``thr * f_r`` with ``f_r`` the product of the steps so far. No sort:
 ``|S|`` is close to ``k`` but varies per rank and step. When the last evaluation
 is out of range and some evaluation selected more than ``4k/3`` entries, the
 smallest such set is cut to its first ``k`` indices, as the reference code cuts
@@ -23,11 +20,11 @@ bucket (every route, the Simulator) sends ``floor(4k/3)`` slots per tensor, the 
 the correction can select, unused ones padded: no count travels and nothing is
 read back, at up to a third more (value, index) bytes than Top-k (the wire
 statistics count the slots). On an accelerator it counts the six thresholds a
-tensor can meet (``thr x {1/4, 1/2, 3/4, 1, 3/2, 9/4}``) in one pass over the sample and applies
+tensor can meet (``thr x {1/4, 1/2, 3/4, 1, 3/2, 9/4}``) in one pass and applies
 the rule to the counts (:meth:`hvd_compress.kernels.torch_rows.Rows.gaussiank`; numpy
 runs the reference on each row, :class:`hvd_compress.kernels.reference_rows.Rows`, and TensorFlow
 each row's rule in fixed slots, :class:`hvd_compress.kernels.tf_rows.Rows`):
-a moments pass, a counting pass over ``1/s`` of the entries and a marking pass per size group, where Top-k runs
+a moments pass, a counting pass and a marking pass per size group, where Top-k runs
 one ``torch.topk`` (several passes inside) and a tie scan. The quantile is finite
 for ``ratio >= 1e-323`` (``ratio / 2`` must not round to 0); smaller ratios are
 rejected.

@@ -241,8 +241,8 @@ def normal_tail_quantile(ratio: float) -> float:
 
 def gaussiank_from(magnitude: np.ndarray, threshold: float, k: int) -> np.ndarray:
     """Gaussian-k's selection on ``|a|`` from a first ``threshold``: the indices selected, ascending
-    (:func:`threshold_select` toward ``[ceil(2k/3), floor(4k/3)]``, at most ``floor(4k/3)``)."""
-    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
+    (:func:`threshold_select` toward ``[ceil(2k/3), floor(4k/3)]``, every entry counted)."""
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k), 1)[0]
 
 
 #: Every threshold the correction can evaluate, as multiples of the first: ``0.5^i 1.5^j`` for the
@@ -285,38 +285,38 @@ def threshold_choice(count: Callable, threshold: float, low: int, high: int) -> 
     return (last, False) if superset is None else (superset[1], True)
 
 
-#: Entries the correction's counts expect above a threshold in range, in their sample (``k / stride``).
+#: Entries a reused threshold's counts expect above it in their sample (``k / stride``).
 COUNT_SAMPLE = 64
 
 
 def sample_stride(k: int) -> int:
-    """Every how many entries the correction's counts look (:func:`threshold_select`):
+    """Every how many entries a reused threshold's counts look (:func:`reused_threshold_select`):
     ``max(1, k // COUNT_SAMPLE)``, so about 64 sampled entries lie above a threshold in range;
     every entry (stride 1) below ``k = 128``."""
     return max(1, k // COUNT_SAMPLE)
 
 
 def threshold_select(scores: np.ndarray, threshold: float, k: int, bounds: Tuple[int, int],
-                     width: int) -> Tuple[np.ndarray, float]:
+                     width: int, stride: int) -> Tuple[np.ndarray, float]:
     """One row's selection by a threshold corrected toward a count in ``bounds``: ``(indices
     ascending, the threshold chosen)``.
 
     ``S = {j : score_j > thr}`` in index order, cut to its first ``k`` where the correction
     cuts (:func:`threshold_choice`: up to three counts, x0.5 below ``low``, x1.5 above
     ``high``), else to its first ``width`` (the slots a fused bucket sends). A count is
-    estimated from every ``s``-th entry, ``s`` = :func:`sample_stride` (``s`` times the
-    entries of ``scores[::s]`` above ``thr``): an accelerator counts the six thresholds the
-    correction can meet on ``n/s`` entries, then one pass over the row marks the chosen
-    set. With ``s = 1`` (``k < 128``) the counts are exact and no set in range exceeds
-    ``width >= high``; above, an estimate in range may miss the true count by about
-    ``1/sqrt(64)`` (one standard error), and ``width`` bounds what is sent.
+    ``stride`` times the entries of ``scores[::stride]`` above ``thr``: an accelerator counts
+    the six thresholds the correction can meet on ``n / stride`` entries, then one pass over
+    the row marks the chosen set. With ``stride = 1`` the counts are exact and no set in range
+    exceeds ``width >= high``; a sampled count may miss the true one (by about ``1/sqrt(64)``
+    at :func:`sample_stride`), and ``width`` bounds what is sent.
 
     Gaussian-k corrects its first threshold toward ``[ceil(2k/3), floor(4k/3)]`` in
-    ``floor(4k/3)`` slots; Top-k and RegTop-k between exact selections (``exact_every >
-    1``) correct the threshold they kept toward ``[ceil(k/2), k]`` in ``k`` slots
-    (:func:`reused_threshold_select`).
+    ``floor(4k/3)`` slots, counting every entry; Top-k and RegTop-k between exact selections
+    (``exact_every > 1``) correct the threshold they kept toward ``[ceil(k/2), k]`` in ``k``
+    slots, counting every :func:`sample_stride`-th entry (:func:`reused_threshold_select`).
+    (Gaussian-k with sampled counts, its counting pass reading ``1/s`` of a row, cost 0.75-1.3
+    points of accuracy on the Fashion-MNIST CNN; docs/results.md.)
     """
-    stride = sample_stride(k)
     sample = scores[::stride]
     chosen, cut = threshold_choice(lambda t: stride * int(np.count_nonzero(sample > t)), threshold, *bounds)
     selected = np.flatnonzero(scores > chosen)[: k if cut else width]
@@ -345,7 +345,7 @@ def reused_threshold_select(scores: np.ndarray, threshold: float, k: int) -> Tup
     accuracy on the Fashion-MNIST MLP: while the threshold catches up, the cut keeps the
     lowest indices; docs/results.md.)
     """
-    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k, sample_stride(k))
 
 
 # --------------------------------------------------------------------------- #

@@ -297,14 +297,14 @@ def gaussiank_first_threshold(a, ratio: float) -> tf.Tensor:
 
 def gaussiank_from(magnitude, threshold, k: int) -> tf.Tensor:
     """:func:`reference.gaussiank_from` on ``|a|`` from a first ``threshold`` (float64 tensor or number)."""
-    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k), 1)[0]
 
 
 def gaussiank_positions(magnitude, threshold, k: int, width: int, spare: int, offset: int = 0) -> tf.Tensor:
     """:func:`gaussiank_from`'s indices plus ``offset`` (int64) in ``width`` slots (at least as many as
     it selects: :func:`gaussiank_slots`), the unused ones ``spare``: no size depends on the data, so
     nothing is read back to the host."""
-    return threshold_positions(magnitude, threshold, gaussiank_bounds(k), k, width, spare, offset, sample_stride(k))[0]
+    return threshold_positions(magnitude, threshold, gaussiank_bounds(k), k, width, spare, offset)[0]
 
 
 def reused_positions(scores, threshold, k: int, spare: int, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -329,17 +329,18 @@ def threshold_positions(magnitude, threshold, bounds: Tuple[int, int], room: int
     return tf.concat([positions, tf.fill([width - min(width, numel)], np.int64(spare))], 0), final
 
 
-def threshold_select(scores, threshold, k: int, bounds: Tuple[int, int], width: int) -> Tuple[tf.Tensor, tf.Tensor]:
+def threshold_select(scores, threshold, k: int, bounds: Tuple[int, int], width: int,
+                     stride: int) -> Tuple[tf.Tensor, tf.Tensor]:
     """:func:`reference.threshold_select` of one tensor's scores: ``(indices ascending, the threshold chosen)``
     (a per-tensor helper; the fused path keeps :func:`threshold_positions`' fixed slots)."""
     numel = scores.shape[0]
-    positions, chosen = threshold_positions(scores, threshold, bounds, k, width, numel, 0, sample_stride(k))
+    positions, chosen = threshold_positions(scores, threshold, bounds, k, width, numel, 0, stride)
     return tf.cast(tf.boolean_mask(positions, positions < numel), index_dtype(numel)), chosen
 
 
 def reused_threshold_select(scores, threshold, k: int) -> Tuple[tf.Tensor, tf.Tensor]:
     """:func:`reference.reused_threshold_select`: :func:`threshold_select` toward ``[ceil(k/2), k]`` in ``k`` slots."""
-    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k, sample_stride(k))
 
 
 def _threshold_rule(magnitude, threshold, low: int, high: int, stride: int = 1) -> Tuple[tf.Tensor, tf.Tensor]:

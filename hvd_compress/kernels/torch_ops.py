@@ -306,10 +306,9 @@ def gaussiank_thresholds(rows: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 def threshold_select(scores: torch.Tensor, threshold: float, k: int, bounds: Tuple[int, int],
-                     width: int) -> Tuple[torch.Tensor, float]:
+                     width: int, stride: int) -> Tuple[torch.Tensor, float]:
     """:func:`reference.threshold_select` of one tensor's scores (counts read back: the CPU's row by
     row way and a per-tensor helper; an accelerator runs :class:`~hvd_compress.kernels.torch_rows.Rows`)."""
-    stride = sample_stride(k)
     sample = scores[::stride]
 
     def count(t: float) -> int:
@@ -322,7 +321,7 @@ def threshold_select(scores: torch.Tensor, threshold: float, k: int, bounds: Tup
 
 def reused_threshold_select(scores: torch.Tensor, threshold: float, k: int) -> Tuple[torch.Tensor, float]:
     """:func:`reference.reused_threshold_select`: :func:`threshold_select` toward ``[ceil(k/2), k]`` in ``k`` slots."""
-    return threshold_select(scores, threshold, k, reuse_bounds(k), k)
+    return threshold_select(scores, threshold, k, reuse_bounds(k), k, sample_stride(k))
 
 
 def gaussiank_from(magnitude: torch.Tensor, threshold: float, k: int) -> torch.Tensor:
@@ -330,7 +329,7 @@ def gaussiank_from(magnitude: torch.Tensor, threshold: float, k: int) -> torch.T
     (none where the threshold is NaN: ``a`` holds NaN or Inf, as in the reference)."""
     if threshold != threshold:
         return torch.empty(0, dtype=index_dtype(magnitude.shape[0]), device=magnitude.device)
-    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k))[0]
+    return threshold_select(magnitude, threshold, k, gaussiank_bounds(k), gaussiank_slots(k), 1)[0]
 
 
 # -------------------------------------------------------------------- RegTop-k

@@ -17,8 +17,7 @@ Top-k (``k`` slots a row)::
 Gaussian-k (``floor(4k/3)`` slots a row)::
 
     per group:  std_mean of the rows                               first thresholds
-                every s-th |a| (s = sample_stride(k)) against the six thresholds
-                the correction can meet, counted
+                |a| against the six thresholds the correction can meet, counted
                 |a| above the threshold the correction chose, marked
     per bucket: the correction rule applied to the counts (a table of its outcomes)
                 one cumulative count over the marks and one binary search:
@@ -102,6 +101,7 @@ class Rows:
         self.row_ranges: List[Tuple[int, int]] = []
         self.slot_ranges: List[Tuple[int, int]] = []
         row_start: List[int] = []
+        row_k: List[int] = []
         row_width: List[int] = []
         edge_start: List[int] = []
         for start, count, n, k, width in self.groups:
@@ -110,6 +110,7 @@ class Rows:
             self.row_ranges.append((rows, rows + count))
             self.slot_ranges.append((slots, slots + count * width))
             row_start += [start + i * n for i in range(count)]
+            row_k += [k] * count
             row_width += [width] * count
         self.count, self.width = len(row_start), sum(row_width)
         self.end = max((start + count * n for start, count, n, _, _ in self.groups), default=0)
@@ -132,11 +133,13 @@ class Rows:
         self._ends = tensor(np.concatenate([last_slot, first_slot, last_slot[slot_row]]))
         #: how far before its row's last slot a slot is, plus 1
         self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
+        self.k = tensor(row_k)
         self._marks: Dict[int, torch.Tensor] = {}
         self._tables: Dict[Any, Tuple[torch.Tensor, ...]] = {}
-        #: where each row starts and ends in :meth:`_edges` (a group's row starts, then its end)
+        #: where each row starts and then where each ends in :meth:`_edges` (a group's row starts, then its
+        #: end), and each slot's row's start
         edge_start = np.asarray(edge_start, dtype=np.int64)
-        self._edge_start, self._edge_end = tensor(edge_start), tensor(edge_start + 1)
+        self._row_edges = tensor(np.concatenate([edge_start, edge_start + 1]))
         self._edge_of_slot = tensor(edge_start[slot_row])
 
     def marks(self, size: int) -> torch.Tensor:
@@ -201,7 +204,7 @@ class Rows:
 
     def _edges(self, counted: torch.Tensor) -> torch.Tensor:
         """``counted`` at each group's row starts and its end: strided views (one per group) gathered
-        into one small vector, which :attr:`_edge_start`, :attr:`_edge_end` and :attr:`_edge_of_slot` index."""
+        into one small vector, which :attr:`_row_edges` and :attr:`_edge_of_slot` index."""
         return torch.cat([counted[start : start + count * n + 1 : n] for (start, count, n, _, _) in self.groups])
 
     def _topk_host(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -233,9 +236,8 @@ class Rows:
         ``positions``: int64 work positions, each row's selection in index order in its
         first slots, the other slots ``spare``; ``mean``: each row's mean (float64, NaN or
         Inf for a row holding NaN or Inf). All six thresholds a row can meet are
-        counted in one pass per group over every ``sample_stride(k)``-th entry, the rule is
-        applied to the counts, and one pass marks what the chosen threshold selects (cut to
-        ``k`` where the rule cuts, else to the row's slots). On the
+        counted in one pass per group, the rule is applied to the counts, and one pass
+        marks what the chosen threshold selects (cut to ``k`` where the rule cuts). On the
         host (``host``, default on the CPU outside ``accelerator_path``) each row runs
         :func:`torch_ops.gaussiank_from`, stopping at the first threshold in range.
         """
@@ -245,39 +247,43 @@ class Rows:
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
     def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
-                      keep: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """:func:`reference.threshold_select` of every row: ``{j : magnitude_j > thr}`` in its slots, in
-        index order, ``thr`` its ``first`` threshold (float64) corrected toward a count in ``bounds_of(k)``
-        (:func:`reference.threshold_choice`), cut to ``k`` where the rule cuts, else to the row's slots:
+                      keep: bool = False, stride_of: Any = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Every row's ``{j : magnitude_j > thr}`` in its slots, in index order, ``thr`` its ``first`` threshold
+        (float64) corrected toward a count in ``bounds_of(k)`` (:func:`reference.threshold_choice`):
         ``(positions, thr if keep else None)``. All six thresholds a row can meet are counted in one pass
-        per group on every ``s = sample_stride(k)``-th entry (against the bounds over ``s``: ``s c < low``
-        is ``c < ceil(low / s)``, ``s c > high`` is ``c > floor(high / s)``), the rule is applied to the
-        counts (a table of its outcomes), and one pass marks what the chosen threshold selects."""
-        factors, outcomes, pow3, bounds, caps, next_rank, counts = self._threshold_tables(bounds_of)
+        per group (with ``stride_of``: on every ``s = stride_of(k)``-th entry, against the bounds over
+        ``s``: ``s c < low`` is ``c < ceil(low / s)``, ``s c > high`` is ``c > floor(high / s)``), the rule is
+        applied to the counts (a table of its outcomes), and one pass marks what the chosen threshold
+        selects (cut to ``k`` where the rule cuts)."""
+        factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of, stride_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
         if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
             limits = torch.mul(first[:, None], factors, out=magnitude.new_empty((self.count, 2 * nodes)))
         else:
             limits = ops.cast(first[:, None] * factors, magnitude.dtype)
-        for _, view, k, _, (r0, r1), _ in self._views(magnitude):
-            sample = view[:, :: reference.sample_stride(k), None]
-            torch.sum(torch.gt(sample, limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1])
+        for _, view, k, _, (r0, r1), _ in self._views(magnitude):  # counts[:, 6:] hold k (the cut's room)
+            stride = stride_of(k) if stride_of else 1
+            torch.sum(torch.gt(view[:, ::stride, None], limits[r0:r1, None, :nodes]), dim=1, out=counts[r0:r1, :nodes])
         levels = torch.searchsorted(bounds, counts, right=True)  # 0 below the bounds, 1 in range, 2 above
-        outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]
+        outcome = outcomes.index_select(0, levels.mul_(pow3).sum(dim=1))[:, None]  # pow3: 0 on k's columns
+        limit = limits.gather(1, outcome)
+        room = counts.gather(1, outcome).view(-1) if stride_of is None else None  # sampled: count the marks
         chosen = first * factors.index_select(0, outcome.view(-1)) if keep else None
-        return self._marked(magnitude, limits.gather(1, outcome), caps.gather(1, outcome).view(-1), next_rank), chosen
+        return self._marked(magnitude, limit, room, next_rank), chosen
 
-    def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, cap: torch.Tensor,
+    def _marked(self, magnitude: torch.Tensor, limit: torch.Tensor, room: Optional[torch.Tensor],
                 next_rank: torch.Tensor) -> torch.Tensor:
-        """Per row its first entries above its ``limit`` (a column), at most ``cap``, in index order in its
-        slots, the other slots ``spare``: one marking pass per group, one cumulative count (a row's marks:
-        the count at its end minus at its start), one binary search."""
+        """Per row the first ``room`` entries above its ``limit`` (a column), in index order in its slots,
+        the other slots ``spare``: one marking pass per group, one cumulative count, one binary search.
+        ``room=None``: every marked entry up to ``k`` (each row's marks: the count at its end minus at its
+        start, read from :meth:`_edges`)."""
         counted = self._counted(magnitude, limit)
         edges = self._edges(counted)
-        starts = edges.index_select(0, self._edge_start)
-        room = torch.minimum(edges.index_select(0, self._edge_end) - starts, cap)
-        found = torch.searchsorted(counted[1:], starts.index_select(0, self.slot_row).add_(next_rank))
+        if room is None:
+            ends = edges.index_select(0, self._row_edges)
+            room = torch.minimum(ends[self.count :] - ends[: self.count], self.k)
+        found = torch.searchsorted(counted[1:], edges.index_select(0, self._edge_of_slot).add_(next_rank))
         return torch.where(self.slot_rank < room.index_select(0, self.slot_row), found, self.spare)
 
     def _counted(self, magnitude: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
@@ -287,28 +293,25 @@ class Rows:
             torch.gt(view, limit[r0:r1], out=marks[1 + start : 1 + start + view.numel()].view_as(view))
         return torch.cumsum(marks, 0, dtype=self.scan)
 
-    def _threshold_tables(self, bounds_of: Any) -> Tuple[torch.Tensor, ...]:
-        """Built once per rule: the factors (twice), the outcome table, powers of 3, each row's integer
-        bounds ``[ceil(low / s), floor(high / s) + 1]`` (``bounds_of(k)``, ``s = sample_stride(k)``), each
-        row's cap for every outcome (its slots, then ``k`` for a cut set), each slot's rank + 1, and the
-        counts' buffer (six per row)."""
-        tables = self._tables.get(bounds_of)
+    def _threshold_tables(self, bounds_of: Any, stride_of: Any = None) -> Tuple[torch.Tensor, ...]:
+        """Built once per rule: the factors (twice), the outcome table, powers of 3 (then zeros), each row's
+        integer bounds ``[low, high + 1]`` (``bounds_of(k)``; counted on every ``s``-th entry:
+        ``[ceil(low / s), floor(high / s) + 1]``), each slot's rank + 1, and the counts' buffer: six counts
+        per row, then ``k`` six times (the room of a cut set)."""
+        tables = self._tables.get((bounds_of, stride_of))
         if tables is None:
             nodes = len(reference.GAUSSIANK_FACTORS)
-            bounds, caps = [], []
-            for start, count, n, k, width in self.groups:
-                low, high = bounds_of(k)
-                s = reference.sample_stride(k)
-                bounds += [[-(-low // s), high // s + 1]] * count
-                caps += [[width] * nodes + [k] * nodes] * count
-            tables = self._tables[bounds_of] = (
+            bounds = [[-(-low // s), high // s + 1] for start, count, n, k, width in self.groups for _ in range(count)
+                      for (low, high), s in [(bounds_of(k), stride_of(k) if stride_of else 1)]]
+            counts = torch.empty((self.count, 2 * nodes), dtype=torch.int64, device=self.device)
+            counts[:, nodes:] = self.k[:, None]
+            tables = self._tables[(bounds_of, stride_of)] = (
                 torch.tensor(reference.GAUSSIANK_FACTORS * 2, dtype=torch.float64, device=self.device),
                 _OUTCOMES.to(self.device),
-                (3 ** torch.arange(nodes)).to(self.device),
+                torch.cat([3 ** torch.arange(nodes), torch.zeros(nodes, dtype=torch.int64)]).to(self.device),
                 torch.tensor(bounds, dtype=torch.int64, device=self.device).view(-1, 2),
-                torch.tensor(caps, dtype=self.scan, device=self.device).view(-1, 2 * nodes),
                 self.slot_rank + 1,
-                torch.empty((self.count, nodes), dtype=torch.int64, device=self.device),
+                counts,
             )
         return tables
 
@@ -318,7 +321,7 @@ class Rows:
         work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
         first slots, the others ``spare``: a counting pass over every ``sample_stride(k)``-th entry and a
         marking pass per size group, no top-k."""
-        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True)
+        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True, stride_of=reference.sample_stride)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""

@@ -18,7 +18,7 @@ COMPRESSORS = {
     "topk-no-feedback": lambda: TopK(0.05, dense_below=100, error_feedback=False),
     "topk-cheap-dense": lambda: TopK(0.4, dense_below=100),  # 3 ranks x k >= d: dense
     "gaussiank": lambda: GaussianK(0.05, dense_below=100),
-    "gaussiank-sampled": lambda: GaussianK(0.1, dense_below=100),  # v: k = 200, counted on every 3rd entry
+    "gaussiank-large-k": lambda: GaussianK(0.1, dense_below=100),  # v: k = 200
     "regtopk": lambda: RegTopK(0.05, mu=3.0, dense_below=100),
     "regtopk-momentum": lambda: RegTopK(0.05, dense_below=100, momentum=0.5, error_feedback=False),
     "terngrad": lambda: TernGrad(dense_below=100, seed=4),

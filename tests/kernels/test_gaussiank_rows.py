@@ -130,10 +130,10 @@ def test_rows_of_several_groups_cut_an_overshooting_superset_to_its_first_k(K, d
 
 
 @pytest.mark.parametrize("read_back", [True, False], ids=["read-back", "every-row"])
-def test_rows_keep_a_sampled_set_in_range_to_its_slots(K, read_back):
-    """Counted on every 2nd entry, the set above 1 is in range (100 estimated) but holds 200 entries:
-    both ways fill the row's 170 slots with its first 170, next to a row of the same data halved
-    (nothing above 1: the threshold halves until the count is in range)."""
+def test_rows_count_every_entry_where_a_sample_would_mislead(K, read_back):
+    """200 entries above 1 (100 on every 2nd entry) exceed the 170 slots: both ways grow the threshold to
+    1.5 and send that set whole, next to a row of the same data halved (nothing above 1: the threshold
+    halves until the count is in range); every slot past a row's set holds the spare position."""
     a = sampled_in_range_but_over_the_slots()
     n, k = a.shape[0], R.num_selected(a.shape[0], 0.01)
     flat = K.tensor(np.concatenate([a, a / 2]))
@@ -142,7 +142,8 @@ def test_rows_keep_a_sampled_set_in_range_to_its_slots(K, read_back):
     thresholds = rows.thresholds
     rows.thresholds = lambda x, r: (first, thresholds(x, r)[1])
     positions = K.numpy(rows.gaussiank(flat, flat.abs(), 0.01, read_back)[0]).reshape(2, -1)
-    np.testing.assert_array_equal(positions[0], np.flatnonzero(np.abs(a) > 1.0)[:170])
-    second = R.gaussiank_from(np.abs(a / 2), 1.0, k)
-    np.testing.assert_array_equal(positions[1][: second.shape[0]] - n, second)
-    assert np.all(positions[1][second.shape[0]:] == 2 * n)
+    for row, (values, offset) in enumerate([(a, 0), (a / 2, n)]):
+        want = R.gaussiank_from(np.abs(values), 1.0, k)
+        np.testing.assert_array_equal(positions[row][: want.shape[0]] - offset, want)
+        assert np.all(positions[row][want.shape[0]:] == 2 * n)
+    np.testing.assert_array_equal(positions[0][positions[0] < 2 * n], np.flatnonzero(np.abs(a) > 1.5))

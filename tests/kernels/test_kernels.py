@@ -390,17 +390,29 @@ def test_gaussiank_cuts_an_overshooting_superset(K):
     K.check(lambda t: K.ops.gaussiank_from(abs(t), thr, k), [K.tensor(a)], want)
 
 
-def test_gaussiank_counts_every_sampled_entry_and_keeps_at_most_its_slots(K):
-    """The correction trusts the sampled count: threshold 1 is kept (not grown 1.5x, as the true count
-    of 200 > 170 would have it), and its set keeps its first ``floor(4k/3)`` indices, the slots a fused
-    bucket sends."""
+def test_gaussiank_counts_every_entry_where_a_sample_would_mislead(K):
+    """Gaussian-k counts exactly: 200 entries above 1 exceed ``floor(4k/3) = 170``, so the threshold
+    grows 1.5x and the set above 1.5 (in range) is sent whole, though every 2nd entry alone would
+    have put threshold 1 in range."""
     a = sampled_in_range_but_over_the_slots()
     k = R.num_selected(a.shape[0], 0.01)
     assert (k, R.sample_stride(k), R.gaussiank_bounds(k), R.gaussiank_slots(k)) == (128, 2, (86, 170), 170)
     assert 2 * int(np.sum(np.abs(a[::2]) > 1.0)) == 100 and int(np.sum(np.abs(a) > 1.0)) == 200
     want = R.gaussiank_from(np.abs(a), 1.0, k)
-    np.testing.assert_array_equal(want, np.flatnonzero(np.abs(a) > 1.0)[:170])
+    np.testing.assert_array_equal(want, np.flatnonzero(np.abs(a) > 1.5))
+    assert 86 <= want.shape[0] <= 170
     K.check(lambda t: K.ops.gaussiank_from(abs(t), 1.0, k), [K.tensor(a)], want)
+
+
+def test_reused_threshold_trusts_its_sampled_count_and_keeps_its_first_k(K):
+    """A reused threshold counts every 2nd entry: 100 is in ``[64, 128]``, so threshold 1 is kept, and its
+    set of 200 keeps its first 128 indices, Top-k's slots."""
+    a = sampled_in_range_but_over_the_slots()
+    k = R.num_selected(a.shape[0], 0.01)
+    indices, chosen = R.reused_threshold_select(np.abs(a), 1.0, k)
+    np.testing.assert_array_equal(indices, np.flatnonzero(np.abs(a) > 1.0)[:128])
+    assert chosen == 1.0
+    K.check(lambda t: K.ops.reused_threshold_select(abs(t), 1.0, k)[0], [K.tensor(a)], indices)
 
 
 # --------------------------------------------------------------------------- #
