@@ -128,7 +128,19 @@ def _runs(pieces: List[Tuple[int, int, int]]) -> List[Tuple[int, int, int]]:
     return runs
 
 
-class Layout:
+class PicklesOpsByName:
+    """An object whose kernel module ``ops`` pickles as its name: a module does not pickle, and a
+    route's state (which holds plans and layouts) may be pickled."""
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {**self.__dict__, "ops": self.ops.__name__}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.ops = module(state["ops"])
+
+
+class Layout(PicklesOpsByName):
     """What a codec sees of a fused bucket (``compressor.bucket_codec(layout)`` and every call of the codec):
     the kernel module ``ops`` and the arrays' form (``like``: an empty array of the bucket's ``dtype`` and
     device; ``acc``: the accumulation dtype), the world size, the tensors (``names``, ``shapes``,
@@ -144,16 +156,8 @@ class Layout:
         self.groups, self.compressed, self.offsets = b.groups, b.compressed, b.offsets
         self.n_compressed = b.n_compressed
 
-    def __getstate__(self) -> Dict[str, Any]:
-        """A kernel module does not pickle (a route's state may be): its name does."""
-        return {**self.__dict__, "ops": self.ops.__name__}
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.ops = module(state["ops"])
-
-
-class FusedBucket:
+class FusedBucket(PicklesOpsByName):
     """Plan and state of one bucket on the fused path (see the module docstring)."""
 
     def __init__(self, compressor: Any, run: Any, key: str, names: List[str], shapes: List[tuple], like: Array,
@@ -201,14 +205,6 @@ class FusedBucket:
         self.exchanges = 0
         #: the flat outputs in other orders asked for so far (:class:`Placement`)
         self.placements: Dict[Tuple[str, ...], Placement] = {}
-
-    def __getstate__(self) -> Dict[str, Any]:
-        """A kernel module does not pickle (a route's state may be): its name does."""
-        return {**self.__dict__, "ops": self.ops.__name__}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.ops = module(state["ops"])
 
     def _by_size(self, indices: List[int]) -> List[Group]:
         """Tensors ``indices`` as groups of equal size, in the order each size first appears, adjacent."""
