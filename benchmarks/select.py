@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import statistics
 import time
 from pathlib import Path
@@ -154,7 +155,11 @@ def median_ms(fn: Callable[[], Any], repeats: int, ms: Callable[[Callable[[], An
     for _ in range(WARMUP_CALLS):
         fn()
     sync()
-    return statistics.median(ms(fn) for _ in range(repeats))
+    times = []
+    for _ in range(repeats):
+        gc.collect()  # an unfinished launch's buffers (a step's finish frees them at once)
+        times.append(ms(fn))
+    return statistics.median(times)
 
 
 # ------------------------------------------------------------------- run

@@ -198,7 +198,7 @@ class Sparsifier(Compressor):
 
     def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
         """``|a|``: Top-k's scores (a fused bucket's work buffer; non-negative, sign bit clear)."""
-        return abs(a)
+        return ops.magnitude(a)
 
     def bucket_observe(self, total: Any, sent: Any, bad: Any, slot_rows: Any, ops: Any) -> Any:
         """Hook: the sum over ranks of a fused bucket's compressed part, what this rank sent

@@ -523,6 +523,11 @@ def index_add(total, indices, values) -> tf.Tensor:
     return tf.tensor_scatter_nd_add(total, tf.reshape(indices, [-1, 1]), values)
 
 
+def magnitude(a: tf.Tensor) -> tf.Tensor:
+    """``|a|``."""
+    return tf.abs(a)
+
+
 def nonfinite_to_zero(a) -> tf.Tensor:
     return tf.where(tf.math.is_finite(a), a, tf.zeros_like(a))
 

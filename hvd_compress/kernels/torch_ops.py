@@ -12,6 +12,8 @@ accelerator, are :mod:`hvd_compress.kernels.torch_rows`.
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -99,15 +101,50 @@ def itemsize(a: torch.Tensor) -> int:
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised buffer; on CPU allocated by numpy.
+    """An uninitialised buffer; on the CPU (host shortcuts on) one of :data:`HOST_BUFFERS`.
 
-    numpy asks the kernel for transparent huge pages on large buffers (``madvise``);
-    torch's CPU allocator does not (unless ``THP_MEM_ALLOC_ENABLE=1``), and faulting a
-    fresh buffer in 4 KiB at a time can cost more than the kernel writing it.
+    A fresh buffer of the size of a gradient costs the kernel's page faults at its first writes
+    (numpy asks for transparent huge pages, ``madvise``, whose compaction can stall; torch's CPU
+    allocator faults 4 KiB at a time): more than a pass over the data. Reused buffers cost none.
     """
     if _host_shortcuts and device.type == "cpu" and dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.empty(numel, dtype=_NUMPY_DTYPES[dtype]))
+        return torch.from_numpy(HOST_BUFFERS.take(numel, _NUMPY_DTYPES[dtype]))
     return torch.empty(numel, dtype=dtype, device=device)
+
+
+class HostBuffers:
+    """Host buffers of at least ``smallest`` bytes, reused once nothing else holds them.
+
+    Each buffer is a numpy array kept here; a tensor made from it (``torch.from_numpy``) or a view of
+    it holds a reference, so a buffer whose only reference is this pool's is free. At most ``per_size``
+    are kept per byte size and ``budget`` bytes in all; beyond, buffers are plain ``np.empty``.
+    Thread-safe (thread ranks share the process).
+    """
+
+    def __init__(self, smallest: int = 1 << 20, per_size: int = 4, budget: int = 1 << 30) -> None:
+        self.smallest, self.per_size, self.budget = smallest, per_size, budget
+        self.kept: dict = {}
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def take(self, numel: int, dtype: np.dtype) -> np.ndarray:
+        nbytes = numel * np.dtype(dtype).itemsize
+        if nbytes < self.smallest:
+            return np.empty(numel, dtype=dtype)
+        with self.lock:
+            kept = self.kept.setdefault(nbytes, [])
+            for buffer in kept:
+                if sys.getrefcount(buffer) <= 3:  # the list, this loop, getrefcount's argument
+                    return buffer.view(dtype)
+            buffer = np.empty(nbytes, dtype=np.uint8)
+            if len(kept) < self.per_size and self.held + nbytes <= self.budget:
+                kept.append(buffer)
+                self.held += nbytes
+            return buffer.view(dtype)
+
+
+#: the host buffers of :func:`_empty`
+HOST_BUFFERS = HostBuffers()
 
 
 def _flatnonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -143,6 +180,11 @@ def _float64_to_float16(a: torch.Tensor) -> torch.Tensor:
     bits = single.view(torch.int32)
     bits = torch.where(inexact & (back.abs() > a.abs()), bits - 1, bits)
     return torch.where(inexact, bits | 1, bits).view(torch.float32).to(torch.float16)
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype of a torch float dtype (float16, float32, float64)."""
+    return np.dtype(_NUMPY_FLOATS[dtype])
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -432,7 +474,11 @@ def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def concat(arrays: Sequence[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return torch.cat(list(arrays), out=out)
+    """``torch.cat``; on the host a new 1-D buffer of one dtype comes from numpy (see :func:`_empty`)."""
+    arrays = list(arrays)
+    if out is None and on_host(arrays[0]) and all(a.dim() == 1 and a.dtype == arrays[0].dtype for a in arrays):
+        out = _empty(sum(a.shape[0] for a in arrays), arrays[0].dtype, arrays[0].device)
+    return torch.cat(arrays, out=out)
 
 
 
@@ -495,6 +541,11 @@ def index_add(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) 
     return total.index_add_(0, indices, values)
 
 
+def magnitude(a: torch.Tensor) -> torch.Tensor:
+    """``|a|``, a new buffer (on the host from numpy, see :func:`_empty`)."""
+    return torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)) if a.dim() == 1 else a.abs()
+
+
 def nonfinite_to_zero(a: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -510,7 +561,7 @@ def multiply(a: torch.Tensor, b, out: Optional[torch.Tensor] = None) -> torch.Te
 def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float) -> torch.Tensor:
     """``|a|``, damped by ``|tanh((1 + D) / mu)|`` at ``idx`` (``|.|``: a NaN of ``0 * Inf`` keeps the
     sign bit clear, as the fused selections need)."""
-    scores = a.abs().to(accumulation_dtype(torch.promote_types(a.dtype, values.dtype)))
+    scores = magnitude(a).to(accumulation_dtype(torch.promote_types(a.dtype, values.dtype)))
     damped = regtopk_scores(a.index_select(0, idx), values, mu)
     return scores.index_copy_(0, idx, damped.abs_())
 

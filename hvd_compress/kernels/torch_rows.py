@@ -36,6 +36,7 @@ kernels' host shortcuts instead (numpy's selection, a loop over the rows), faste
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -43,11 +44,15 @@ import torch
 
 from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference_rows import each_row, row_order
+from hvd_compress.kernels import torch_compiled as compiled
 from hvd_compress.kernels import torch_ops as ops
 
 #: The integers of each float dtype's width: same bits, same order for non-negative floats.
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64}
+
+#: the dtypes whose selections take the host's way on the CPU (numpy's, for the samples and limits)
+_HOST_DTYPES = (torch.float32, torch.float64)
 
 #: ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work position ``start``,
 #: each selecting ``k`` entries into ``width`` slots.
@@ -78,6 +83,27 @@ def _outcomes() -> torch.Tensor:
 
 
 _OUTCOMES = _outcomes()
+
+
+#: entries a row's sample holds (about): :func:`sampled_limit`
+TOPK_SAMPLE = 8192
+
+
+def sampled_limit(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's limit for the CPU's Top-k (``(R, 1)``, in ``rows``' dtype): the ``j``-th largest of the
+    row's every ``s``-th entry (``s`` odd, about :data:`TOPK_SAMPLE` sampled), ``j = e + 3 sqrt(e) + 3``
+    with ``e = k m / n`` the sampled entries expected above the row's k-th largest: about ``k (1 +
+    3 / sqrt(e))`` entries lie above it (-Inf where ``j`` exceeds the sample: every entry)."""
+    n = rows.shape[1]
+    stride = max(1, n // TOPK_SAMPLE) | 1
+    sample = rows[:, ::stride]
+    sample = (sample if rows.dtype in _HOST_DTYPES else sample.float()).numpy()  # 16-bit: exact in float32
+    m = sample.shape[1]
+    expected = k * m / n
+    j = int(math.ceil(expected + 3 * math.sqrt(expected) + 3))
+    if j > m:
+        return torch.full((rows.shape[0], 1), -math.inf, dtype=rows.dtype)
+    return torch.from_numpy(np.partition(sample, m - j, axis=1)[:, m - j : m - j + 1].copy()).to(rows.dtype)
 
 
 class Rows:
@@ -173,7 +199,7 @@ class Rows:
         exactly when ``top`` does). ``host``: the CPU's way (default: on the CPU, outside
         ``accelerator_path``), each row through :func:`torch_ops.topk_indices`.
         """
-        if ops.on_host(scores) and scores.dtype in (torch.float32, torch.float64) if host is None else host:
+        if ops.on_host(scores) and scores.dtype in _HOST_DTYPES if host is None else host:
             return self._topk_host(scores)
         bits = scores.view(_BITS[scores.dtype])
         values = torch.empty(self.width, dtype=bits.dtype, device=scores.device)
@@ -208,15 +234,27 @@ class Rows:
         return torch.cat([counted[start : start + count * n + 1 : n] for (start, count, n, _, _) in self.groups])
 
     def _topk_host(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The CPU's Top-k: per group one pass marks the scores above each row's :func:`sampled_limit` and
+        finds each row's largest (:func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`); a row
+        with at least ``k`` marks holds its ``k`` largest among them (every entry tied with the k-th largest
+        lies above the limit), selected there by :func:`torch_ops.topk_indices` (ties to the lower index:
+        the marks are in index order); a row with fewer, whole."""
         parts, top = [], []
         for start, view, k, _, _, _ in self._views(scores):
-            top.append(view.amax(dim=1))
-            for i, (row, nan) in enumerate(zip(view, torch.isnan(top[-1]).cpu().numpy())):  # as numpy's selection
-                if not nan:
+            marks, largest = compiled.marks_and_largest(view, sampled_limit(view, k))
+            top.append(largest)
+            n = view.shape[1]
+            marked = np.flatnonzero(marks.view(torch.bool).numpy())
+            edges = np.searchsorted(marked, np.arange(view.shape[0] + 1) * n)
+            for i, (row, nan) in enumerate(zip(view, torch.isnan(largest).numpy())):
+                mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
+                if nan:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
+                    chosen = Rows([(0, 1, n, k, k)], row.device).topk(row, host=False)[0]
+                elif mine.shape[0] >= k:
+                    chosen = mine.index_select(0, ops.topk_indices(row.index_select(0, mine), k).long())
+                else:  # the sample's limit was too high (or the row has fewer than k entries above 0)
                     chosen = ops.topk_indices(row, k)
-                else:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
-                    chosen = Rows([(0, 1, row.shape[0], k, k)], row.device).topk(row, host=False)[0]
-                parts.append(chosen.long() + (start + i * row.shape[0]))
+                parts.append(chosen.long() + (start + i * n))
         return torch.cat(parts), torch.cat(top)
 
     # -------------------------------------------------------------- Gaussian-k
@@ -238,12 +276,12 @@ class Rows:
         Inf for a row holding NaN or Inf). All six thresholds a row can meet are
         counted in one pass per group, the rule is applied to the counts, and one pass
         marks what the chosen threshold selects (cut to ``k`` where the rule cuts). On the
-        host (``host``, default on the CPU outside ``accelerator_path``) each row runs
-        :func:`torch_ops.gaussiank_from`, stopping at the first threshold in range.
+        host (``host``, default on the CPU outside ``accelerator_path``) the host applies the rule
+        to the same counts (:meth:`_threshold_host`).
         """
         first, mean = self.thresholds(a, ratio)
-        if ops.on_host(a) if host is None else host:
-            return self._gaussiank_host(magnitude, first), mean
+        if (ops.on_host(a) if host is None else host) and magnitude.dtype in _HOST_DTYPES:
+            return self._threshold_host(magnitude, first, reference.gaussiank_bounds)[0], mean
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
     def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
@@ -320,7 +358,9 @@ class Rows:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
         work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
         first slots, the others ``spare``: a counting pass over every ``sample_stride(k)``-th entry and a
-        marking pass per size group, no top-k."""
+        marking pass per size group, no top-k (on the host: :meth:`_threshold_host`)."""
+        if ops.on_host(scores) and scores.dtype in _HOST_DTYPES:
+            return self._threshold_host(scores, kept, reference.reuse_bounds, reference.sample_stride)
         return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True, stride_of=reference.sample_stride)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -329,11 +369,42 @@ class Rows:
         parts = [chosen[lo:hi].view(-1, k).amin(dim=1) for (_, _, _, k, _), (lo, hi) in zip(self.groups, self.slot_ranges)]
         return torch.cat(parts).to(torch.float64)
 
-    def _gaussiank_host(self, magnitude: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-        out = torch.full((self.width,), self.spare, dtype=torch.int64, device=magnitude.device)
-        thresholds = first.cpu().numpy()
-        for start, view, k, width, (r0, _), (lo, _) in self._views(magnitude):
-            for i, row in enumerate(view):
-                chosen = ops.gaussiank_from(row, float(thresholds[r0 + i]), k)
-                out[lo + i * width : lo + i * width + chosen.shape[0]] = chosen.long() + (start + i * row.shape[0])
-        return out
+    def _threshold_host(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
+                        stride_of: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The CPU's :meth:`_by_threshold` (same results): per group one pass counts every row's six
+        candidate thresholds (:func:`~hvd_compress.kernels.torch_compiled.counts_above`, on every
+        ``stride_of(k)``-th entry), the host applies :func:`reference.threshold_choice` to the counts, one
+        pass marks each row's chosen threshold (:func:`~hvd_compress.kernels.torch_compiled.marks_above`);
+        a row whose first threshold is not finite runs :func:`torch_ops.threshold_select` alone.
+        ``(positions, the thresholds chosen, float64)``."""
+        out = torch.full((self.width,), self.spare, dtype=torch.int64)
+        chosen = first.numpy().copy()
+        for start, view, k, width, (r0, r1), (lo, _) in self._views(magnitude):
+            stride, bounds, n = stride_of(k) if stride_of else 1, bounds_of(k), view.shape[1]
+            limits = _limits(chosen[r0:r1, None] * np.asarray(reference.GAUSSIANK_FACTORS), view.dtype)
+            counts = compiled.counts_above(view[:, ::stride], limits).numpy() * stride
+            take, limit = np.full(r1 - r0, width), np.full(r1 - r0, np.inf)
+            for i in range(r1 - r0):
+                first_i = float(chosen[r0 + i])
+                if math.isfinite(first_i):
+                    at = {first_i * f: c for f, c in zip(reference.GAUSSIANK_FACTORS, counts[i])}
+                    chosen[r0 + i], cut = reference.threshold_choice(at.__getitem__, first_i, *bounds)
+                    take[i], limit[i] = k if cut else width, chosen[r0 + i]
+            marks = compiled.marks_above(view, _limits(limit[:, None], view.dtype)).view(torch.bool).numpy()
+            marked = np.flatnonzero(marks)
+            edges = np.searchsorted(marked, np.arange(r1 - r0 + 1) * n)
+            for i in range(r1 - r0):
+                if math.isfinite(float(first[r0 + i])):
+                    mine = torch.from_numpy(marked[edges[i] : min(edges[i] + take[i], edges[i + 1])] - i * n)
+                else:  # NaN or Inf (a row holding NaN/Inf): the row alone, as the kernels select it
+                    mine, chosen[r0 + i] = ops.threshold_select(view[i], float(first[r0 + i]), k, bounds, width,
+                                                                stride)
+                out[lo + i * width : lo + i * width + mine.shape[0]] = mine.long() + (start + i * n)
+        return out, torch.from_numpy(chosen)
+
+
+def _limits(thresholds: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float64 thresholds rounded once to ``dtype`` (numpy's cast, as the kernels compare; beyond the dtype's
+    range: infinity)."""
+    with np.errstate(over="ignore"):
+        return torch.from_numpy(thresholds.astype(ops.numpy_dtype(dtype)))

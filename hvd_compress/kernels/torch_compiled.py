@@ -1,0 +1,108 @@
+"""Fused passes of the torch kernels, compiled with ``torch.compile`` (inductor: C++/OpenMP on the CPU,
+Triton on CUDA) where that is on, else run eagerly: the same functions, the same results.
+
+Each pass is a plain torch function over one size group's ``(rows, n)`` view that reads the
+data once and writes at most one byte per entry (marks in int8: inductor vectorises int8 stores,
+not bool ones):
+
+* :func:`marks_and_largest`: ``m = [x > t_row]`` and each row's largest entry (NaN where the row
+  holds NaN), for the sampled-threshold Top-k of :class:`~hvd_compress.kernels.torch_rows.Rows`;
+* :func:`counts_above`: each row's count above each of its thresholds (Gaussian-k's correction,
+  reused thresholds);
+* :func:`marks_above`: ``m = [x > t_row]`` alone.
+
+The results are integers and maxima, so compiled and eager agree bit for bit.
+
+Where it runs compiled (:func:`enabled`): ``HVD_COMPRESS_COMPILE`` = ``1`` (every device), ``0``
+(nowhere), or unset / ``auto``: on the CPU, where it is measured faster (``python -m benchmarks
+select``), not on CUDA until a GPU run shows it faster there. Shapes are dynamic (one compile per
+function, plus one for single-row groups: torch specialises sizes 0 and 1), so a new layout does
+not compile again. Inductor's on-disk cache is shared by a job's processes and later runs: it is
+``TORCHINDUCTOR_CACHE_DIR`` where set, else ``$HVD_COMPRESS_CACHE/inductor`` (default
+``~/.cache/hvd_compress/inductor``). Where no compiler works (no C++ compiler, an unsupported
+platform), the first failure warns once and every pass runs eagerly from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+#: the switch: ``1`` compiled on every device, ``0`` never, unset or ``auto`` on the CPU only
+COMPILE_ENV = "HVD_COMPRESS_COMPILE"
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+#: set once a compilation failed in this process: every pass is eager from then on
+_broken = False
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether passes on ``device`` run compiled (module docstring); ``ValueError`` for a value of
+    ``HVD_COMPRESS_COMPILE`` that is none of the above."""
+    value = os.environ.get(COMPILE_ENV, "").strip().lower()
+    if value in _OFF or _broken:
+        return False
+    if value in _ON:
+        return True
+    if value not in ("", "auto"):
+        raise ValueError(f"hvd_compress: {COMPILE_ENV}={value!r}: use 1, 0 or auto")
+    return device.type == "cpu"
+
+
+def cache_dir() -> Path:
+    """Inductor's on-disk cache: ``TORCHINDUCTOR_CACHE_DIR``, else ``$HVD_COMPRESS_CACHE/inductor``."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    root = os.environ.get("HVD_COMPRESS_CACHE") or str(Path.home() / ".cache" / "hvd_compress")
+    return Path(root) / "inductor"
+
+
+class Pass:
+    """A fused pass: ``fn`` compiled on first use where :func:`enabled`, else ``fn`` itself."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.compiled = fn, None
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
+
+    def __call__(self, *args: Any) -> Any:
+        global _broken
+        if not enabled(args[0].device):
+            return self.fn(*args)
+        if self.compiled is None:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except Exception as error:  # noqa: BLE001  (any compiler failure: eager from now on)
+            _broken = True
+            warnings.warn(f"hvd_compress: torch.compile failed ({type(error).__name__}: {error}); the "
+                          f"selection passes run eagerly in this process ({COMPILE_ENV}=0 skips compiling)",
+                          RuntimeWarning, stacklevel=2)
+            return self.fn(*args)
+
+
+@Pass
+def marks_and_largest(rows: torch.Tensor, limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``([rows > limit]`` as int8, each row's largest entry): ``rows`` ``(R, n)``, ``limit`` ``(R, 1)``
+    in ``rows``' dtype; the largest is NaN where a row holds NaN."""
+    return torch.where(rows > limit, 1, 0).to(torch.int8), rows.amax(dim=1)
+
+
+@Pass
+def marks_above(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``[rows > limit]`` as int8: ``rows`` ``(R, n)``, ``limit`` ``(R, 1)`` in ``rows``' dtype."""
+    return torch.where(rows > limit, 1, 0).to(torch.int8)
+
+
+@Pass
+def counts_above(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """``c[i, j] = #{x in rows[i] : x > limits[i, j]}`` (int64): ``rows`` ``(R, n)``, ``limits`` ``(R, m)``
+    in ``rows``' dtype."""
+    return (rows[:, :, None] > limits[:, None, :]).to(torch.int32).sum(dim=1, dtype=torch.int64)
+
+
+#: every pass, by name (tests count their compilations)
+PASSES: Dict[str, Pass] = {p.__name__: p for p in (marks_and_largest, marks_above, counts_above)}
