@@ -16,8 +16,8 @@ python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] 
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
                                       [--out results] [--name STEM]
-python -m benchmarks select [--device cuda|cpu] [--sizes 25.6M,124M] [--ratios 0.01,0.001] [--repeats 20]
-                           [--rows copy,torch.topk,topk,gaussiank] [--code-path route|accelerator] [--out results]
+python -m benchmarks select [--device cuda|cpu] [--sizes 11.7M,25.6M] [--ratios 0.01,0.001] [--repeats 20]
+                           [--rows topk/eager,topk/compiled,...] [--code-path route|accelerator] [--out results]
                            [--name select]
 python -m benchmarks trace [--model resnet50|gpt2|mlp] [--device cpu|cuda] [--warmup 3] [--compressors none,fp16,...]
                           [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
@@ -333,15 +333,15 @@ def _add_select(commands: Any) -> None:
     from benchmarks import select
 
     p = commands.add_parser(
-        "select", help="selection microbenchmark: copy floor, torch.topk, our Top-k and Gaussian-k"
+        "select", help="exchange microbenchmark: copy floor, torch.topk, each compressor's exchange eager and compiled"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when available, else cpu")
     p.add_argument("--sizes", type=_size, default=list(select.DEFAULT_SIZES),
-                   help="elements, e.g. 1M,4M (default 25.6M,124M)")
+                   help="elements, e.g. 1M,4M (default 11.7M,25.6M)")
     p.add_argument("--ratios", type=_floats, default=list(select.DEFAULT_RATIOS), help="densities (0.01,0.001)")
     p.add_argument("--repeats", type=int, default=select.DEFAULT_REPEATS, help="timed calls per row (median)")
     p.add_argument("--rows", type=_some_of(tuple(select.ROWS)), default=list(select.ROWS),
-                   help=f"default all: {','.join(select.ROWS)} (copy and torch.topk always run)")
+                   help=f"default all: {','.join(select.ROWS)} (copy, clone and torch.topk always run)")
     p.add_argument("--code-path", choices=select.CODE_PATHS, default="route",
                    help="accelerator: on the CPU, the kernels a GPU runs (default: the routes' own way)")
     p.add_argument("--seed", type=int, default=0)

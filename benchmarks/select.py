@@ -1,48 +1,45 @@
-"""Selection microbenchmark: the sparsifiers' selection of one gradient against the memory floor and
-``torch.topk``: ``python -m benchmarks select``.
+"""Exchange microbenchmark: each compressor's whole exchange of one gradient, eager and compiled, against a
+copy of it and ``torch.topk``: ``python -m benchmarks select``.
 
-For each size ``n`` (default 25.6M and 124M elements: ResNet-50's and GPT-2 small's parameter
-counts) and density (default 1% and 0.1%, ``k = ceil(ratio n)``), every row times one call
-on a float32 gradient ``g`` and a residual ``r`` (:func:`benchmarks.compress.gradient`, heavy
-tailed; ``r`` a smaller draw of the same law), median of ``repeats`` after a few untimed calls:
+For each size ``n`` (default 11.7M and 25.6M elements: a 1.9M-parameter model's six-fold, ResNet-50's
+parameter count) and density (default 1% and 0.1%, ``k = ceil(ratio n)``), every row times one call
+on a float32 gradient ``g`` (:func:`benchmarks.compress.gradient`, heavy tailed), median of ``repeats``
+after a few untimed calls:
 
-* ``copy``: ``out.copy_(g)``, reading and writing ``n`` floats: the floor of any pass;
-* ``torch.topk``: ``torch.topk(|g + r|, k)`` (unsorted), the plain error-feedback selection;
-* ``topk``: the library's Top-k as the routes run it: the launch of one bucket holding the
-  gradient, as the drop-in optimizer launches each of its buckets
-  (:func:`~hvd_compress.engine.exchange.open_exchange`, ``add``, ``launch``: the fused
-  bucket's :meth:`~hvd_compress.engine.fused.FusedBucket.launch`) on a world of one
-  (:class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`, whose collectives
-  hand back their input): the bucket's copy of the gradient, ``a = g + r``, the scores, the
-  exact selection (:class:`~hvd_compress.kernels.torch_rows.Rows`: ``torch.topk`` of the
-  scores' bits, ties to the lower index), the values, the residual, the message. The
-  residual is the one a first, untimed step left; timed launches are never finished, so
-  every call starts from the same state;
-* ``gaussiank``: the same for Gaussian-k (moments, the counts of its thresholds, one marking
-  pass, compaction into ``floor(4k/3)`` slots);
-* ``topk-reuse``: the same for Top-k at a step between exact selections (``exact_every > 1``): one
-  marking pass against the kept threshold, the cumulative count (each row's count, the next
-  threshold), compaction into ``k`` slots, and each row's largest score (the non-finite flag); a
-  run with ``exact_every=T`` pays ``topk`` once in ``T`` steps and this row in the others.
+* ``copy``: ``out.copy_(g)`` into a kept buffer, reading and writing ``n`` floats: the floor of any pass;
+* ``clone``: ``g.clone()``, a copy into a new buffer (the page faults of a fresh one included): what a
+  step that allocates its output pays at least;
+* ``torch.topk``: ``torch.topk(|g + r|, k)`` (unsorted, ``r`` a residual-sized draw), the plain
+  error-feedback selection;
+* a compressor's row (``none``, ``topk``, ``regtopk``, ``gaussiank``, ``terngrad``, ``topk-reuse``:
+  ``exact_every=32``, ``topk-aggregate``: ``indices="aggregate"``), twice: ``eager`` and ``compiled``
+  (``HVD_COMPRESS_COMPILE`` 0 and 1 around its calls: the fused passes of
+  :mod:`hvd_compress.kernels.torch_compiled`): one whole exchange of a bucket holding the gradient, as
+  the drop-in optimizer runs each of its buckets (:func:`~hvd_compress.engine.exchange.open_exchange`,
+  ``add``, ``launch``, ``finish``) on a world of one
+  (:class:`~hvd_compress.transport.communicator.SingleProcessCommunicator`, whose collectives hand back
+  their input): the bucket's copy of the gradient, error feedback, the selection (or the codes), the
+  message, the decode and the average. Each call is a step of its own: the residual (and a reused
+  threshold, RegTop-k's posterior, the aggregate rule's rates) carry from step to step, as in training;
+  ``first_step_ms`` is the row's first call (a compiled row's compilation, whatever the earlier rows
+  left compiled, included).
 
-``vs_copy`` and ``vs_topk`` are each row's time over the ``copy`` and ``torch.topk`` rows of the
-same size and density. Timing: CUDA events around each call on a GPU (the host launches,
-the events time the device), ``time.perf_counter`` on the CPU. ``code_path="accelerator"``
-runs the library's rows on the CPU through
-:func:`~hvd_compress.kernels.torch_ops.accelerator_path` (the kernels a GPU runs; by default
-the CPU takes the routes' CPU way, numpy's selection).
+``vs_copy``, ``vs_clone`` and ``vs_topk`` are each row's time over the ``copy``, ``clone`` and
+``torch.topk`` rows of the same size and density. Timing: CUDA events around each call on a GPU (the
+host launches, the events time the device), ``time.perf_counter`` on the CPU. ``code_path="accelerator"``
+runs the library's rows on the CPU through :func:`~hvd_compress.kernels.torch_ops.accelerator_path`
+(the kernels a GPU runs; by default the CPU takes the routes' CPU way).
 
-A row is one entry of :data:`ROWS`: a name, what it measures, and a function of a
-:class:`Case` returning the call to time (set-up outside the call). Outputs: ``select.json`` and
-``select.png`` (``name``: another stem; the PNG shows the time over the copy floor per row and
-case) and a table.
+A row is one entry of :data:`ROWS`: a name, what it measures, and a function of a :class:`Case`
+returning the call to time (set-up outside the call). Outputs: ``select.json`` and ``select.png``
+(``name``: another stem; the PNG shows the time over the copy floor per row and case) and a table.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
-import gc
 import statistics
 import time
 from pathlib import Path
@@ -52,17 +49,14 @@ from benchmarks.compress import format_size, gradient
 from benchmarks.output import publish
 from benchmarks.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 
-#: ResNet-50's and GPT-2 small's parameter counts, rounded as the issue states them.
-DEFAULT_SIZES = (25_600_000, 124_000_000)
+#: six times the 1.9M-parameter CNN of the time-to-accuracy study, and ResNet-50's parameter count
+DEFAULT_SIZES = (11_700_000, 25_600_000)
 DEFAULT_RATIOS = (0.01, 0.001)
 DEFAULT_REPEATS = 20
 WARMUP_CALLS = 3
 CODE_PATHS = ("route", "accelerator")
 #: The residual's scale relative to the gradient (a residual holds what earlier steps left).
 RESIDUAL_SCALE = 0.3
-#: ``exact_every`` of the ``topk-reuse`` row: after the first (finished, exact) step every timed launch
-#: selects by the kept threshold; a run with ``exact_every=T`` pays the ``topk`` row once in T steps.
-REUSE_FOREVER = 2**62
 
 
 class Case:
@@ -76,6 +70,8 @@ class Case:
         self.k = num_selected(n, ratio)
         self.g = torch.from_numpy(gradient(n, seed)).to(device)
         self.r = torch.from_numpy(gradient(n, seed + 1)).mul_(RESIDUAL_SCALE).to(device)
+        #: a compressor row's first call (ms), set by its set-up
+        self.first_ms: Optional[float] = None
 
 
 # ------------------------------------------------------------------ rows
@@ -84,48 +80,85 @@ def copy_floor(case: Case) -> Callable[[], Any]:
     return lambda: out.copy_(case.g)
 
 
+def clone(case: Case) -> Callable[[], Any]:
+    return lambda: case.g.clone()
+
+
 def torch_topk(case: Case) -> Callable[[], Any]:
     torch = case.torch
     return lambda: torch.topk(torch.add(case.g, case.r).abs_(), case.k, sorted=False)
 
 
-def engine(name: str, **options: Any) -> Callable[[Case], Callable[[], Any]]:
-    """The drop-in's exchange of one bucket holding the gradient, compressor ``name`` with ``options``
-    (module docstring)."""
+@contextlib.contextmanager
+def compiling(on: bool) -> Any:
+    """``HVD_COMPRESS_COMPILE`` set to 1 (``on``) or 0 for the block."""
+    from hvd_compress.kernels.torch_compiled import COMPILE_ENV
+
+    saved = os.environ.get(COMPILE_ENV)
+    os.environ[COMPILE_ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[COMPILE_ENV]
+        else:
+            os.environ[COMPILE_ENV] = saved
+
+
+def engine(name: str, compiled: bool = False, **options: Any) -> Callable[[Case], Callable[[], Any]]:
+    """A whole exchange of one bucket holding the gradient, compressor ``name`` with ``options``, eager or
+    ``compiled`` (module docstring); the row's first call is timed into ``case.first_ms``."""
     def row(case: Case) -> Callable[[], Any]:
         from hvd_compress.transport.communicator import SingleProcessCommunicator
         from hvd_compress.engine.exchange import open_exchange
         from hvd_compress.algorithms import Compression
         from hvd_compress.algorithms.state import CompressorState
 
-        compressor = Compression.by_name(name, case.ratio, dense_below=0, **options)
+        every_tensor = {} if name == "none" else {"dense_below": 0}  # the gradient is compressed whatever its size
+        compressor = Compression.by_name(name, case.ratio, **every_tensor, **options)
         comm, run = SingleProcessCommunicator(), CompressorState()
 
-        def launch(g: Any) -> Any:
-            exchange = open_exchange(compressor, comm, f"select.{name}", run)
-            exchange.add("g", g)
-            exchange.launch()
-            return exchange
+        def step() -> Any:
+            with compiling(compiled):
+                exchange = open_exchange(compressor, comm, f"select.{name}", run)
+                exchange.add("g", case.g)
+                exchange.launch()
+                return exchange.finish()
 
-        launch(case.r).finish()  # a first step: the bucket is planned and keeps r's residual
-        return lambda: launch(case.g)  # never finished: every call starts from that residual
+        started = time.perf_counter()
+        step()
+        case.first_ms = 1e3 * (time.perf_counter() - started)
+        return step
 
     return row
+
+
+def _engine_rows() -> Dict[str, Tuple[str, Callable[[Case], Callable[[], Any]]]]:
+    kinds = {
+        "none": ("NoneCompressor: the bucket's copy, the allreduce, the average", {}),
+        "topk": ("Top-k: a = g + r, the exact selection, values, residual, decode", {}),
+        "regtopk": ("RegTop-k: Top-k of the posterior's scores", {}),
+        "gaussiank": ("Gaussian-k: moments, the counts of its thresholds, one marking pass", {}),
+        "terngrad": ("TernGrad: scales, draws, codes, packing, decode", {}),
+        "topk-reuse": ("Top-k, exact_every=32: a step between exact ones", {"exact_every": 32}),
+        "topk-aggregate": ("Top-k, indices='aggregate': the rate x age scores, an allreduce", {"indices": "aggregate"}),
+    }
+    rows = {}
+    for key, (what, options) in kinds.items():
+        name = key.split("-")[0]
+        for mode in ("eager", "compiled"):
+            rows[f"{key}/{mode}"] = (f"{what} ({mode})", engine(name, mode == "compiled", **options))
+    return rows
 
 
 #: ``name -> (what it measures, the function of a Case returning the call to time)``, in table order.
 ROWS: Dict[str, Tuple[str, Callable[[Case], Callable[[], Any]]]] = {
     "copy": ("out.copy_(g): read and write n floats", copy_floor),
+    "clone": ("g.clone(): a copy into a new buffer", clone),
     "torch.topk": ("torch.topk(|g + r|, k, sorted=False)", torch_topk),
-    "topk": ("launch of a one-tensor bucket, Top-k: copy, a = g + r, exact selection, values, residual",
-             engine("topk")),
-    "gaussiank": ("launch of a one-tensor bucket, Gaussian-k: copy, a = g + r, moments, counts, marks, "
-                  "values, residual", engine("gaussiank")),
-    "topk-reuse": ("launch of a one-tensor bucket, Top-k between exact selections (exact_every > 1): copy, "
-                   "a = g + r, one mark against the kept threshold, the cumulative count, values, residual",
-                   engine("topk", exact_every=REUSE_FOREVER)),
+    **_engine_rows(),
 }
-BASELINES = ("copy", "torch.topk")
+BASELINES = ("copy", "clone", "torch.topk")
 
 
 # ---------------------------------------------------------------- timing
@@ -155,11 +188,7 @@ def median_ms(fn: Callable[[], Any], repeats: int, ms: Callable[[Callable[[], An
     for _ in range(WARMUP_CALLS):
         fn()
     sync()
-    times = []
-    for _ in range(repeats):
-        gc.collect()  # an unfinished launch's buffers (a step's finish frees them at once)
-        times.append(ms(fn))
-    return statistics.median(times)
+    return statistics.median(ms(fn) for _ in range(repeats))
 
 
 # ------------------------------------------------------------------- run
@@ -224,8 +253,11 @@ def run(
                 case = Case(torch, device, n, ratio, seed)
                 for row in names:
                     bar.set_postfix_str(f"{format_size(n)} {ratio:g} {row}")
+                    case.first_ms = None
+                    call = ROWS[row][1](case)
                     measured.append({"size": n, "ratio": ratio, "k": case.k, "row": row,
-                                     "ms": median_ms(ROWS[row][1](case), int(repeats), ms, sync)})
+                                     "ms": median_ms(call, int(repeats), ms, sync), "first_step_ms": case.first_ms})
+                    call = None
                     bar.update()
                 case = None
                 if device == "cuda":
@@ -256,10 +288,11 @@ def run(
 
 
 def _ratios(rows: List[Dict[str, Any]]) -> None:
-    """Each row's ``vs_copy`` and ``vs_topk``: its time over the baselines' of the same size and density."""
+    """Each row's ``vs_copy``, ``vs_clone`` and ``vs_topk``: its time over the baselines' of the same size
+    and density."""
     base = {(r["size"], r["ratio"], r["row"]): r["ms"] for r in rows if r["row"] in BASELINES}
     for r in rows:
-        for field, baseline in (("vs_copy", "copy"), ("vs_topk", "torch.topk")):
+        for field, baseline in (("vs_copy", "copy"), ("vs_clone", "clone"), ("vs_topk", "torch.topk")):
             reference = base.get((r["size"], r["ratio"], baseline))
             r[field] = r["ms"] / reference if reference else None
 
@@ -272,11 +305,13 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
         f"\nSelection of one float32 gradient, {m['devices'][s['device']]} ({s['device']}, torch "
         f"{m['torch_version']}, {s['code_path']} code path); median of {s['repeats']} ({s['timing']})"
     )
-    say(f"  {'size':>7} {'density':>8} {'k':>9} {'row':<12} {'ms':>9} {'/copy':>8} {'/topk':>7}")
+    say(f"  {'size':>7} {'density':>8} {'k':>9} {'row':<26} {'ms':>9} {'/copy':>8} {'/clone':>7} {'/topk':>7}"
+        f" {'first ms':>9}")
     for r in results["rows"]:
+        first = "" if r.get("first_step_ms") is None else f"{r['first_step_ms']:9.0f}"
         say(
-            f"  {format_size(r['size']):>7} {r['ratio']:>8g} {r['k']:>9} {r['row']:<12} {r['ms']:>9.3f} "
-            f"{r['vs_copy']:>7.1f}x {r['vs_topk']:>6.2f}x"
+            f"  {format_size(r['size']):>7} {r['ratio']:>8g} {r['k']:>9} {r['row']:<26} {r['ms']:>9.3f} "
+            f"{r['vs_copy']:>7.1f}x {r['vs_clone']:>6.2f}x {r['vs_topk']:>6.2f}x {first}"
         )
     for name, what in s["rows"].items():
         say(f"  {name}: {what}")

@@ -114,20 +114,21 @@ class SharedIndexCodec(SparseBucketCodec):
             idx, probe = self.compressor.bucket_select(a, scores, self.rows, ops)
             chosen = ops.cast(idx, self.index_dtype)
         else:
-            probe, chosen = self.rows.largest(abs(a)), ops.zeros(self.k_total, self.index_dtype, layout.like)
+            probe, chosen = self.rows.largest(ops.magnitude(a)), ops.zeros(self.k_total, self.index_dtype, layout.like)
         received = yield [Send("leader", "sum", chosen)]
         return ops.cast(received["leader"], ops.int64), probe
 
     def _aggregate_set(self, layout: Any, a: Array, run: Any) -> Tuple[Array, Array, Any]:
         """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
         position (and ``None`` for the age; counted in the statistics of the run state ``run``)."""
-        ops, probe = layout.ops, self.rows.largest(abs(a))
+        ops = layout.ops
+        probe = self.rows.largest(ops.magnitude(a))
         if self.rate is None:
             unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
-        age = self.age + 1
-        return self.rows.topk(self.rate * age)[0], probe, age
+        age = ops.add(self.age, ops.scalar(1, layout.acc, layout.like))
+        return self.rows.topk(ops.multiply(self.rate, age))[0], probe, age
 
     def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
         ops, count = layout.ops, idx.shape[0]

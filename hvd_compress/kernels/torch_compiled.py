@@ -9,9 +9,15 @@ not bool ones):
   holds NaN), for the sampled-threshold Top-k of :class:`~hvd_compress.kernels.torch_rows.Rows`;
 * :func:`counts_above`: each row's count above each of its thresholds (Gaussian-k's correction,
   reused thresholds);
-* :func:`marks_above`: ``m = [x > t_row]`` alone.
+* :func:`marks_above`: ``m = [x > t_row]`` alone;
+* :func:`moments`: each row's std and mean (Gaussian-k's first threshold);
+* :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
+  bound's std in one pass) and its codes (in one pass instead of six).
 
-The results are integers and maxima, so compiled and eager agree bit for bit.
+The results are integers, maxima and IEEE operations in the same order (inductor keeps
+``-fno-unsafe-math-optimizations``, ``-ffp-contract=off``), so compiled and eager agree bit for bit;
+the sums (Gaussian-k's moments, TernGrad's std) may round differently, within float rounding, as a
+row-wise reduction does from one tensor's: a threshold between two neighbouring floats can move.
 
 Where it runs compiled (:func:`enabled`): ``HVD_COMPRESS_COMPILE`` = ``1`` (every device), ``0``
 (nowhere), or unset / ``auto``: on the CPU, where it is measured faster (``python -m benchmarks
@@ -71,10 +77,10 @@ class Pass:
         global _broken
         if not enabled(args[0].device):
             return self.fn(*args)
-        if self.compiled is None:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
-            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         try:
+            if self.compiled is None:
+                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+                self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
             return self.compiled(*args)
         except Exception as error:  # noqa: BLE001  (any compiler failure: eager from now on)
             _broken = True
@@ -104,5 +110,34 @@ def counts_above(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     return (rows[:, :, None] > limits[:, None, :]).to(torch.int32).sum(dim=1, dtype=torch.int64)
 
 
+@Pass
+def ternary_scales(rows: torch.Tensor, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """TernGrad's scales of each row (:func:`~hvd_compress.kernels.torch_ops.terngrad_bucket_scales`):
+    ``(min(max|g|, b), b)``, ``b = c std(g)`` rounded once to the rows' dtype, +Inf where ``b = 0`` or the
+    row is constant; ``max|g| = max(-min g, max g)`` exactly. ``clip`` <= 0: no bound (``b = +Inf``)."""
+    low, high = rows.amin(dim=1), rows.amax(dim=1)
+    local = torch.maximum(-low, high).abs()
+    std = torch.std(rows, dim=1, correction=0)
+    bound = (std.to(torch.float64) * clip).to(rows.dtype)
+    bound = torch.where((bound <= 0) | (low == high), torch.inf, bound)
+    return torch.minimum(local, bound), bound
+
+
+@Pass
+def ternary_codes(rows: torch.Tensor, uniform: torch.Tensor, bound: torch.Tensor,
+                  scale: torch.Tensor) -> torch.Tensor:
+    """TernGrad's codes of each row (:func:`~hvd_compress.kernels.torch_ops.terngrad_bucket_codes`):
+    ``sign(g) [u < min(|g|, b) / S]`` in int8; ``bound`` and ``scale`` ``(R, 1)``."""
+    keep = uniform < torch.minimum(rows.abs(), bound) / scale
+    return torch.where(keep, torch.where(rows < 0, -1, 1), 0).to(torch.int8)
+
+
+@Pass
+def moments(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``(std, mean)`` (``torch.std_mean``, ``correction=0``) in one pass: Gaussian-k's moments."""
+    return torch.std_mean(rows, dim=1, correction=0)
+
+
 #: every pass, by name (tests count their compilations)
-PASSES: Dict[str, Pass] = {p.__name__: p for p in (marks_and_largest, marks_above, counts_above)}
+PASSES: Dict[str, Pass] = {p.__name__: p for p in (marks_and_largest, marks_above, counts_above, moments,
+                                                   ternary_scales, ternary_codes)}

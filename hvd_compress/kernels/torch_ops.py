@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hvd_compress.wire import ternary_field_bits
+from hvd_compress.kernels import torch_compiled as compiled
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_FACTORS,
     GAUSSIANK_GROW,
@@ -87,6 +88,14 @@ def accelerator_path() -> Iterator[None]:
         yield
     finally:
         _host_shortcuts = saved
+
+
+def compiled_here(a: torch.Tensor) -> bool:
+    """Whether the fused passes of :mod:`~hvd_compress.kernels.torch_compiled` run on ``a`` compiled: where
+    compiling is on for its device, on the CPU outside :func:`accelerator_path` (whose trace shows what
+    a GPU launches, by default uncompiled), and for the float dtypes the host's kernels take."""
+    return (on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device) and a.dtype in (
+        torch.float32, torch.float64)
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -555,7 +564,15 @@ def isnan(a: torch.Tensor) -> torch.Tensor:
 
 
 def multiply(a: torch.Tensor, b, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    return torch.mul(a, b, out=out)
+    return torch.mul(a, b, out=_new_result(a, b) if out is None else out)
+
+
+def _new_result(a: torch.Tensor, b) -> Optional[torch.Tensor]:
+    """A buffer for the elementwise result of ``a`` (1-D) and ``b`` (a tensor of ``a``'s shape, a 0-d tensor
+    or a number) on the host (see :func:`_empty`), else ``None`` (torch allocates)."""
+    if a.dim() != 1 or not on_host(a) or (isinstance(b, torch.Tensor) and b.dim() and b.shape != a.shape):
+        return None
+    return _empty(a.shape[0], torch.result_type(a, b), a.device)
 
 
 def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, mu: float) -> torch.Tensor:
@@ -573,7 +590,11 @@ def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
 def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
     """One ``aminmax`` (and ``std``) per group: ``clip(g) = clamp(g, -b, b)`` is monotone, so
     ``max|clip(g)| = min(max(-min g, max g), b)`` exactly; ``b = c std(g)``, +Inf where ``b = 0``
-    or ``g`` is constant (no clipping)."""
+    or ``g`` is constant (no clipping). Where passes are compiled (:func:`compiled_here`), one
+    :func:`~hvd_compress.kernels.torch_compiled.ternary_scales` per group."""
+    if compiled_here(a):
+        scales = [compiled.ternary_scales(grp.view(a), -1.0 if clip is None else float(clip)) for grp in groups]
+        return torch.cat([s[0] for s in scales]), None if clip is None else torch.cat([s[1] for s in scales])
     extremes = [torch.aminmax(grp.view(a), dim=1) for grp in groups]
     low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
     local = torch.maximum(-low, high).abs()
@@ -589,7 +610,14 @@ def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor]
                           uniform: torch.Tensor) -> torch.Tensor:
     """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``; ``|clip(g)| = min(|g|, b)`` and ``clip``
     keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
-    ``minimum`` (NaN included), in place without an ``out`` argument."""
+    ``minimum`` (NaN included), in place without an ``out`` argument. Where passes are compiled
+    (:func:`compiled_here`), one :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
+    if compiled_here(a):
+        codes = _empty(a.shape[0], torch.int8, a.device)
+        for grp in groups:
+            limit = grp.column(bound) if bound is not None else torch.full((grp.rows, 1), torch.inf, dtype=a.dtype)
+            grp.view(codes).copy_(compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale)))
+        return codes
     ratio = torch.abs(a)
     for grp in groups:
         view = grp.view(ratio)
@@ -608,7 +636,7 @@ def terngrad_bucket_residual(a: torch.Tensor, groups, codes: torch.Tensor, scale
 
 
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a + b
+    return torch.add(a, b, out=_new_result(a, b))
 
 
 def add_into(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

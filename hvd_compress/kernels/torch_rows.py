@@ -36,6 +36,7 @@ kernels' host shortcuts instead (numpy's selection, a loop over the rows), faste
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -261,8 +262,10 @@ class Rows:
     def thresholds(self, a: torch.Tensor, ratio: float) -> Tuple[torch.Tensor, torch.Tensor]:
         """First Gaussian-k threshold of every row and its mean, float64: ``|mean| + std *
         Phi^-1(1 - ratio / 2)``, the moments reduced in ``a``'s dtype (as
-        :func:`torch_ops.gaussiank_thresholds`)."""
-        moments = [torch.std_mean(view, dim=1, correction=0) for _, view, *_ in self._views(a)]
+        :func:`torch_ops.gaussiank_thresholds`; compiled, :func:`~hvd_compress.kernels.torch_compiled.moments`,
+        within float rounding of it)."""
+        std_mean = compiled.moments if ops.compiled_here(a) else functools.partial(torch.std_mean, dim=1, correction=0)
+        moments = [std_mean(view) for _, view, *_ in self._views(a)]
         both = torch.empty(2 * self.count, dtype=torch.float64, device=a.device)
         std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments], out=both).view(2, -1)
         return mean.abs().add_(std.mul(reference.normal_tail_quantile(ratio))), mean
@@ -382,7 +385,7 @@ class Rows:
         for start, view, k, width, (r0, r1), (lo, _) in self._views(magnitude):
             stride, bounds, n = stride_of(k) if stride_of else 1, bounds_of(k), view.shape[1]
             limits = _limits(chosen[r0:r1, None] * np.asarray(reference.GAUSSIANK_FACTORS), view.dtype)
-            counts = compiled.counts_above(view[:, ::stride], limits).numpy() * stride
+            counts = compiled.counts_above(view[:, ::stride] if stride > 1 else view, limits).numpy() * stride
             take, limit = np.full(r1 - r0, width), np.full(r1 - r0, np.inf)
             for i in range(r1 - r0):
                 first_i = float(chosen[r0 + i])

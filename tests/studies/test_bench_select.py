@@ -25,6 +25,8 @@ def test_cli_times_every_row_and_writes_json_and_png(tmp_path, capsys):
         assert row["k"] == {0.01: 200, 0.001: 20}[ratio] and row["ms"] > 0, row
         assert row["vs_copy"] == pytest.approx(row["ms"] / rows[size, ratio, "copy"]["ms"])
         assert row["vs_topk"] == pytest.approx(row["ms"] / rows[size, ratio, "torch.topk"]["ms"])
+        assert row["vs_clone"] == pytest.approx(row["ms"] / rows[size, ratio, "clone"]["ms"])
+        assert (row["first_step_ms"] is None) == (name in select.BASELINES), row
     assert rows[20_000, 0.01, "copy"]["vs_copy"] == 1.0
     table = capsys.readouterr().out
     for name in select.ROWS:
@@ -32,24 +34,30 @@ def test_cli_times_every_row_and_writes_json_and_png(tmp_path, capsys):
 
 
 def test_the_engine_rows_run_what_the_route_runs(monkeypatch):
-    """``topk``/``gaussiank`` time the fused bucket's launch of a one-tensor bucket holding a residual (the
-    accelerator's code path: the same calls)."""
+    """A compressor's row times whole steps of a one-tensor bucket holding a residual (the accelerator's
+    code path: the same calls), with the fused passes compiled or not as the row says."""
+    from hvd_compress.kernels import torch_compiled
     from hvd_compress.engine import fused
 
     launched = []
     original = fused.FusedBucket.launch
 
     def spy(bucket, tensors, comm, run, complete=True):
-        launched.append((type(bucket.compressor).__name__, bucket.residual is not None, tensors[0].numel()))
+        launched.append((type(bucket.compressor).__name__, bucket.residual is not None, tensors[0].numel(),
+                         torch_compiled.enabled(torch.device("cpu"))))
         return original(bucket, tensors, comm, run, complete)
 
     monkeypatch.setattr(fused.FusedBucket, "launch", spy)
-    results = select.run(device="cpu", sizes=[5000], ratios=[0.01], repeats=1, rows=["gaussiank"],
+    results = select.run(device="cpu", sizes=[5000], ratios=[0.01], repeats=1, rows=["gaussiank/eager"],
                          code_path="accelerator", out=None, progress=False)
-    assert [r["row"] for r in results["rows"]] == ["copy", "torch.topk", "gaussiank"]
+    assert [r["row"] for r in results["rows"]] == ["copy", "clone", "torch.topk", "gaussiank/eager"]
     assert results["settings"]["code_path"] == "accelerator"
-    # the untimed first step, then the warm-up and timed calls, each on the residual that step left
-    assert launched == [("GaussianK", True, 5000)] * (1 + select.WARMUP_CALLS + 1)
+    # the first step, then the warm-up and timed calls, each on the residual the step before left
+    assert launched == [("GaussianK", True, 5000, False)] * (1 + select.WARMUP_CALLS + 1)
+    launched.clear()
+    select.run(device="cpu", sizes=[5000], ratios=[0.01], repeats=1, rows=["topk/compiled"], out=None,
+               progress=False)
+    assert launched == [("TopK", True, 5000, True)] * (1 + select.WARMUP_CALLS + 1)
 
 
 def test_bad_options_are_refused():

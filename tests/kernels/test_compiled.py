@@ -1,0 +1,196 @@
+"""The CPU's fused passes (:mod:`hvd_compress.kernels.torch_compiled`) compiled with ``torch.compile``.
+
+The suite runs them eagerly (``HVD_COMPRESS_COMPILE=0``, tests/conftest.py); here they compile, in this
+process only. Compiled equals eager bit for bit where the arithmetic is the same (marks, counts, maxima,
+TernGrad's codes) and within float rounding where a compiled reduction reorders sums (moments, std); the
+engine gives the same averages, residuals and bytes either way; a steady step compiles nothing; where
+the compiler fails, one warning and eager results. Also the CPU's sampled-limit Top-k on rows long
+enough to be sampled, against the reference.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hvd_compress import GaussianK, RegTopK, TernGrad, TopK  # noqa: E402
+from hvd_compress.kernels import reference as R  # noqa: E402
+from hvd_compress.kernels import torch_compiled as C  # noqa: E402
+from hvd_compress.kernels.torch_rows import Rows  # noqa: E402
+from hvd_compress.simulator import Simulator  # noqa: E402
+
+SPECIALS = (np.nan, np.inf, -np.inf, 0.0)
+
+
+@pytest.fixture
+def compiling(monkeypatch):
+    monkeypatch.setenv(C.COMPILE_ENV, "1")
+
+
+def rows_with_specials(rows, n, seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((rows, n)).astype(dtype)
+    a[0, rng.integers(0, n, 3)] = SPECIALS[:3]
+    a[-1, : n // 4] = a[-1, n // 4 : n // 2]  # ties
+    return torch.from_numpy(a)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
+    a = rows_with_specials(rows, 1000, rows, dtype)
+    limit = torch.from_numpy(np.linspace(-0.5, 1.5, rows, dtype=dtype)[:, None])
+    limits = torch.from_numpy(np.tile(np.asarray([0.1, 0.7, 1.3, 2.1], dtype), (rows, 1)))
+    uniform = torch.from_numpy(np.random.default_rng(9).random((rows, 1000)).astype(dtype))
+    bound = torch.from_numpy(np.full((rows, 1), 1.7, dtype))
+    scale = torch.from_numpy(np.full((rows, 1), 2.3, dtype))
+    for got, want in [
+        (C.marks_and_largest(a, limit), C.marks_and_largest.fn(a, limit)),
+        ((C.marks_above(a, limit),), (C.marks_above.fn(a, limit),)),
+        ((C.counts_above(a, limits),), (C.counts_above.fn(a, limits),)),
+        ((C.ternary_codes(a, uniform, bound, scale),), (C.ternary_codes.fn(a, uniform, bound, scale),)),
+    ]:
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            np.testing.assert_array_equal(g.numpy(), w.numpy())
+
+
+def test_compiled_reductions_equal_eager_within_rounding(compiling):
+    a = torch.from_numpy(np.random.default_rng(3).standard_normal((3, 5000)).astype(np.float32) * 1.7 + 0.3)
+    for got, want in [(C.moments(a), C.moments.fn(a)), (C.ternary_scales(a, 2.5), C.ternary_scales.fn(a, 2.5))]:
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=2e-6)
+    np.testing.assert_array_equal(C.ternary_scales(a, -1.0)[1].numpy(), np.full(3, np.inf, np.float32))
+
+
+def simulate(make, compiled, monkeypatch, steps=4, ranks=3):
+    """A Simulator run of ``make()`` on float32 torch tensors: averages, residuals and bytes per step."""
+    monkeypatch.setenv(C.COMPILE_ENV, "1" if compiled else "0")
+    rng = np.random.default_rng(11)
+    sim = Simulator(ranks, make())
+    shapes = {"w": (40, 300), "v": (300, 40), "u": (7001,), "b": (50,)}
+    out = []
+    for step in range(steps):
+        grads = {name: [torch.from_numpy((rng.standard_normal(shape) * (1 + step)).astype(np.float32))
+                        for _ in range(ranks)] for name, shape in shapes.items()}
+        averages = sim.step(grads)
+        residuals = {name: [None if r is None else np.asarray(r) for r in sim.residuals(name)] for name in shapes}
+        out.append(({k: v.numpy() for k, v in averages.items()}, residuals, sim.bytes_sent_per_rank))
+    return out
+
+
+ENGINE_CASES = {
+    "topk": lambda: TopK(0.02, dense_below=100),
+    "regtopk": lambda: RegTopK(0.02, dense_below=100),
+    "topk-reuse": lambda: TopK(0.02, dense_below=100, exact_every=2),
+    "topk-aggregate": lambda: TopK(0.05, dense_below=100, indices="aggregate"),
+    "gaussiank": lambda: GaussianK(0.02, dense_below=100),
+    "terngrad": lambda: TernGrad(clip=None, dense_below=100, error_feedback=True),
+    "terngrad-clipped": lambda: TernGrad(dense_below=100, error_feedback=True),
+}
+#: cases whose compiled reductions may round differently: TernGrad's clipping bound (a std) is its scale
+WITHIN_ROUNDING = {"terngrad-clipped"}
+
+
+def assert_same(kind, got, want, message):
+    if kind in WITHIN_ROUNDING:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=message)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=message)
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINE_CASES))
+def test_engine_compiled_equals_engine_eager(kind, monkeypatch):
+    """Bit for bit, but where a scale is a compiled std (clipped TernGrad): within float rounding. Gaussian-k's
+    compiled moments may round differently too: on this data no threshold lands between them."""
+    eager = simulate(ENGINE_CASES[kind], False, monkeypatch)
+    compiled = simulate(ENGINE_CASES[kind], True, monkeypatch)
+    for (avg_e, res_e, bytes_e), (avg_c, res_c, bytes_c) in zip(eager, compiled):
+        assert bytes_e == bytes_c
+        for name in avg_e:
+            assert_same(kind, avg_c[name], avg_e[name], f"{kind} {name}")
+            for r_c, r_e in zip(res_c[name], res_e[name]):
+                assert (r_c is None) == (r_e is None)
+                if r_e is not None:
+                    assert_same(kind, r_c, r_e, f"{kind} {name} residual")
+
+
+def test_steady_steps_compile_nothing(compiling, monkeypatch):
+    """After a layout's first steps (every pass compiled once, with single- and multi-row groups), later
+    steps of that layout and of a new one of other sizes add no graph: shapes are dynamic."""
+    from torch._dynamo.utils import counters
+
+    for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
+                 ENGINE_CASES["topk-reuse"]):
+        simulate(make, True, monkeypatch, steps=2, ranks=2)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
+                 ENGINE_CASES["topk-reuse"]):
+        simulate(make, True, monkeypatch, steps=3, ranks=2)
+    assert counters["stats"]["unique_graphs"] == graphs
+    sim = Simulator(2, TopK(0.03, dense_below=10))  # other sizes, two size groups of two rows each
+    rng = np.random.default_rng(0)
+    for _ in range(2):
+        sim.step({name: [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for _ in range(2)]
+                  for name, n in (("p", 3000), ("q", 3000), ("s", 777), ("t", 777))})
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_failing_compiler_warns_once_and_runs_eagerly(compiling, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(C, "_broken", False)
+    fresh = C.Pass(C.marks_above.fn)
+    monkeypatch.setattr(torch, "compile", broken)
+    a, limit = rows_with_specials(2, 100, 1), torch.zeros((2, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = fresh(a, limit)
+        second = C.Pass(C.counts_above.fn)(a, torch.zeros((2, 3)))
+    assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
+    np.testing.assert_array_equal(first.numpy(), C.marks_above.fn(a, limit).numpy())
+    assert second.shape == (2, 3) and not C.enabled(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value, cpu, cuda", [("", True, False), ("auto", True, False), ("1", True, True),
+                                               ("on", True, True), ("0", False, False), ("off", False, False)])
+def test_the_switch(monkeypatch, value, cpu, cuda):
+    monkeypatch.setenv(C.COMPILE_ENV, value)
+    assert (C.enabled(torch.device("cpu")), C.enabled(torch.device("cuda"))) == (cpu, cuda)
+
+
+def test_a_bad_switch_value_is_an_error(monkeypatch):
+    monkeypatch.setenv(C.COMPILE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="HVD_COMPRESS_COMPILE"):
+        C.enabled(torch.device("cpu"))
+
+
+def test_the_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HVD_COMPRESS_CACHE", str(tmp_path))
+    assert C.cache_dir() == tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert C.cache_dir() == tmp_path / "elsewhere"
+
+
+@pytest.mark.parametrize("n, k, ties", [(200_003, 2000, False), (200_003, 150, True), (65_537, 6000, True),
+                                        (40_000, 39_000, False)])
+def test_sampled_limit_topk_equals_the_reference(n, k, ties):
+    """Rows long enough that the limit comes from a strided sample: the same ``k`` indices as the
+    reference (ties to the lower index), whether the limit leaves ``k`` or more entries above it or
+    (many ties at the k-th value, or k near n) fewer, where the row is selected whole."""
+    rng = np.random.default_rng(n + k)
+    a = np.abs(rng.standard_normal((2, n))).astype(np.float32)
+    if ties:
+        a[:, rng.integers(0, n, n // 3)] = np.float32(np.sort(a[0])[-k])  # a third of each row ties the k-th
+    plan = Rows([(0, 2, n, k, k)], "cpu")
+    positions = plan.topk(torch.from_numpy(a.reshape(-1)), host=True)[0].numpy()
+    for i in range(2):
+        got = np.sort(positions[i * k : (i + 1) * k] - i * n)
+        np.testing.assert_array_equal(got, R.topk_indices(a[i], k))
