@@ -17,6 +17,9 @@
 #   tests/comm/test_thread_ranks.py tests/distributed/test_horovod_torch.py tests/distributed/test_mpi.py tests/distributed/test_ddp_hook.py
 #                                 thread-rank and multi-process runs: they ignore HVD_COMPRESS_DEVICE
 #                                 and run on CPU
+# then measures the fused passes compiled against eager on the GPU (HVD_COMPRESS_COMPILE is off on CUDA
+# until this shows them faster): python -m benchmarks select --device cuda, written to
+# docs/results/select_cuda_compiled.json and .png (GPU_SELECT=0 skips it)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,6 +45,10 @@ export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe NCCL_DEBUG="${NCCL_D
 if [[ "$(id -u)" == 0 ]]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 cd "$ROOT"
 "$PY" -m pytest -q -ra tests/kernels -k "not tf" "$@"   # -k would also filter the files below
-exec "$PY" -m pytest -q -ra \
+"$PY" -m pytest -q -ra \
   tests/routes/test_cuda_training.py tests/comm/test_thread_ranks.py \
   tests/distributed/test_horovod_torch.py tests/distributed/test_mpi.py tests/distributed/test_ddp_hook.py "$@"
+if [[ "${GPU_SELECT:-1}" != 0 ]]; then
+  "$PY" -m benchmarks select --device cuda --sizes 11.7M,25.6M --repeats 20 --out docs/results \
+    --name select_cuda_compiled
+fi

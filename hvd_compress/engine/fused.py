@@ -498,7 +498,7 @@ class Launched:
 
     def _scaled(self, total: Array, average: bool) -> Array:
         b = self.bucket
-        return b.ops.cast(total / b.divisor if average else total, b.dtype)
+        return b.ops.cast(b.ops.quotient(total, b.divisor) if average else total, b.dtype)
 
     def _keep(self, bad: Array) -> None:
         """The bucket takes the step's residual (and velocity); flagged tensors keep theirs from before the step."""

@@ -502,7 +502,7 @@ BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 #: functions return new ones (``joined`` then concatenates the parts written "into" a buffer).
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
-    "fill_zero", "index_add", "isnan", "magnitude", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
+    "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
     "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
@@ -564,6 +564,11 @@ def index_add(total: np.ndarray, indices: np.ndarray, values: np.ndarray) -> np.
     """``total[indices] += values`` in place, in order (a repeated index adds each time)."""
     np.add.at(total, indices, values)
     return total
+
+
+def quotient(a: np.ndarray, divisor) -> np.ndarray:
+    """``a / divisor`` (a 0-d array or scalar of ``a``'s dtype), a new array."""
+    return a / divisor
 
 
 def magnitude(a: np.ndarray) -> np.ndarray:

@@ -523,6 +523,11 @@ def index_add(total, indices, values) -> tf.Tensor:
     return tf.tensor_scatter_nd_add(total, tf.reshape(indices, [-1, 1]), values)
 
 
+def quotient(a: tf.Tensor, divisor) -> tf.Tensor:
+    """``a / divisor`` (a 0-d tensor of ``a``'s dtype)."""
+    return a / divisor
+
+
 def magnitude(a: tf.Tensor) -> tf.Tensor:
     """``|a|``."""
     return tf.abs(a)

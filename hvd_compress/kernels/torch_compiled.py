@@ -79,7 +79,7 @@ class Pass:
             return self.fn(*args)
         try:
             if self.compiled is None:
-                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
                 self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
             return self.compiled(*args)
         except Exception as error:  # noqa: BLE001  (any compiler failure: eager from now on)

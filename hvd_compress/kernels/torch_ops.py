@@ -518,7 +518,15 @@ def empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
 
 
 def zeros(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """Zeros; on the host in one of :data:`HOST_BUFFERS` (see :func:`_empty`)."""
+    if on_host(like):
+        return _empty(numel, dtype, like.device).zero_()
     return torch.zeros(numel, dtype=dtype, device=like.device)
+
+
+def quotient(a: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """``a / divisor`` (a 0-d tensor: a true division), a new buffer (on the host, see :func:`_empty`)."""
+    return torch.div(a, divisor, out=_new_result(a, divisor))
 
 
 def scalar(value: float, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -655,6 +663,10 @@ def placed(out: torch.Tensor, parts) -> torch.Tensor:
 
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old`` updated in place to ``new``, but each row flagged in ``bad`` left as it was; on the host, where
+    no row is flagged (a read that costs nothing there), one copy."""
+    if on_host(old) and not bad.numpy().any():  # a view of the flags: nothing copied or waited for
+        return old.copy_(new)
     for grp in groups:
         torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(old))
     return old
