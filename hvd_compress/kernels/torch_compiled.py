@@ -34,8 +34,9 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+import numpy as np
 import torch
 
 #: the switch: ``1`` compiled on every device, ``0`` never, unset or ``auto`` on the CPU only
@@ -67,16 +68,17 @@ def cache_dir() -> Path:
 
 
 class Pass:
-    """A fused pass: ``fn`` compiled on first use where :func:`enabled`, else ``fn`` itself."""
+    """A fused pass: ``fn`` compiled on first use where :func:`enabled`, else ``eager`` (default ``fn``):
+    the same results in the passes eager torch takes well (one kernel per step, no broadcast temporaries)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.compiled = fn, None
+    def __init__(self, fn: Callable[..., Any], eager: Optional[Callable[..., Any]] = None) -> None:
+        self.fn, self.eager, self.compiled = fn, eager or fn, None
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
     def __call__(self, *args: Any) -> Any:
         global _broken
         if not enabled(args[0].device):
-            return self.fn(*args)
+            return self.eager(*args)
         try:
             if self.compiled is None:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir())
@@ -87,27 +89,49 @@ class Pass:
             warnings.warn(f"hvd_compress: torch.compile failed ({type(error).__name__}: {error}); the "
                           f"selection passes run eagerly in this process ({COMPILE_ENV}=0 skips compiling)",
                           RuntimeWarning, stacklevel=2)
-            return self.fn(*args)
+            return self.eager(*args)
 
 
-@Pass
-def marks_and_largest(rows: torch.Tensor, limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _marks(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``[rows > limit]`` as int8, eagerly: the comparison's bool bytes, viewed."""
+    return torch.gt(rows, limit).view(torch.int8)
+
+
+def _marks_and_largest(rows: torch.Tensor, limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _marks(rows, limit), rows.amax(dim=1)
+
+
+def _counts_above(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """:func:`counts_above`, eagerly: one comparison and count per threshold (no ``(R, n, m)`` temporary),
+    counted by numpy on the CPU (torch's count of bool bytes takes several times longer)."""
+    def count(above: torch.Tensor) -> torch.Tensor:
+        if above.device.type == "cpu":
+            return torch.from_numpy(np.count_nonzero(above.numpy(), axis=1).astype(np.int64))
+        return above.sum(dim=1)
+
+    return torch.stack([count(torch.gt(rows, limits[:, j : j + 1])) for j in range(limits.shape[1])], dim=1)
+
+
+def marks_and_largest_source(rows: torch.Tensor, limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``([rows > limit]`` as int8, each row's largest entry): ``rows`` ``(R, n)``, ``limit`` ``(R, 1)``
     in ``rows``' dtype; the largest is NaN where a row holds NaN."""
     return torch.where(rows > limit, 1, 0).to(torch.int8), rows.amax(dim=1)
 
 
-@Pass
-def marks_above(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+def marks_above_source(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
     """``[rows > limit]`` as int8: ``rows`` ``(R, n)``, ``limit`` ``(R, 1)`` in ``rows``' dtype."""
     return torch.where(rows > limit, 1, 0).to(torch.int8)
 
 
-@Pass
-def counts_above(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+def counts_above_source(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     """``c[i, j] = #{x in rows[i] : x > limits[i, j]}`` (int64): ``rows`` ``(R, n)``, ``limits`` ``(R, m)``
     in ``rows``' dtype."""
     return (rows[:, :, None] > limits[:, None, :]).to(torch.int32).sum(dim=1, dtype=torch.int64)
+
+
+marks_and_largest = Pass(marks_and_largest_source, _marks_and_largest)
+marks_above = Pass(marks_above_source, _marks)
+counts_above = Pass(counts_above_source, _counts_above)
 
 
 @Pass
@@ -136,8 +160,3 @@ def ternary_codes(rows: torch.Tensor, uniform: torch.Tensor, bound: torch.Tensor
 def moments(rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Each row's ``(std, mean)`` (``torch.std_mean``, ``correction=0``) in one pass: Gaussian-k's moments."""
     return torch.std_mean(rows, dim=1, correction=0)
-
-
-#: every pass, by name (tests count their compilations)
-PASSES: Dict[str, Pass] = {p.__name__: p for p in (marks_and_largest, marks_above, counts_above, moments,
-                                                   ternary_scales, ternary_codes)}

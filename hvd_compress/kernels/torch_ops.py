@@ -65,8 +65,8 @@ _NUMPY_DTYPES = {
 
 float16, float32, float64, int16, int64 = torch.float16, torch.float32, torch.float64, torch.int16, torch.int64
 
-#: CPU tensors take the host's shortcuts (numpy's selection and buffers, a loop over rows
-#: with host reads, which cost nothing there); :func:`accelerator_path` turns them off.
+#: CPU tensors take the host's shortcuts (numpy's selection and buffers, reused host buffers, host
+#: reads, which cost nothing there); :func:`accelerator_path` turns them off.
 _host_shortcuts = True
 
 

@@ -29,9 +29,18 @@ counting and marking passes from each row's kept threshold, toward ``[ceil(k/2),
 
 Scores are non-negative with the sign bit clear (``|a|``, NaN included): read as integers of
 their width their order is the floats' order, NaN above +Inf, so ``torch.topk`` of the bits is
-exact for every float dtype and a tie is an equal bit pattern. On the CPU, outside
-:func:`~hvd_compress.kernels.torch_ops.accelerator_path`, each row takes the
-kernels' host shortcuts instead (numpy's selection, a loop over the rows), faster there.
+exact for every float dtype and a tie is an equal bit pattern.
+
+On the CPU, outside :func:`~hvd_compress.kernels.torch_ops.accelerator_path`, float32 and float64
+rows take the host's way, the same selections in fewer passes (host reads cost nothing there)::
+
+    Top-k:       per group one pass marks the scores above each row's limit, the j-th largest of a
+                 strided sample (:func:`sampled_limit`), and finds each row's largest; per row the
+                 k largest of its marked entries (a few k of them)
+    thresholds:  per group one pass counts the six thresholds (Gaussian-k, reused thresholds), the
+                 rule runs on the host, one pass marks the chosen threshold
+
+each pass one of :mod:`~hvd_compress.kernels.torch_compiled` (compiled with ``torch.compile`` on the CPU).
 """
 
 from __future__ import annotations
@@ -198,7 +207,7 @@ class Rows:
         ``positions``: int64 work positions, each row's ``k`` in its slots (not in index
         order); ``top``: each row's largest score (NaN above +Inf: a row holds NaN or Inf
         exactly when ``top`` does). ``host``: the CPU's way (default: on the CPU, outside
-        ``accelerator_path``), each row through :func:`torch_ops.topk_indices`.
+        ``accelerator_path``), :meth:`_topk_host`.
         """
         if ops.on_host(scores) and scores.dtype in _HOST_DTYPES if host is None else host:
             return self._topk_host(scores)

@@ -48,20 +48,18 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
     uniform = torch.from_numpy(np.random.default_rng(9).random((rows, 1000)).astype(dtype))
     bound = torch.from_numpy(np.full((rows, 1), 1.7, dtype))
     scale = torch.from_numpy(np.full((rows, 1), 2.3, dtype))
-    for got, want in [
-        (C.marks_and_largest(a, limit), C.marks_and_largest.fn(a, limit)),
-        ((C.marks_above(a, limit),), (C.marks_above.fn(a, limit),)),
-        ((C.counts_above(a, limits),), (C.counts_above.fn(a, limits),)),
-        ((C.ternary_codes(a, uniform, bound, scale),), (C.ternary_codes.fn(a, uniform, bound, scale),)),
-    ]:
-        for g, w in zip(got, want):
-            assert g.dtype == w.dtype
-            np.testing.assert_array_equal(g.numpy(), w.numpy())
+    for p, args in [(C.marks_and_largest, (a, limit)), (C.marks_above, (a, limit)), (C.counts_above, (a, limits)),
+                    (C.ternary_codes, (a, uniform, bound, scale))]:
+        got, source, eager = (p(*args), p.fn(*args), p.eager(*args))  # compiled; its source and the eager way, eager
+        for g, s, e in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, source, eager))):
+            assert g.dtype == s.dtype == e.dtype
+            np.testing.assert_array_equal(g.numpy(), s.numpy())
+            np.testing.assert_array_equal(g.numpy(), e.numpy())
 
 
 def test_compiled_reductions_equal_eager_within_rounding(compiling):
     a = torch.from_numpy(np.random.default_rng(3).standard_normal((3, 5000)).astype(np.float32) * 1.7 + 0.3)
-    for got, want in [(C.moments(a), C.moments.fn(a)), (C.ternary_scales(a, 2.5), C.ternary_scales.fn(a, 2.5))]:
+    for got, want in [(C.moments(a), C.moments.eager(a)), (C.ternary_scales(a, 2.5), C.ternary_scales.eager(a, 2.5))]:
         for g, w in zip(got, want):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=2e-6)
     np.testing.assert_array_equal(C.ternary_scales(a, -1.0)[1].numpy(), np.full(3, np.inf, np.float32))
@@ -146,13 +144,13 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(compiling, monkeypatch):
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr(C, "_broken", False)
-    fresh = C.Pass(C.marks_above.fn)
+    fresh = C.Pass(C.marks_above.fn, C.marks_above.eager)
     monkeypatch.setattr(torch, "compile", broken)
     a, limit = rows_with_specials(2, 100, 1), torch.zeros((2, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = fresh(a, limit)
-        second = C.Pass(C.counts_above.fn)(a, torch.zeros((2, 3)))
+        second = C.Pass(C.counts_above.fn, C.counts_above.eager)(a, torch.zeros((2, 3)))
     assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
     np.testing.assert_array_equal(first.numpy(), C.marks_above.fn(a, limit).numpy())
     assert second.shape == (2, 3) and not C.enabled(torch.device("cpu"))
