@@ -6,18 +6,49 @@ in one flat work buffer, those of equal size next to each other, and each row (t
 selects what :func:`reference.topk_indices` or :func:`reference.gaussiank_from` (from
 :func:`reference.gaussiank_threshold`) selects on it alone, as work positions in a fixed number
 of slots per row. On the host nothing is to be saved by batching the rows: a loop over them
-calls those functions on each row. A selection of another kind visits the rows one by one in
+calls those functions on each row (Top-k by one marking pass, :func:`topk_by_marking`). A selection of another kind visits the rows one by one in
 the order their tensors were added (:meth:`Rows.each`, :func:`each_row`), so that random draws
 come in that order on every framework.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hvd_compress.kernels import reference
+
+
+#: entries a row's sample holds (about): :func:`sampled_limit`
+TOPK_SAMPLE = 8192
+
+
+def sampled_limit(rows: np.ndarray, k: int) -> np.ndarray:
+    """Each row's limit for a Top-k by marking (``(R, 1)``, ``rows``' dtype): the ``j``-th largest of the
+    row's every ``s``-th entry (``s`` odd, about :data:`TOPK_SAMPLE` sampled), ``j = e + 3 sqrt(e) + 3``
+    with ``e = k m / n`` the sampled entries expected above the row's k-th largest: about ``k (1 +
+    3 / sqrt(e))`` entries lie above it (-Inf where ``j`` exceeds the sample: every entry)."""
+    n = rows.shape[1]
+    sample = rows[:, :: max(1, n // TOPK_SAMPLE) | 1]
+    m = sample.shape[1]
+    expected = k * m / n
+    j = int(math.ceil(expected + 3 * math.sqrt(expected) + 3))
+    if j > m:
+        return np.full((rows.shape[0], 1), -np.inf, dtype=rows.dtype)
+    return np.partition(sample, m - j, axis=1)[:, m - j : m - j + 1].copy()
+
+
+def topk_by_marking(row: np.ndarray, k: int) -> np.ndarray:
+    """:func:`reference.topk_indices` of one row (no NaN), in one marking pass: the ``k`` largest of the
+    entries above :func:`sampled_limit` (every entry tied with the k-th largest lies above it, and the
+    marked entries are in index order, so ties go to the lower index), or of the whole row where fewer
+    than ``k`` lie above it."""
+    marked = np.flatnonzero(row > sampled_limit(row[None], k)[0, 0])
+    if marked.shape[0] >= k:
+        return marked[reference.topk_indices(row[marked], k)]
+    return reference.topk_indices(row, k)
 
 
 class Rows:
@@ -62,8 +93,9 @@ class Rows:
         top = []
         for first, row, k, slot in self._rows(scores):
             top.append(np.max(row))
-            key = np.where(np.isnan(row), np.inf, row) if np.isnan(top[-1]) else row
-            positions[slot : slot + k] = reference.topk_indices(key, k) + first
+            chosen = (reference.topk_indices(np.where(np.isnan(row), np.inf, row), k) if np.isnan(top[-1])
+                      else topk_by_marking(row, k))
+            positions[slot : slot + k] = chosen + first
         return positions, np.array(top, dtype=scores.dtype)
 
     def gaussiank(self, a: np.ndarray, magnitude: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:

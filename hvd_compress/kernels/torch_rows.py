@@ -54,6 +54,7 @@ import torch
 
 from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference_rows import each_row, row_order
+from hvd_compress.kernels.reference_rows import sampled_limit as sampled_limit_of
 from hvd_compress.kernels import torch_compiled as compiled
 from hvd_compress.kernels import torch_ops as ops
 
@@ -95,25 +96,11 @@ def _outcomes() -> torch.Tensor:
 _OUTCOMES = _outcomes()
 
 
-#: entries a row's sample holds (about): :func:`sampled_limit`
-TOPK_SAMPLE = 8192
-
-
 def sampled_limit(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Each row's limit for the CPU's Top-k (``(R, 1)``, in ``rows``' dtype): the ``j``-th largest of the
-    row's every ``s``-th entry (``s`` odd, about :data:`TOPK_SAMPLE` sampled), ``j = e + 3 sqrt(e) + 3``
-    with ``e = k m / n`` the sampled entries expected above the row's k-th largest: about ``k (1 +
-    3 / sqrt(e))`` entries lie above it (-Inf where ``j`` exceeds the sample: every entry)."""
-    n = rows.shape[1]
-    stride = max(1, n // TOPK_SAMPLE) | 1
-    sample = rows[:, ::stride]
-    sample = (sample if rows.dtype in _HOST_DTYPES else sample.float()).numpy()  # 16-bit: exact in float32
-    m = sample.shape[1]
-    expected = k * m / n
-    j = int(math.ceil(expected + 3 * math.sqrt(expected) + 3))
-    if j > m:
-        return torch.full((rows.shape[0], 1), -math.inf, dtype=rows.dtype)
-    return torch.from_numpy(np.partition(sample, m - j, axis=1)[:, m - j : m - j + 1].copy()).to(rows.dtype)
+    """:func:`~hvd_compress.kernels.reference_rows.sampled_limit` of a CPU ``(R, n)`` tensor: ``(R, 1)`` in its
+    dtype (16-bit rows sampled in float32, which holds their values exactly)."""
+    sample = rows if rows.dtype in _HOST_DTYPES else rows.float()
+    return torch.from_numpy(sampled_limit_of(sample.numpy(), k)).to(rows.dtype)
 
 
 class Rows:

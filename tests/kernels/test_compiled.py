@@ -18,9 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hvd_compress import GaussianK, RegTopK, TernGrad, TopK  # noqa: E402
-from hvd_compress.kernels import reference as R  # noqa: E402
 from hvd_compress.kernels import torch_compiled as C  # noqa: E402
-from hvd_compress.kernels.torch_rows import Rows  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
 SPECIALS = (np.nan, np.inf, -np.inf, 0.0)
@@ -175,20 +173,3 @@ def test_the_cache_directory(monkeypatch, tmp_path):
     assert C.cache_dir() == tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
     assert C.cache_dir() == tmp_path / "elsewhere"
-
-
-@pytest.mark.parametrize("n, k, ties", [(200_003, 2000, False), (200_003, 150, True), (65_537, 6000, True),
-                                        (40_000, 39_000, False)])
-def test_sampled_limit_topk_equals_the_reference(n, k, ties):
-    """Rows long enough that the limit comes from a strided sample: the same ``k`` indices as the
-    reference (ties to the lower index), whether the limit leaves ``k`` or more entries above it or
-    (many ties at the k-th value, or k near n) fewer, where the row is selected whole."""
-    rng = np.random.default_rng(n + k)
-    a = np.abs(rng.standard_normal((2, n))).astype(np.float32)
-    if ties:
-        a[:, rng.integers(0, n, n // 3)] = np.float32(np.sort(a[0])[-k])  # a third of each row ties the k-th
-    plan = Rows([(0, 2, n, k, k)], "cpu")
-    positions = plan.topk(torch.from_numpy(a.reshape(-1)), host=True)[0].numpy()
-    for i in range(2):
-        got = np.sort(positions[i * k : (i + 1) * k] - i * n)
-        np.testing.assert_array_equal(got, R.topk_indices(a[i], k))
