@@ -197,7 +197,8 @@ class Rows:
         ``accelerator_path``), :meth:`_topk_host`.
         """
         if ops.on_host(scores) and scores.dtype in _HOST_DTYPES if host is None else host:
-            return self._topk_host(scores)
+            positions, top = self._topk_host(scores.cpu())  # (another device: the host's way, for tests)
+            return positions.to(scores.device), top.to(scores.device)
         bits = scores.view(_BITS[scores.dtype])
         values = torch.empty(self.width, dtype=bits.dtype, device=scores.device)
         local = torch.empty(self.width, dtype=torch.int64, device=scores.device)
@@ -280,7 +281,8 @@ class Rows:
         """
         first, mean = self.thresholds(a, ratio)
         if (ops.on_host(a) if host is None else host) and magnitude.dtype in _HOST_DTYPES:
-            return self._threshold_host(magnitude, first, reference.gaussiank_bounds)[0], mean
+            positions = self._threshold_host(magnitude.cpu(), first.cpu(), reference.gaussiank_bounds)[0]
+            return positions.to(a.device), mean
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
 
     def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
