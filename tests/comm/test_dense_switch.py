@@ -12,6 +12,7 @@ from hvd_compress import GaussianK, RegTopK, TopK
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.transport.threads import run_ranks
 from hvd_compress.simulator import Simulator
+from tests.helpers import topk_oracle
 from tests.oracle import PerTensorRanks
 
 KINDS = [TopK, GaussianK, RegTopK]
@@ -111,3 +112,63 @@ def test_fused_bucket_switching_to_dense_and_back_equals_the_simulator(kind, fra
                 zeros = np.zeros(got[name].shape)  # a tensor sent dense keeps none on the fused path: all sent
                 np.testing.assert_array_equal(zeros if mine is None else mine, zeros if want is None else want,
                                               f"step {step} {name} rank {rank}")
+
+
+@pytest.mark.parametrize("kind, entries", [(TopK, 10 + 1), (RegTopK, 10 + 1), (GaussianK, 13 + 1 + 1)],
+                         ids=["TopK", "RegTopK", "GaussianK"])
+def test_dense_exactly_at_n_k_equal_to_numel(kind, entries):
+    """No momentum, 3 ranks at ratio 0.32: 30 elements (k = 10, 3 x 10 = 30 >= 30) go dense, one allreduce of
+    4 x 30 bytes whose result is the float32 mean; 31 elements (k = 10, 3 x 10 = 30 < 31) stay sparse, an
+    allgather of each rank's (value, index) entries, (4 + 4) bytes each: k slots and a flag (Gaussian-k:
+    floor(4k/3) slots, a flag and its spare entry). Each with the layout header (16 bytes) of a first step."""
+    for numel, dense in ((30, True), (31, False)):
+        compressor = kind(0.32, dense_below=0)
+        assert compressor.k(numel) == 10
+        sim = Simulator(3, compressor)
+        step = [g.astype(np.float32) for g in grads(3, numel, numel)["w"]]
+        out = sim.step({"w": step})["w"]
+        kinds = {(name, kind_of) for posted in sim.collectives_per_rank for name, kind_of, _ in posted}
+        if dense:
+            assert kinds == {("simulator.header", "allgather"), ("simulator.dense", "allreduce")}
+            assert sim.bytes_sent_per_rank == [4 * 30 + 16] * 3
+            np.testing.assert_array_equal(out, (step[0] + step[1] + step[2]) / np.float32(3))
+        else:
+            assert {kind_of for name, kind_of in kinds} == {"allgather"}
+            assert sim.bytes_sent_per_rank == [entries * (4 + 4) + 16] * 3
+            if kind is TopK:
+                want = np.zeros(numel, np.float32)
+                for g in step:
+                    chosen = topk_oracle(g, 10)
+                    want[chosen] += g[chosen]
+                np.testing.assert_array_equal(out, want / np.float32(3))
+
+
+@pytest.mark.parametrize("indices, ratio, k, dense_numel, sparse_numel, sparse_collectives, sparse_bytes", [
+    # 2k >= numel: k = 10 of 20 (ceil(0.47 x 20) = 10) dense, of 21 (ceil(9.87) = 10) sparse: the leader's
+    # 10 int32 indices, then 10 values and a flag, allreduced
+    ("leader", 0.47, 10, 20, 21, {"leader", "values"}, 4 * 10 + 4 * (10 + 1)),
+    # k >= numel: k = 19 of 19 (ceil(18.05) = 19) dense, of 20 (ceil(19) = 19) sparse: 19 values and a flag
+    ("aggregate", 0.95, 19, 19, 20, {"values"}, 4 * (19 + 1)),
+], ids=["leader", "aggregate"])
+def test_shared_index_sets_go_dense_exactly_at_their_bound(indices, ratio, k, dense_numel, sparse_numel,
+                                                           sparse_collectives, sparse_bytes):
+    """No momentum, 3 ranks, a shared index set's values allreduced: dense exactly where the sparse words
+    (2k with the leader's indices, k with ``aggregate``'s) reach the tensor's numel, sparse one element
+    above. Bytes and collectives of a second step (no layout header, ``aggregate``'s set known); the dense
+    result is the float32 mean."""
+    for numel, dense in ((dense_numel, True), (sparse_numel, False)):
+        compressor = TopK(ratio, indices=indices, dense_below=0)
+        assert compressor.k(numel) == k
+        sim = Simulator(3, compressor)
+        sim.step({"w": [g.astype(np.float32) for g in grads(3, numel, numel)["w"]]})
+        step = [g.astype(np.float32) for g in grads(3, numel, 100 + numel)["w"]]
+        out = sim.step({"w": step})["w"]
+        names = {name.split(".")[-1] for posted in sim.collectives_per_rank for name, _, _ in posted}
+        assert {kind for posted in sim.collectives_per_rank for _, kind, _ in posted} == {"allreduce"}
+        if dense:
+            assert names == {"dense"}
+            assert sim.bytes_sent_per_rank == [4 * numel] * 3
+            np.testing.assert_array_equal(out, (step[0] + step[1] + step[2]) / np.float32(3))
+        else:
+            assert names == sparse_collectives
+            assert sim.bytes_sent_per_rank == [sparse_bytes] * 3

@@ -137,13 +137,15 @@ def test_fused_bucket_equals_the_per_tensor_spec(kind, dtype, path):
     if path == "numpy" and dtype not in NUMPY_DTYPES:
         pytest.skip("numpy has no bfloat16")
     ranks, steps, numpy, tensorflow = 3, 3, path == "numpy", path == "tensorflow"
+    # FP16's gradients are random normals, most of which float16 cannot hold: the wire's rounding shows
+    ties = not kind.startswith("fp16")
     with way_of(path):
-        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, True,
+        results = run_ranks(ranks, lambda comm: exchange_steps(comm, COMPRESSORS[kind], dtype, steps, ties,
                                                                numpy=numpy, tensorflow=tensorflow), timeout=60)
         spec = (Simulator if kind in SHARED else PerTensorRanks)(ranks, COMPRESSORS[kind]())
         expected, residuals = [], []
         for step in range(steps):
-            per_rank = [gradients(r, step, dtype, True, numpy, tensorflow) for r in range(ranks)]
+            per_rank = [gradients(r, step, dtype, ties, numpy, tensorflow) for r in range(ranks)]
             expected.append(spec.step({n: [g[n] for g in per_rank] for n in SHAPES}))
             residuals.append([{n: spec.compressors[r].residual(n) for n in SHAPES} for r in range(ranks)])
     # TernGrad's clipping bound c * std(g) comes from torch's row-wise std over each group of

@@ -371,3 +371,94 @@ def test_kernel_twins_select_as_the_reference(framework):
         got, got_kept = ops_for(tensor).reused_threshold_select(tensor, threshold, 40)
         np.testing.assert_array_equal(np.asarray(got), want)
         assert float(got_kept) == kept
+
+
+def odd_k_row(rng, threshold, numel=90):
+    """A row for k = 9 (bounds [ceil(9/2), 9] = [5, 9]) and a kept ``threshold``: 4 random scores above it,
+    3 in (threshold/2, threshold), the rest random below threshold/2; returns ``(scores, the 7 indices above
+    threshold/2)``."""
+    scores = (rng.random(numel) * 0.45 * threshold).astype(np.float32)
+    where = rng.choice(numel, 7, replace=False)
+    scores[where[:4]] = rng.uniform(1.05, 2.9, 4) * threshold
+    scores[where[4:]] = rng.uniform(0.55, 0.95, 3) * threshold
+    return scores, np.sort(where)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch", "tensorflow"])
+def test_an_odd_k_rounds_its_lower_bound_up(framework):
+    """k = 9 accepts [ceil(9/2), 9] = [5, 9] entries: 4 above the kept threshold are too few, so it halves,
+    and the 7 above half of it are in range (every kernel module's per-tensor selection)."""
+    assert reference.reuse_bounds(9) == (5, 9)
+    rng = np.random.default_rng(11)
+    threshold = float(np.float32(rng.uniform(1.3, 2.7)))
+    scores, above_half = odd_k_row(rng, threshold)
+    if framework == "numpy":
+        select = reference.reused_threshold_select
+        tensor = scores
+    else:
+        module = pytest.importorskip(framework)
+        from hvd_compress.kernels import ops_for
+
+        tensor = module.constant(scores) if framework == "tensorflow" else module.from_numpy(scores)
+        select = ops_for(tensor).reused_threshold_select
+    chosen, kept = select(tensor, threshold, 9)
+    assert float(kept) == threshold / 2
+    np.testing.assert_array_equal(np.asarray(chosen), above_half)
+
+
+@pytest.mark.parametrize("path", ["numpy", "host", "accelerator", "tensorflow"])
+def test_an_odd_k_rounds_its_lower_bound_up_in_the_engine(path):
+    """The same rule in the engine (Simulator, k = 9 of 90 on each of 2 ranks): an exact step keeps each rank's
+    9th largest |g| (its only 9 nonzero entries, so nothing is left over), then a step with 4 entries above it
+    halves it and sends the 7 above the half; the kept threshold and the residual show it."""
+    ranks, numel = 2, 90
+    rng = np.random.default_rng(12)
+    first, second, thresholds, sent = [], [], [], []
+    for _ in range(ranks):
+        g = np.zeros(numel, np.float32)
+        g[rng.choice(numel, 9, replace=False)] = rng.uniform(1.3, 2.7, 9) * rng.choice([-1, 1], 9)
+        thresholds.append(float(np.abs(g[g != 0]).min()))
+        scores, above_half = odd_k_row(rng, thresholds[-1])
+        first.append(g)
+        second.append(scores * rng.choice([-1, 1], numel).astype(np.float32))
+        sent.append(above_half)
+    sim = Simulator(ranks, TopK(0.1, exact_every=EVERY, dense_below=0))
+    with path_of(path):
+        sim.step(in_framework({"w": first}, path))
+        out = sim.step(in_framework({"w": second}, path))
+        residuals = [conformance.as_numpy(r).reshape(-1) for r in sim.residuals("w")]
+        saved = [float(np.asarray(rank["tensors"]["w"]["threshold"]).reshape(-1)[0])
+                 for rank in sim.state_dict()["ranks"]]
+    want = np.zeros(numel, np.float32)
+    for r in range(ranks):
+        assert saved[r] == thresholds[r] / 2
+        kept = second[r].copy()
+        kept[sent[r]] = 0
+        np.testing.assert_array_equal(residuals[r], kept)
+        want[sent[r]] += second[r][sent[r]]
+    np.testing.assert_array_equal(conformance.as_numpy(out["w"]), want / np.float32(ranks))
+
+
+@pytest.mark.parametrize("path", ["numpy", "host", "accelerator", "tensorflow"])
+def test_a_nonfinite_tensor_keeps_its_threshold_while_the_others_move(path):
+    """An Inf on one rank at a step between exact ones, where every gradient grew 8x (each kept threshold
+    would move up): that tensor's kept threshold stays as it was on every rank; another tensor's moves."""
+    ranks = 3
+    sim = Simulator(ranks, TopK(RATIO, exact_every=EVERY, dense_below=100))
+
+    def saved(name):
+        return [float(np.asarray(rank["tensors"][name]["threshold"]).reshape(-1)[0])
+                for rank in sim.state_dict()["ranks"]]
+
+    bad = {name: [g * np.float32(8.0) for g in per_rank] for name, per_rank in grads(2, ranks).items()}
+    bad["w"][1][3, 4] = np.inf
+    with path_of(path):
+        for step in range(2):
+            sim.step(in_framework(grads(step, ranks), path))
+        before = {name: saved(name) for name in ("w", "v")}
+        out = sim.step(in_framework(bad, path))
+        after = {name: saved(name) for name in ("w", "v")}
+    assert not np.all(np.isfinite(conformance.as_numpy(out["w"])))
+    assert np.all(np.isfinite(conformance.as_numpy(out["v"])))
+    assert after["w"] == before["w"]
+    assert all(moved > old for moved, old in zip(after["v"], before["v"]))
