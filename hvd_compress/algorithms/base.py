@@ -18,9 +18,10 @@ import numpy as np
 
 from hvd_compress import kernels
 from hvd_compress.wire import header_hash
-from hvd_compress.algorithms.checkpoint import check_state, state_checksum, writer
+from hvd_compress.algorithms.checkpoint import check_state, plain_counts, state_checksum, writer
 from hvd_compress.algorithms.residual import TensorMemory
-from hvd_compress.algorithms.state import ROUTE_REFERENCES, CompressorState, WireStats, check_one_state, state_for_route
+from hvd_compress.algorithms.state import (ROUTE_REFERENCES, CompressorState, WireStats, check_one_state,
+                                           pickled_by_horovod_broadcast, refused_broadcast, state_for_route)
 from hvd_compress.algorithms.validation import check_count, check_nonfinite, checked
 
 
@@ -102,9 +103,14 @@ class Compressor:
         return state_for_route(self, holder, route, state)
 
     def __getstate__(self) -> Dict[str, Any]:
+        if pickled_by_horovod_broadcast():  # an elastic state's ordinary value: refused on every rank
+            self._refused_broadcast = True  # this rank (the sender) raises at its next exchange
+            return {"refused_broadcast": repr(self)}
         return {k: v for k, v in self.__dict__.items() if k not in ROUTE_REFERENCES}  # weak references
 
     def __setstate__(self, saved: Dict[str, Any]) -> None:
+        if "refused_broadcast" in saved:  # the ranks that receive it
+            raise refused_broadcast(saved["refused_broadcast"])
         saved = dict(saved)
         if "state" in saved:  # pickled when the state was an attribute, with its statistics and route beside it
             state = saved["own_state"] = saved.pop("state")
@@ -216,7 +222,7 @@ class Compressor:
         run = check_one_state(self, "load_state_dict", run)
         check_state(state, self)
         run.buckets = {}
-        run.memory.load_state_dict(state["tensors"])
+        run.memory.load_state_dict(plain_counts(state["tensors"]))
         run.loaded_elsewhere = bool(state["tensors"])
         run.generators = {}
         run.saved_generators = dict(state.get("generators", {}))

@@ -133,6 +133,16 @@ def check_names(names: Any, written_by: str, known: Any, reader: str, advice: st
     )
 
 
+def plain_counts(tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """``tensors`` (a checkpoint's, checked) with every count (``ARRAYS`` of kind ``"count"``: a reused
+    threshold's ``threshold_k``) as a plain int, as :meth:`state_dict` writes them: checkpoints written
+    with a one-element numpy array there load, and save again in a form ``torch.load(weights_only=True)``
+    reads."""
+    counts = [key for key, (kind, _) in ARRAYS.items() if kind == "count"]
+    return {name: {key: int(host_array(value).reshape(-1)[0]) if key in counts and value is not None else value
+                   for key, value in entry.items()} for name, entry in tensors.items()}
+
+
 def _other_state(state: Dict[str, Any]) -> str:
     """``""``, or what a whole checkpoint that holds compressor state is and where its state sits."""
     if "ranks" in state and "steps" in state:

@@ -137,7 +137,7 @@ class SparseBucketCodec:
             return
         for row, i in enumerate(layout.compressed):
             memory.set(layout.names[i], "threshold", layout.ops.clone(self.thresholds[row : row + 1]))
-            memory.set(layout.names[i], "threshold_k", np.array([self.k_of[i]], np.int64))
+            memory.set(layout.names[i], "threshold_k", int(self.k_of[i]))  # a plain int: torch.load(weights_only)
 
     def framed(self, layout: Any, a: Array, idx: Array, probe: Array, step: Any) -> Tuple[Array, Array]:
         """``(message, values)``: the message ``a[S] ++ flags ++ 0 for the spare entry`` (the flags ``0 *

@@ -24,6 +24,7 @@ without one use the compressor's own (stock Horovod's ``compression=`` route, th
 
 from __future__ import annotations
 
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -115,13 +116,14 @@ class CompressorState:
 
     def adopt_loaded(self, ops: Any, like: Any) -> None:
         """Move loaded arrays written by another framework (a numpy residual for torch gradients...)
-        into ``ops``'s, next to ``like``: once after each load, not in a step."""
+        into ``ops``'s, next to ``like``: once after each load, not in a step. Counts (a reused
+        threshold's ``threshold_k``) are plain ints and stay."""
         if not self.loaded_elsewhere:
             return
         self.loaded_elsewhere = False
         for name in self.memory.names():
             for key, value in list(self.memory.slots(name).items()):
-                if value is not None and kernels.ops_for(value, name) is not ops:
+                if value is not None and not isinstance(value, int) and kernels.ops_for(value, name) is not ops:
                     self.memory.set(name, key, ops.from_host(host_array(value), like))
 
     def note(self, rank: int) -> str:
@@ -146,6 +148,41 @@ class CompressorState:
         """Write the fused buckets' state into the per-name memory (checkpoints, inspection)."""
         for bucket in self.buckets.values():
             bucket.flush(self.memory)
+
+    def snapshot(self) -> Dict[str, Any]:
+        """What a rollback restores (:meth:`roll_back`): the fused buckets written out, then every
+        tensor's arrays as they are now (the references; the buckets go on in buffers of their own) and
+        the step count."""
+        self.flush_buckets()
+        tensors = {name: (self.memory.shape(name), self.memory.slots(name)) for name in self.memory.names()}
+        return {"tensors": tensors, "exchanges": self.exchanged()}
+
+    def roll_back(self, snapshot: Dict[str, Any]) -> None:
+        """This process's state as :meth:`snapshot` took it (copies of its arrays): the plans dropped,
+        the per-tensor arrays and the step count put back."""
+        self.buckets = {}
+        self.memory.reset()
+        for name, (shape, slots) in snapshot["tensors"].items():
+            self.memory.track(name, shape)
+            for key, value in slots.items():
+                self.memory.set(name, key, value if value is None or isinstance(value, int)
+                                else kernels.ops_for(value).clone(value))
+        self.exchanges = snapshot["exchanges"]
+
+    def reset_for_new_world(self) -> None:
+        """The rules of a reset of the world (Horovod Elastic: a process added, removed or replaced, ranks
+        renumbered). Per-process arrays stay with the process (residuals, velocities, RegTop-k's
+        posterior), whatever its new rank; what every rank must hold alike, or what was measured for the
+        old world, starts afresh on every rank, as it does in a process that joins: the plans (written
+        out first), the step count (a shared index set's leader turn: rank 0 leads; reused thresholds:
+        an exact selection first), kept thresholds, the ``aggregate`` rule's rates and ages, what routes
+        keep (stock Horovod's step in progress, ``Auto``'s measurements and decisions), and the record
+        of which rank's checkpoint the state came from."""
+        self.flush_buckets()
+        self.buckets, self._route_data, self.exchanges, self.origin = {}, {}, 0, None
+        for name in self.memory.names():
+            for key in WORLD_BOUND:
+                self.memory.discard(name, key)
 
     def drop_bucket(self, key: str) -> None:
         """Forget the fused bucket of ``key`` (its plan; a route whose layout changed rebuilds it)."""
@@ -174,6 +211,38 @@ def state_for_route(compressor: Any, holder: Any, route: str, state: Optional[Co
         compressor.__dict__.setdefault("_other_route_states", weakref.WeakSet()).add(state)
     state.route = route
     return state
+
+
+#: per-tensor state measured with, or agreed on by, the ranks of one world (:meth:`CompressorState.reset_for_new_world`)
+WORLD_BOUND = ("threshold", "threshold_k", "index_rate", "index_age")
+
+#: Horovod's ``broadcast_object`` (module, function): what sends an elastic state's ordinary values from rank 0
+HOROVOD_BROADCASTS = (("horovod.torch.functions", "broadcast_object"),
+                      ("horovod.tensorflow.functions", "broadcast_object"))
+
+
+def pickled_by_horovod_broadcast(depth: int = 40) -> bool:
+    """Whether the object being pickled is pickled by Horovod's ``broadcast_object`` (found on the call
+    stack): an ordinary value of ``hvd.elastic.TorchState`` / ``KerasState``, sent from rank 0 to every rank."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) in HOROVOD_BROADCASTS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def refused_broadcast(what: str) -> ValueError:
+    """The error of a compressor handed to Horovod's elastic state as an ordinary value, on every rank."""
+    return ValueError(
+        f"hvd_compress: {what} was put into Horovod's elastic state as an ordinary value, which Horovod "
+        f"broadcasts from rank 0: every rank would take rank 0's residuals (gradient mass applied twice) and "
+        f"nothing would roll back after a failure. Keep it out of TorchState(...) / KerasState(...), pass the "
+        f"optimizer as optimizer=, and call hvd_compress.torch.elastic.register(state, optimizer) (stock "
+        f"horovod.torch: register(state, compression)) on every process"
+    )
 
 
 #: what a compressor keeps of the routes that run it: weak references, not pickled

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.kernels import computed_form, ops_for
 from hvd_compress.engine import fused
+from hvd_compress.algorithms.state import refused_broadcast
 
 
 def open_exchange(compressor: Any, comm: Any, key: str, state: Any = None) -> Any:
@@ -51,6 +52,8 @@ class BucketExchange:
     route hands :func:`open_exchange`): its fused buckets, their statistics and random streams."""
 
     def __init__(self, compressor: Any, comm: Any, key: str, run: Any = None) -> None:
+        if getattr(compressor, "_refused_broadcast", False):  # sent by Horovod's broadcast_object (elastic)
+            raise refused_broadcast(repr(compressor))
         self.compressor, self.comm, self.key = compressor.bind(comm.rank, comm.size), comm, key
         self.run = compressor.state if run is None else run
         self.added: List[Tuple[str, Any]] = []

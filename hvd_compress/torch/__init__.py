@@ -8,7 +8,8 @@
 Everything not defined here (``init``, ``rank``, ``size``, ``broadcast_parameters``,
 ``allreduce`` ...) is ``horovod.torch``'s own, looked up on first use, so the
 module imports without Horovod (for :func:`ddp_hook`, which needs only
-``torch.distributed``).
+``torch.distributed``); ``elastic`` is ``horovod.torch.elastic``'s names plus
+:func:`hvd_compress.torch.elastic.register` (the compression state in an elastic job).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hvd_compress import Compression  # noqa: F401  (hvd.Compression.topk(0.01),
 from hvd_compress import DensityWarmup  # noqa: F401  (a schedule of the density, like torch's lr_scheduler)
 from hvd_compress.torch.ddp import CompressionState, ddp_hook  # noqa: F401  (no Horovod needed)
 from hvd_compress.torch.optimizer import DistributedOptimizer  # noqa: F401
+from hvd_compress.torch import elastic  # noqa: F401  (horovod.torch.elastic's names, and register())
 
 
 def __getattr__(name: str) -> Any:

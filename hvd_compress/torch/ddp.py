@@ -94,6 +94,11 @@ class CompressionState:
         self.__init__(state["compressor"], process_group=None, compression_state=state.get("compression_state"))
 
     def state_dict(self) -> Dict[str, Any]:
+        """The compressor's state (:meth:`~hvd_compress.algorithms.base.Compressor.state_dict`), recording
+        this process's rank and world in the group (when the group is up), whether or not a step ran."""
+        if dist.is_initialized():
+            comm = self.communicator()
+            self.compressor.bind(comm.rank, comm.size)
         return self.compressor.state_dict(self.compression_state)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -281,8 +281,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._nonfinite_error = None
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
+    def _forget_step(self) -> None:
+        """Drop what a step in progress left (exchanges in flight, gradients counted in, the flags): a
+        step that a failed collective interrupted (Horovod Elastic's reset) is never finished."""
+        self._in_flight = {}
+        self._ready = [set() for _ in self._buckets]
+        self._delay = {n: self._passes for n in self._params}
+        self._versions = {}
+        self._synchronized = self._synchronized_by_backward = self._end_queued = False
+        self._nonfinite_error = None
+
     def state_dict(self):
         state = super(self.__class__, self).state_dict()
+        self._compression.bind(self._comm.rank, self._comm.size)  # the writer's rank and world, step or not
         state["hvd_compress"] = self._compression.state_dict(self.compression_state)
         return state
 

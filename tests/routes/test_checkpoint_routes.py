@@ -7,6 +7,7 @@ not moved; what cannot move is refused at load, naming the route that wrote it. 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -80,3 +81,56 @@ def test_what_cannot_move_is_refused_naming_its_writer():
     message = moves.refusal(lambda: TopK(0.05).load_state_dict(opt.state_dict()))
     assert "this is an optimizer's state_dict() (hvd_compress.torch.DistributedOptimizer)" in message
     assert "state['hvd_compress']" in message
+
+
+def saved_and_loaded(state):
+    """``state`` through ``torch.save`` and torch's default ``torch.load`` (``weights_only=True``)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return torch.load(io.BytesIO(buffer.getvalue()))
+
+
+@pytest.mark.parametrize("route", ["dropin", "mpi"])
+def test_a_checkpoint_saved_after_a_load_and_before_a_step_names_its_writer(route):
+    """Each rank loads its state into a new optimizer and saves it again before any step: the new
+    checkpoint records that rank and the world of 2 (not rank 0 of 1), so resuming from it on
+    every rank trains on to the Simulator's straight run (no 'loaded from rank 0's checkpoint')."""
+    initial, name = moves.initial(), "regtopk"
+
+    def work(comm):
+        params, state = moves.train(route, name, comm.rank, 0, moves.HALF, comm, initial)
+        _, again = moves.train(route, name, comm.rank, moves.HALF, moves.HALF, comm, params, state)  # no step
+        final, _ = moves.train(route, name, comm.rank, moves.HALF, moves.STEPS, comm, params, again)
+        return (again["rank"], again["world"]), final
+
+    results = run_ranks(RANKS, work)
+    assert [origin for origin, _ in results] == [(0, RANKS), (1, RANKS)]
+    for _, final in results:
+        assert moves.difference(final, moves.straight(name, RANKS)) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["topk-reuse", "regtopk-reuse"])
+def test_reused_threshold_checkpoints_load_with_torchs_default_load_and_resume_exactly(name):
+    """Reused thresholds (``exact_every=2``) keep ``threshold_k`` as a plain int: the drop-in's
+    ``optimizer.state_dict()`` goes through ``torch.save`` and the default ``torch.load``
+    (``weights_only=True``), and the run resumed from it equals the straight one. A checkpoint that holds
+    it as a one-element numpy array (as written before) still loads, and is saved again as an int."""
+    initial = moves.initial()
+
+    def work(comm):
+        params, state = moves.train("dropin", name, comm.rank, 0, moves.HALF, comm, initial)
+        loaded = saved_and_loaded(state)
+        old = {**state, "tensors": {n: {**e, "threshold_k": np.array([e["threshold_k"]], np.int64)} if "threshold_k" in e
+                                    else e for n, e in state["tensors"].items()}}
+        old.pop("checksum")
+        _, again = moves.train("dropin", name, comm.rank, moves.HALF, moves.HALF, comm, params, old)
+        final, _ = moves.train("dropin", name, comm.rank, moves.HALF, moves.STEPS, comm, params, loaded)
+        return state, saved_and_loaded(again), final
+
+    for state, again, final in run_ranks(RANKS, work):
+        counts = [entry["threshold_k"] for entry in state["tensors"].values() if "threshold_k" in entry]
+        assert counts and all(type(k) is int and k >= 1 for k in counts), counts
+        assert [entry["threshold_k"] for entry in again["tensors"].values() if "threshold_k" in entry] == counts
+        assert moves.difference(final, moves.straight(name, RANKS)) < 1e-6
