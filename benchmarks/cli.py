@@ -12,6 +12,7 @@ python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] 
                                  [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
                                  [--exact-every 1,32]
                                  [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
+                                 [--batch-size PER_RANK | --global-batch B]
                                  [--train-size N] [--test-size N] [--quick] [--out results] [--name STEM]
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
@@ -142,10 +143,12 @@ def _convergence(args: argparse.Namespace) -> int:
         momentum=args.momentum,
         warmup_epochs=options["warmup_epochs"],
         warmup_start=args.warmup_start,
+        global_batch=args.global_batch,
     )
     print(
         f"Convergence on {data.name} ({len(data.train_y)} training, {len(data.test_y)} test images): "
-        f"{', '.join(args.models)} on {args.ranks} simulated ranks, {setup.epochs} epochs; "
+        f"{', '.join(args.models)} on {args.ranks} simulated ranks, {setup.epochs} epochs, {setup.protocol} "
+        f"({setup.batch_per_rank} images per rank and step); "
         f"{', '.join(args.compressors)} at {', '.join(f'{r:g}' for r in args.ratios)}, "
         f"variants {','.join(args.variants)}; "
         f"seeds {','.join(map(str, args.seeds))}"
@@ -270,7 +273,12 @@ def _add_convergence(commands: Any) -> None:
                    help="SGD's momentum, or the compressor's with mc (0.9)")
     defaults = "; ".join(f"{name}: {', '.join(f'{k} {v}' for k, v in d.items())}" for name, d in DEFAULTS.items())
     p.add_argument("--epochs", type=int, help="per-data-set default")
-    p.add_argument("--batch-size", type=int, help="per rank; per-data-set default")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, help="per rank, the same at every N (the global batch grows "
+                       "with --ranks); per-data-set default")
+    batch.add_argument("--global-batch", type=int, metavar="B",
+                       help="images per step over all ranks, B / N per rank (N must divide B): the same steps, "
+                            "schedule and warm-up at every N; for accuracy comparisons across N")
     p.add_argument("--warmup-epochs", type=float, help="epochs of the warm-up ramp; per-data-set default")
     p.add_argument("--train-size", type=int, help="training images (a fixed subset); default all")
     p.add_argument("--test-size", type=int, help="test images; default all")

@@ -35,6 +35,15 @@ Every run is repeated for every seed (the seed sets the initialization, the
 batch order and the compressors' random streams; the data and its subset are
 fixed).
 
+Protocol (:class:`Setup`, recorded in the JSON's settings: ``protocol``,
+``images_per_step``, ``steps``, ``warmup_steps``): by default each rank takes
+``batch_per_rank`` images per step, so the global batch grows with N and the
+run (steps per epoch, warm-up steps) shrinks. With ``global_batch``
+(``--global-batch B``) each rank takes ``B / N`` images (N must divide B): the
+step's images, the number of steps, the step-size schedule and the warm-up's
+steps are the same at every N, dense is the same run at every N, and only the
+compression differs. Accuracy comparisons across N use the fixed global batch.
+
 Reported per model and run, over the seeds: final test accuracy (mean, sample
 standard deviation, min-max), its gap to dense in points, the epoch at which
 the seed-mean curve first reaches the target (dense's final mean minus
@@ -216,7 +225,14 @@ class WarmupProbe(cnn.Probe):
 
 @dataclass(frozen=True)
 class Setup:
-    """The training shared by every run: ``ranks``, ``epochs``, batch, step size, momentum, warm-up."""
+    """The training shared by every run: ``ranks``, ``epochs``, batch, step size, momentum, warm-up.
+
+    Two protocols (:attr:`protocol`): by default ``batch_per_rank`` is fixed, so the global batch,
+    the steps per epoch and the warm-up's steps change with ``ranks``; with ``global_batch`` the
+    global batch is fixed and ``batch_per_rank`` is ``global_batch / ranks`` (a ``ValueError`` where
+    ``ranks`` does not divide it), so the steps, the step-size schedule and the warm-up's steps are
+    the same at every N and dense is the same run at every N (up to float rounding of the average).
+    """
 
     ranks: int = 4
     epochs: int = 5
@@ -227,16 +243,43 @@ class Setup:
     warmup_start: float = 0.25
     #: ``constant`` step size, or ``cosine``: decayed from ``lr`` to 0 over the run
     lr_schedule: str = "constant"
+    #: images per step over all ranks, the same at every N (``--global-batch``); None: ``batch_per_rank`` fixed
+    global_batch: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.global_batch is None:
+            return
+        if self.global_batch < 1 or self.global_batch % self.ranks:
+            raise ValueError(
+                f"a global batch of {self.global_batch} images does not split evenly over {self.ranks} ranks: "
+                "give a positive multiple of the number of ranks"
+            )
+        object.__setattr__(self, "batch_per_rank", self.global_batch // self.ranks)
+
+    @property
+    def protocol(self) -> str:
+        """``fixed global batch`` (``global_batch`` given) or ``fixed per-rank batch``."""
+        return "fixed per-rank batch" if self.global_batch is None else "fixed global batch"
 
     def steps_per_epoch(self, data: Images) -> int:
         return len(data.train_y) // (self.ranks * self.batch_per_rank)
 
+    def warmup_steps(self, data: Images) -> int:
+        """Steps of the density warm-up's ramp: ``warmup_epochs`` epochs, at least one step."""
+        return max(1, round(self.warmup_epochs * self.steps_per_epoch(data)))
 
-def train_run(run: Run, data: Any, setup: Setup, seed: int, per_epoch: int) -> Dict[str, Any]:
+    def described(self, data: Images) -> Dict[str, Any]:
+        """The settings' record of the protocol: every field, the images and steps per step and run."""
+        return {
+            **self.__dict__, "protocol": self.protocol, "images_per_step": self.ranks * self.batch_per_rank,
+            "steps_per_epoch": self.steps_per_epoch(data), "steps": self.epochs * self.steps_per_epoch(data),
+            "warmup_steps": self.warmup_steps(data),
+        }
+
+
+def train_run(run: Run, data: Any, setup: Setup, seed: int, warmup_steps: int) -> Dict[str, Any]:
     """One seed of ``run``: the per-epoch test curve, final accuracy, bytes per step, densities."""
-    probe = None
-    if run.warmup:
-        probe = WarmupProbe(max(1, round(setup.warmup_epochs * per_epoch)), setup.warmup_start)
+    probe = WarmupProbe(warmup_steps, setup.warmup_start) if run.warmup else None
     result = cnn.train(
         run.compressor(setup.momentum), data, ranks=setup.ranks, epochs=setup.epochs,
         batch_per_rank=setup.batch_per_rank, lr=setup.lr, momentum=0.0 if run.momentum_correction else setup.momentum,
@@ -265,6 +308,7 @@ def as_torch(data: Images) -> cnn.ImageData:
 def run_all(runs: Sequence[Run], data: Images, setup: Setup, seeds: Sequence[int], progress: bool = True):
     """Train every run for every seed on one thread; a progress line on stderr after each."""
     tensors, per_epoch = as_torch(data), setup.steps_per_epoch(data)
+    warmup_steps = setup.warmup_steps(data)
     if per_epoch < 1:
         raise ValueError(
             f"{len(data.train_y)} training images are fewer than one global batch of "
@@ -277,7 +321,7 @@ def run_all(runs: Sequence[Run], data: Images, setup: Setup, seeds: Sequence[int
         warnings.filterwarnings("ignore", message=r"hvd_compress: \w+ sends '.*' dense")
         for run in runs:
             for seed in seeds:
-                result = train_run(run, tensors, setup, seed, per_epoch)
+                result = train_run(run, tensors, setup, seed, warmup_steps)
                 trained.setdefault((run.model, run.label), []).append(result)
                 done += 1
                 if progress:
@@ -373,7 +417,7 @@ def study(
         "study": "convergence",
         "machine": describe_machine(),
         "settings": {
-            **setup.__dict__, "steps_per_epoch": setup.steps_per_epoch(data), "seeds": seeds,
+            **setup.described(data), "seeds": seeds,
             "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
             "indices": list(dict.fromkeys(indices)),
             "exact_every": list(dict.fromkeys(exact_every)),
@@ -382,7 +426,7 @@ def study(
                          f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "
                          "and SGD runs without",
             "warmup": "DensityWarmup stepped every iteration from warmup_start to the density over "
-                      "warmup_epochs epochs (DGC's exponential ramp)",
+                      "warmup_steps steps, warmup_epochs epochs (DGC's exponential ramp)",
             "bytes": "payload bytes one rank hands to the collectives per step, mean over ranks, steps, seeds",
         },
         "rows": rows_of(runs, trained, target_gap),
@@ -404,8 +448,11 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
         f"images): {s['ranks']} simulated ranks, {s['epochs']} epochs of {s['steps_per_epoch']} steps, batch "
         f"{s['batch_per_rank']} per rank, lr {s['lr']} ({s.get('lr_schedule', 'constant')}), momentum {s['momentum']}, seeds {','.join(map(str, s['seeds']))}"
     )
+    if "protocol" in s:
+        say(f"  {s['protocol']}: {s['images_per_step']} images per step, {s['steps']} steps, "
+            f"a warm-up of {s['warmup_steps']} steps")
     say(f"\n  {'model':<5} {'run':<30} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
-        f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9}")
+        f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9} {'traffic':>8}")
     for r in results["rows"]:
         acc = r["final_accuracy"]
         gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f}pt"
@@ -413,12 +460,13 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
         say(
             f"  {r['model']:<5} {r['label']:<30} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
             f"{acc['min']:.3f}-{acc['max']:.3f} {gap:>9} {reach:>13} {r['bytes_per_step']:>11,.0f} "
-            f"{r['bytes_vs_dense']:>8.4f}x"
+            f"{r['bytes_vs_dense']:>8.4f}x {r['traffic_vs_dense']:>7.4f}x"
         )
     say(
         f"\n  vs dense: points of final test accuracy against dense's mean; epoch>=target: first epoch whose "
         f"seed-mean accuracy reaches dense's final mean - {s['target_gap_points']:g} points; bytes/step: "
-        "payload bytes per rank and step (warm-up runs include the warm-up); mc: momentum correction"
+        "payload bytes per rank and step (warm-up runs include the warm-up); traffic: ring traffic per rank "
+        "against a dense fp32 allreduce's; mc: momentum correction"
     )
 
 
@@ -455,7 +503,9 @@ def write_plot(results: Dict[str, Any], path: Any) -> None:
     s = results["settings"]
     title = (
         f"{s['data']['name']} ({s['data']['train_images']:,} training images, {s['epochs']} epochs): test accuracy, "
-        f"{s['ranks']} simulated ranks, mean of seeds {','.join(map(str, s['seeds']))} (band: min-max). Line style: "
+        f"{s['ranks']} simulated ranks ({s.get('protocol', 'fixed per-rank batch')}: "
+        f"{s['ranks'] * s['batch_per_rank']} images per step), mean of seeds {','.join(map(str, s['seeds']))} "
+        "(band: min-max). Line style: "
         + ", ".join(f"{VARIANT_STYLES[v]} {v}" for v in s["variants"])
         + " (mc: momentum correction; dense and TernGrad: solid, TernGrad +ef: dotted)"
     )

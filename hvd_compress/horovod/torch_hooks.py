@@ -220,16 +220,19 @@ def _calls(compressor: Any) -> _Calls:
 def _direct(compressor: Any, tensor: Any):
     """None, FP16: the tensor (FP16: cast; a dtype Horovod cannot carry: as the one it carries,
     :func:`~hvd_compress.transport.communicator.horovod_carried`) for Horovod's own allreduce, counted in
-    the statistics."""
+    the statistics in the dtype the compressor sends (FP16: float16; None: the gradient's, so a bfloat16
+    gradient that Horovod carries as float32 counts bfloat16's bytes, as the engine's dense sums do)."""
     wire = compressor.dense_wire_dtype
     if wire is None:
         sent, back = horovod_carried(tensor)
+        itemsize = tensor.element_size()
     else:
         import torch
 
         sent, back = tensor.to(getattr(torch, wire)), True
+        itemsize = sent.element_size()
     numel = tensor.numel()
-    compressor.stats.add(numel * sent.element_size(), numel * tensor.element_size(), numel, numel)
+    compressor.stats.add(numel * itemsize, numel * tensor.element_size(), numel, numel)
     return sent, _Context(dtype=None if back is None else tensor.dtype)
 
 

@@ -237,3 +237,22 @@ def test_bad_configuration_fails_fast_with_a_clear_error(compression, extra, mes
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     for rank in (0, 1):  # a collective check: every rank must report it
         assert message in (tmp_path / f"x.npz.error.{rank}").read_text()
+
+
+def test_bfloat16_model_starts_as_the_readme_says(tmp_path):
+    """Horovod 0.28.1's broadcasts refuse bfloat16; the README's lines (``broadcast_parameters`` of int16
+    views, ``broadcast_object`` of the optimizer's state) give every rank rank 0's model and momentum, and
+    the stock route with None counts a dense exchange's bytes: bfloat16's 2 per entry every step, and at
+    the first the layout check's header and one float32 placeholder per tensor."""
+    out, steps = tmp_path / "start.json", 5
+    done = launch.run("horovodrun", 2, "tests.distributed.bfloat16_start", "--steps", str(steps), "--out", str(out))
+    assert done.returncode == 0, launch.output(done)
+    ranks = json.loads(out.read_text())
+    for found in ranks:
+        assert "torch.BFloat16Tensor is not supported" in found["parameters_error"]
+        assert "torch.BFloat16Tensor is not supported" in found["optimizer_error"]
+        assert found["dtypes"] == ["torch.bfloat16", "torch.int64"]  # BatchNorm's count stays int64
+        assert found["dense_bytes"] == steps * 2 * found["numel"]
+        assert found["bytes_sent"] == found["dense_bytes"] + 16 + 4 * found["tensors"]
+    for key in ("model", "momentum", "trained"):
+        assert ranks[0][key] == ranks[1][key], key

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -47,6 +48,44 @@ def test_fashion_mnist_cli(tmp_path, capsys):
         assert topk["seeds"][0]["warmup_densities"] is None
     out = capsys.readouterr().out
     assert "top-k 1% +mc +warm-up" in out and "convergence_fashion-mnist.png" in out
+
+
+def fixed_global_batch(tmp_path, ranks):
+    """The JSON of a digits run at ``ranks`` with ``--global-batch 16``: 128 images, 8 steps per epoch, 2 epochs."""
+    argv = ["convergence", "--data", "digits", "--train-size", "128", "--test-size", "64", "--epochs", "2",
+            "--warmup-epochs", "1", "--models", "mlp", "--compressors", "none,topk", "--ratios", "0.01",
+            "--variants", "warmup", "--seeds", "0", "--ranks", str(ranks), "--global-batch", "16", "--no-progress",
+            "--out", str(tmp_path), "--name", f"ranks{ranks}"]
+    assert main(argv) == 0
+    return json.loads((tmp_path / f"ranks{ranks}.json").read_text())
+
+
+def test_fixed_global_batch_is_the_same_run_at_every_n(tmp_path, capsys):
+    """``--global-batch 16`` at N = 2 and 4: 8 and 4 images per rank, the same steps and warm-up steps,
+    recorded in the JSON; dense is the same run at both N (the same test accuracy, test losses equal to
+    float rounding of the average). The per-rank batch instead changes the steps with N, and a global
+    batch that N does not divide is an error."""
+    pytest.importorskip("sklearn")
+    found = {ranks: fixed_global_batch(tmp_path, ranks) for ranks in (2, 4)}
+    for ranks, results in found.items():
+        s = results["settings"]
+        assert (s["protocol"], s["global_batch"], s["images_per_step"]) == ("fixed global batch", 16, 16)
+        assert (s["batch_per_rank"], s["steps_per_epoch"], s["steps"], s["warmup_steps"]) == (16 // ranks, 8, 16, 8)
+        assert [seed["steps"] for r in results["rows"] for seed in r["seeds"]] == [16, 16]
+        assert results["rows"][1]["seeds"][0]["warmup_densities"] == [0.25, 0.01]
+    dense = [found[ranks]["rows"][0]["seeds"][0] for ranks in (2, 4)]
+    assert dense[0]["test_accuracy"] == dense[1]["test_accuracy"]
+    np.testing.assert_allclose(dense[0]["test_loss"], dense[1]["test_loss"], rtol=1e-4)
+    assert dense[0]["test_loss"] != found[2]["rows"][1]["seeds"][0]["test_loss"]  # Top-k is another run
+    data = load("digits", 128, 64)
+    per_rank = [convergence.Setup(ranks=ranks, epochs=2, batch_per_rank=4).described(data) for ranks in (2, 4)]
+    assert [(d["protocol"], d["images_per_step"], d["steps"], d["warmup_steps"]) for d in per_rank] == [
+        ("fixed per-rank batch", 8, 32, 16), ("fixed per-rank batch", 16, 16, 8)]
+    with pytest.raises(ValueError, match="does not split evenly over 3 ranks"):
+        convergence.Setup(ranks=3, global_batch=16)
+    bad = ["convergence", "--data", "digits", "--quick", "--ranks", "3", "--global-batch", "16", "--out", ""]
+    assert main(bad) == 2
+    assert "does not split evenly over 3 ranks" in capsys.readouterr().err
 
 
 def test_momentum_correction_moves_the_momentum_into_the_compressor(tmp_path):
