@@ -115,11 +115,12 @@ def _counts_above(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
 def marks_and_largest_source(rows: torch.Tensor, limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``([rows > limit]`` as int8, each row's largest entry): ``rows`` ``(R, n)``, ``limit`` ``(R, 1)``
     in ``rows``' dtype; the largest is NaN where a row holds NaN."""
-    return torch.where(rows > limit, 1, 0).to(torch.int8), rows.amax(dim=1)
+    return marks_above_source(rows, limit), rows.amax(dim=1)
 
 
 def marks_above_source(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """``[rows > limit]`` as int8: ``rows`` ``(R, n)``, ``limit`` ``(R, 1)`` in ``rows``' dtype."""
+    """``[rows > limit]`` as int8 (a select of 1 and 0: inductor vectorises it, not a bool's bytes):
+    ``rows`` ``(R, n)``, ``limit`` ``(R, 1)`` in ``rows``' dtype."""
     return torch.where(rows > limit, 1, 0).to(torch.int8)
 
 

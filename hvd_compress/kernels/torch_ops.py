@@ -90,12 +90,15 @@ def accelerator_path() -> Iterator[None]:
         _host_shortcuts = saved
 
 
+#: the float dtypes the host's selections and the compiled passes take (numpy's, for samples and limits)
+HOST_FLOATS = (torch.float32, torch.float64)
+
+
 def compiled_here(a: torch.Tensor) -> bool:
     """Whether the fused passes of :mod:`~hvd_compress.kernels.torch_compiled` run on ``a`` compiled: where
     compiling is on for its device, on the CPU outside :func:`accelerator_path` (whose trace shows what
     a GPU launches, by default uncompiled), and for the float dtypes the host's kernels take."""
-    return (on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device) and a.dtype in (
-        torch.float32, torch.float64)
+    return (on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device) and a.dtype in HOST_FLOATS
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -330,7 +333,7 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """
     numel = scores.shape[0]
     k = min(k, numel)
-    if on_host(scores) and scores.dtype in (torch.float32, torch.float64):
+    if on_host(scores) and scores.dtype in HOST_FLOATS:
         kth = float(np.partition(scores.detach().numpy(), numel - k)[numel - k])
     else:
         kth = torch.topk(scores, k, sorted=False).values.min()

@@ -62,9 +62,6 @@ from hvd_compress.kernels import torch_ops as ops
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
          torch.float64: torch.int64}
 
-#: the dtypes whose selections take the host's way on the CPU (numpy's, for the samples and limits)
-_HOST_DTYPES = (torch.float32, torch.float64)
-
 #: ``(start, rows, n, k, width)``: ``rows`` rows of ``n`` elements from work position ``start``,
 #: each selecting ``k`` entries into ``width`` slots.
 Group = Tuple[int, int, int, int, int]
@@ -99,7 +96,7 @@ _OUTCOMES = _outcomes()
 def sampled_limit(rows: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`~hvd_compress.kernels.reference_rows.sampled_limit` of a CPU ``(R, n)`` tensor: ``(R, 1)`` in its
     dtype (16-bit rows sampled in float32, which holds their values exactly)."""
-    sample = rows if rows.dtype in _HOST_DTYPES else rows.float()
+    sample = rows if rows.dtype in ops.HOST_FLOATS else rows.float()
     return torch.from_numpy(sampled_limit_of(sample.numpy(), k)).to(rows.dtype)
 
 
@@ -196,7 +193,7 @@ class Rows:
         exactly when ``top`` does). ``host``: the CPU's way (default: on the CPU, outside
         ``accelerator_path``), :meth:`_topk_host`.
         """
-        if ops.on_host(scores) and scores.dtype in _HOST_DTYPES if host is None else host:
+        if ops.on_host(scores) and scores.dtype in ops.HOST_FLOATS if host is None else host:
             positions, top = self._topk_host(scores.cpu())  # (another device: the host's way, for tests)
             return positions.to(scores.device), top.to(scores.device)
         bits = scores.view(_BITS[scores.dtype])
@@ -280,7 +277,7 @@ class Rows:
         to the same counts (:meth:`_threshold_host`).
         """
         first, mean = self.thresholds(a, ratio)
-        if (ops.on_host(a) if host is None else host) and magnitude.dtype in _HOST_DTYPES:
+        if (ops.on_host(a) if host is None else host) and magnitude.dtype in ops.HOST_FLOATS:
             positions = self._threshold_host(magnitude.cpu(), first.cpu(), reference.gaussiank_bounds)[0]
             return positions.to(a.device), mean
         return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
@@ -297,7 +294,7 @@ class Rows:
         factors, outcomes, pow3, bounds, next_rank, counts = self._threshold_tables(bounds_of, stride_of)
         nodes = len(reference.GAUSSIANK_FACTORS)
         # every threshold twice (the outcome table's codes i + 6 cut index both), in magnitude's dtype
-        if magnitude.dtype in (torch.float32, torch.float64):  # rounded once, on the write
+        if magnitude.dtype in ops.HOST_FLOATS:  # rounded once, on the write
             limits = torch.mul(first[:, None], factors, out=magnitude.new_empty((self.count, 2 * nodes)))
         else:
             limits = ops.cast(first[:, None] * factors, magnitude.dtype)
@@ -360,7 +357,7 @@ class Rows:
         work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
         first slots, the others ``spare``: a counting pass over every ``sample_stride(k)``-th entry and a
         marking pass per size group, no top-k (on the host: :meth:`_threshold_host`)."""
-        if ops.on_host(scores) and scores.dtype in _HOST_DTYPES:
+        if ops.on_host(scores) and scores.dtype in ops.HOST_FLOATS:
             return self._threshold_host(scores, kept, reference.reuse_bounds, reference.sample_stride)
         return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True, stride_of=reference.sample_stride)
 
