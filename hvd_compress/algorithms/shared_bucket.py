@@ -58,6 +58,8 @@ class SharedIndexCodec(SparseBucketCodec):
         #: the aggregate rule's state, the same on every rank (``None``: the next step sends all)
         self.rate: Any = None
         self.age: Any = None
+        #: 1 as a 0-d array of the accumulation dtype, made once: each step's ``age + 1``
+        self.one = layout.ops.scalar(1, layout.acc, layout.like)
 
     def adopt(self, layout: Any, memory: Any) -> None:
         """The ``aggregate`` rule's rates and ages from each tensor's memory (``index_rate``, ``index_age``:
@@ -127,7 +129,7 @@ class SharedIndexCodec(SparseBucketCodec):
             unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
-        age = ops.add(self.age, ops.scalar(1, layout.acc, layout.like))
+        age = ops.add(self.age, self.one)
         return self.rows.topk(ops.multiply(self.rate, age))[0], probe, age
 
     def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:

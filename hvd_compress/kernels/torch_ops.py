@@ -562,8 +562,8 @@ def index_add(total: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) 
 
 
 def magnitude(a: torch.Tensor) -> torch.Tensor:
-    """``|a|``, a new buffer (on the host from numpy, see :func:`_empty`)."""
-    return torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)) if a.dim() == 1 else a.abs()
+    """``|a|``, a new buffer (on the host one of :data:`HOST_BUFFERS`, see :func:`_empty`)."""
+    return torch.abs(a, out=_empty(a.shape[0], a.dtype, a.device)) if a.dim() == 1 and on_host(a) else a.abs()
 
 
 def nonfinite_to_zero(a: torch.Tensor) -> torch.Tensor:
