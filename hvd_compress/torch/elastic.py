@@ -78,6 +78,7 @@ class CompressionStateHandler:
 
 def held_residual(run: Any) -> float:
     """The L1 norm of every residual ``run`` holds (one host read; at commits, for the log)."""
+    run.flush_buckets()
     total = 0.0
     for name in run.memory.names():
         residual = run.memory.peek(name, "residual")

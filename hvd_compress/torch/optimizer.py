@@ -252,6 +252,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         self._raise_deferred()
+        if _called_by_state_broadcast():  # zero gradients on every rank: a local step, as for Horovod's optimizer
+            return super(self.__class__, self).step(closure)
         if self._should_synchronize and not self._synchronized_by_backward:
             if self._synchronized:
                 raise AssertionError(
@@ -328,15 +330,29 @@ def _weak_hook(optimizer: _DistributedOptimizer) -> Any:
 
 #: the module of ``torch.amp.GradScaler``, whose ``step`` calls ``optimizer.step()``
 GRAD_SCALER_MODULE = "torch.amp.grad_scaler"
+#: (module, function) of Horovod's optimizer-state broadcast
+BROADCAST_OPTIMIZER_STATE = ("horovod.torch.functions", "broadcast_optimizer_state")
 
 
 def _called_by_grad_scaler(depth: int = 4) -> bool:
     """Whether ``step()`` was called by ``torch.amp.GradScaler.step`` (its ``_maybe_opt_step``)."""
-    frame = sys._getframe(2)
+    return _called_from(GRAD_SCALER_MODULE, None, depth)
+
+
+def _called_by_state_broadcast(depth: int = 4) -> bool:
+    """Whether ``step()`` was called by ``horovod.torch.broadcast_optimizer_state`` (also Horovod
+    Elastic's ``TorchState.sync()``), which fills an empty optimizer state by a step on zero gradients."""
+    return _called_from(*BROADCAST_OPTIMIZER_STATE, depth)
+
+
+def _called_from(module: str, function: Any, depth: int) -> bool:
+    """Whether a frame of ``module``'s ``function`` (any of its functions: ``None``) is among the
+    ``depth`` frames above the caller of this function's caller."""
+    frame = sys._getframe(3)
     for _ in range(depth):
         if frame is None:
             return False
-        if frame.f_globals.get("__name__") == GRAD_SCALER_MODULE:
+        if frame.f_globals.get("__name__") == module and function in (None, frame.f_code.co_name):
             return True
         frame = frame.f_back
     return False

@@ -1,0 +1,112 @@
+"""Horovod Elastic under ``horovodrun --min-np 1 --max-np 2`` with a discovery script: a worker removed
+gracefully (2 -> 1), a worker killed (2 -> 1, the survivor renumbered from rank 1 to rank 0 and rolled
+back to its last commit), a worker added (1 -> 2), on the stock ``horovod.torch`` route and the drop-in
+(tests/distributed/elastic_torch.py runs the job and logs what each process held).
+
+Each run checks: the job ends with status 0; the loss falls; every rank ends with the same parameters;
+a survivor's residuals are those of its last commit when it re-enters training (continuous across a
+graceful reset, rolled back after a failure); a process that joins starts with none (nothing
+duplicated); every rank counts the same steps after a reset (the shared index set's leader) and
+starts counting afresh; a failure reaches Horovod as ``HorovodInternalError``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pytest
+
+from tests.distributed import launch
+
+pytestmark = pytest.mark.timeout(200)
+
+STEPS, CHANGE_AT = 20, 5
+#: scenario -> (hosts at the start, processes at the start, processes at the end)
+SCENARIOS = {
+    "remove": ("localhost:1\n127.0.0.1:1\n", 2, 1),
+    "kill": ("localhost:1\n127.0.0.1:1\n", 2, 1),
+    "add": ("localhost:1\n", 1, 2),
+}
+
+
+def run_elastic(tmp_path: Path, route: str, scenario: str) -> Dict[int, List[dict]]:
+    """Run the job; returns each process's events by pid."""
+    launch.require_horovod_torch()
+    hosts, start, _ = SCENARIOS[scenario]
+    hosts_file, events = tmp_path / "hosts", tmp_path / "events"
+    hosts_file.write_text(hosts)
+    events.mkdir()
+    discovery = tmp_path / "discover.sh"
+    discovery.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IEXEC)
+    command, env = launch._command("horovodrun", start, "tests.distributed.elastic_torch", [
+        "--route", route, "--scenario", scenario, "--hosts-file", str(hosts_file), "--events", str(events),
+        "--steps", str(STEPS), "--change-at", str(CHANGE_AT)])
+    command[command.index("--gloo") + 1:command.index("--gloo") + 1] = [
+        "--min-np", "1", "--max-np", "2", "--network-interface", "lo",  # one machine: no interface check
+        "--host-discovery-script", str(discovery)]
+    done = subprocess.run(command, cwd=launch.ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, launch.output(done)
+    logs = {int(path.stem): [dict(json.loads(line), pid=int(path.stem)) for line in path.read_text().splitlines()]
+            for path in events.glob("*.jsonl")}
+    assert logs, launch.output(done)
+    return logs
+
+
+def _of(log: List[dict], event: str) -> List[dict]:
+    return [entry for entry in log if entry["event"] == event]
+
+
+@pytest.mark.parametrize("route", ["stock", "dropin"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_elastic_job_keeps_compression_state(tmp_path, route, scenario):
+    logs = run_elastic(tmp_path, route, scenario)
+    final = SCENARIOS[scenario][2]
+
+    ends = [entry for log in logs.values() for entry in _of(log, "end")]
+    assert len(ends) == final and {entry["size"] for entry in ends} == {final}, ends
+    assert sorted(entry["rank"] for entry in ends) == list(range(final))
+    for entry in ends[1:]:
+        np.testing.assert_array_equal(entry["parameters"], ends[0]["parameters"])
+
+    for pid, log in logs.items():
+        enters = [at for at, entry in enumerate(log) if entry["event"] == "enter"]
+        if log[enters[0]]["step"] > 0:  # joined a running job: nothing of anyone else's
+            assert log[enters[0]]["held"] == 0.0, (pid, log[enters[0]])
+        for at in enters[1:]:  # a reset: the residuals of the last commit, continuous or rolled back
+            enter = log[at]
+            committed = [entry for entry in log[:at] if entry["event"] == "commit"][-1]
+            assert committed["step"] == enter["step"]
+            assert enter["held"] == pytest.approx(committed["held"], rel=1e-12), (pid, log)
+            assert enter["held"] > 0 and enter["exchanged"] == 0
+        failures = _of(log, "failed")
+        assert all(entry["error"] == "horovod.common.exceptions.HorovodInternalError" for entry in failures)
+    if scenario == "kill":  # the survivor's step before the failure changed what it held: rolled back
+        failed = [entry for log in logs.values() for entry in _of(log, "failed")]
+        assert len(failed) == 1 and failed[0]["held"] != pytest.approx(
+            [e for e in logs[failed[0]["pid"]] if e["event"] == "commit"][-1]["held"], rel=1e-6), logs
+        survivor = next(log for log in logs.values() if _of(log, "end"))
+        assert survivor[0]["rank"] == 1 and _of(survivor, "end")[0]["rank"] == 0  # renumbered
+
+    counted = defaultdict(set)  # (world size, step) -> the steps each rank's compressor counted
+    for log in logs.values():
+        for entry in _of(log, "step"):
+            counted[entry["size"], entry["step"]].add(entry["exchanged"])
+    assert all(len(values) == 1 for values in counted.values()), dict(counted)
+    assert counted[final, min(step for size, step in counted if size == final)] == {1}  # counted afresh
+
+    losses = {entry["step"]: entry["loss"] for log in logs.values() for entry in _of(log, "step")
+              if entry["rank"] == 0}
+    assert np.mean([losses[s] for s in range(3)]) > 2 * np.mean([losses[s] for s in range(STEPS - 3, STEPS)])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
