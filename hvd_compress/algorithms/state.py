@@ -241,7 +241,8 @@ def refused_broadcast(what: str) -> ValueError:
         f"broadcasts from rank 0: every rank would take rank 0's residuals (gradient mass applied twice) and "
         f"nothing would roll back after a failure. Keep it out of TorchState(...) / KerasState(...), pass the "
         f"optimizer as optimizer=, and call hvd_compress.torch.elastic.register(state, optimizer) (stock "
-        f"horovod.torch: register(state, compression)) on every process"
+        f"horovod.torch: register(state, compression); Keras: hvd_compress.keras.elastic.register(state, "
+        f"optimizer)) on every process"
     )
 
 

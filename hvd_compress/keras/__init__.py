@@ -39,6 +39,7 @@ if KERAS3:
     from hvd_compress.keras import keras3  # noqa: E402  (ImportError unless the backend is TensorFlow)
 
 from hvd_compress.keras import callbacks  # noqa: E402,F401
+from hvd_compress.keras import elastic  # noqa: E402,F401  (horovod.tensorflow.keras.elastic's names, and register())
 from hvd_compress.tensorflow import exchange_for  # noqa: E402
 from hvd_compress.tensorflow.checkpoint import CompressionCheckpoint  # noqa: E402
 
