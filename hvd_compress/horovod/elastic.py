@@ -9,6 +9,9 @@
   ``hvd_compress.elastic`` at level INFO; one host read per commit, only where that level is on);
 - ``state.commit()`` keeps this process's arrays and ``restore()`` (after ``HorovodInternalError``) puts
   them back with the model: the residuals roll back to the last commit;
+- optionally (torch, ``register(..., flush=True)``) every commit first applies the residuals: all
+  ranks' averaged by one dense allreduce, applied by one step of the optimizer, then zero; the model
+  saved then holds all the gradient mass, and a lost process loses none;
 - at a reset (a process added, removed or replaced, ranks renumbered) every surviving rank keeps its
   arrays and starts afresh what must be the same on every rank or was measured for the old world
   (:meth:`~hvd_compress.algorithms.state.CompressorState.reset_for_new_world`): the step count (a
@@ -40,12 +43,16 @@ class CompressionStateHandler:
     ``StateHandler``) for one route's run state ``run`` of ``compression``; ``forget_step``: what drops
     the route's step in progress at a reset (the drop-in torch optimizer's), or ``None``."""
 
-    def __init__(self, compression: Any, run: Any, forget_step: Optional[Callable[[], None]] = None) -> None:
-        self.value, self.run, self.forget_step = compression, run, forget_step
+    def __init__(self, compression: Any, run: Any, forget_step: Optional[Callable[[], None]] = None,
+                 flush: Optional[Callable[[], None]] = None) -> None:
+        self.value, self.run, self.forget_step, self.flush = compression, run, forget_step, flush
         self.saved = run.snapshot()
 
     def save(self) -> None:
-        """``state.commit()``: this process's arrays as they are now."""
+        """``state.commit()``: the residuals flushed into the model first (``flush``, a collective: every
+        rank commits together), then this process's arrays as they are now."""
+        if self.flush is not None:
+            self.flush()
         self.saved = self.run.snapshot()
         if LOG.isEnabledFor(logging.INFO):
             LOG.info("hvd_compress: this process holds residuals of L1 norm %.6g (lost if it is lost)",
@@ -87,17 +94,21 @@ def refuse_ordinary_values(state: Any) -> None:
 
 
 def attach(state: Any, handler: CompressionStateHandler) -> CompressionStateHandler:
-    """Put ``handler`` into the elastic ``state``: among ``TorchState``'s handlers; around the
-    ``save``/``restore`` of a state without handlers (``KerasState``); and its reset callback."""
+    """Put ``handler`` into the elastic ``state``: first among ``TorchState``'s handlers; around the
+    ``save``/``restore`` of a state without handlers (``KerasState``), saving before it; and its reset
+    callback."""
     handlers = getattr(state, "_handlers", None)
-    if isinstance(handlers, dict):
-        handlers[f"hvd_compress.{len(handlers)}"] = handler
+    if isinstance(handlers, dict):  # first: a flush changes the model before its handler saves it
+        others = list(handlers.items())
+        handlers.clear()
+        handlers[f"hvd_compress.{len(others)}"] = handler
+        handlers.update(others)
     else:
         save, restore = state.save, state.restore
 
         def save_both() -> None:
-            save()
             handler.save()
+            save()
 
         def restore_both() -> None:
             restore()

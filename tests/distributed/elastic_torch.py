@@ -4,7 +4,8 @@ discovery script that prints the hosts file ``--hosts-file`` (tests/distributed/
 Two hosts of one slot each, ``localhost`` and ``127.0.0.1`` (one machine under two names, so Horovod
 can drop or blacklist one of them). Every process trains one linear regression with
 ``TopK(0.05, indices="leader", dense_below=0)`` on the stock ``horovod.torch`` route or the drop-in
-``hvd_compress.torch``, commits after every second step, and at step ``--change-at`` the scenario happens:
+``hvd_compress.torch`` (``--flush``: each commit applies the residuals first), commits after every
+second step, and at step ``--change-at`` the scenario happens:
 
 - ``remove``: the ``localhost`` process rewrites the hosts file without ``127.0.0.1`` (graceful removal);
 - ``add``: it rewrites it with ``127.0.0.1`` added (a process joins);
@@ -13,7 +14,7 @@ can drop or blacklist one of them). Every process trains one linear regression w
 
 Each process appends JSON lines to ``<--events>/<pid>.jsonl``: ``enter`` (each entry of the elastic
 function: rank, size, step, the L1 norm of the residuals it holds, the steps its compressor counted),
-``commit`` (step, residual norm), ``step`` (after each step: the leader's turn as the compressor counts
+``commit`` (step, residual norm after the commit), ``step`` (after each step: the leader's turn as the compressor counts
 it), ``failed`` (an exception out of a step: its type, the residual norm then) and ``end`` (the final
 parameters and loss).
 """
@@ -39,6 +40,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--scenario", choices=("remove", "add", "kill"), required=True)
     parser.add_argument("--hosts-file", required=True, help="the hosts file the discovery script prints")
     parser.add_argument("--events", required=True, help="a folder for each process's JSON lines")
+    parser.add_argument("--flush", action="store_true", help="register(..., flush=True): commits apply residuals")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--change-at", type=int, default=5, help="an odd step: the steps before it end with a commit")
     return parser.parse_args()
@@ -67,8 +69,15 @@ def main() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=0.2)
     optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, batch=0)
-    register(state, optimizer if args.route == "dropin" else compression)
+    handler = register(state, optimizer if args.route == "dropin" or args.flush else compression, flush=args.flush)
     run = optimizer.compression_state if args.route == "dropin" else compression.state
+    save = handler.save
+
+    def save_and_log() -> None:
+        save()
+        log("commit", step=state.batch, held=held_residual(run))
+
+    handler.save = save_and_log
 
     def loss_at(step: int) -> torch.Tensor:
         rows = torch.arange(16) + 16 * ((step * hvd.size() + hvd.rank()) % 32)
@@ -106,7 +115,6 @@ def main() -> None:
             log("step", step=state.batch, exchanged=run.exchanged(), loss=loss.item())
             state.batch += 1
             if state.batch % 2 == 0:
-                log("commit", step=state.batch, held=held_residual(run))
                 try:
                     state.commit()
                 except BaseException:

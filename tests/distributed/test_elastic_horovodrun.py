@@ -8,7 +8,8 @@ Each run checks: the job ends with status 0; the loss falls; every rank ends wit
 a survivor's residuals are those of its last commit when it re-enters training (continuous across a
 graceful reset, rolled back after a failure); a process that joins starts with none (nothing
 duplicated); every rank counts the same steps after a reset (the shared index set's leader) and
-starts counting afresh; a failure reaches Horovod as ``HorovodInternalError``.
+starts counting afresh; a failure reaches Horovod as ``HorovodInternalError``. With
+``register(..., flush=True)`` every commit leaves no residual, so a killed worker takes none with it.
 """
 
 from __future__ import annotations
@@ -74,14 +75,25 @@ def test_elastic_job_keeps_compression_state(tmp_path, route, scenario):
     check_job(logs, scenario)
 
 
+@pytest.mark.parametrize("route", ["stock", "dropin"])
+def test_elastic_flush_loses_nothing_with_a_worker_killed(tmp_path, route):
+    launch.require_horovod_torch()
+    logs = run_elastic(tmp_path, "tests.distributed.elastic_torch", "kill", "--route", route, "--scenario", "kill",
+                       "--flush")
+    commits = [entry for log in logs.values() for entry in _of(log, "commit")]
+    assert commits and all(entry["held"] == 0.0 for entry in commits), commits
+    check_job(logs, "kill", flushed=True)
+
+
 def test_elastic_keras_fit_with_a_process_added(tmp_path):
     launch.require("horovod.tensorflow.keras")
     logs = run_elastic(tmp_path, "tests.distributed.elastic_keras", "add", TF_USE_LEGACY_KERAS="1")
     check_job(logs, "add")
 
 
-def check_job(logs: Dict[int, List[dict]], scenario: str) -> None:
-    """The checks of the module docstring on the events of every process of one job."""
+def check_job(logs: Dict[int, List[dict]], scenario: str, flushed: bool = False) -> None:
+    """The checks of the module docstring on the events of every process of one job (``flushed``: every
+    commit applied the residuals, so a survivor re-enters holding none)."""
     final = SCENARIOS[scenario][2]
 
     ends = [entry for log in logs.values() for entry in _of(log, "end")]
@@ -99,7 +111,7 @@ def check_job(logs: Dict[int, List[dict]], scenario: str) -> None:
             committed = [entry for entry in log[:at] if entry["event"] == "commit"][-1]
             assert committed["step"] == enter["step"]
             assert enter["held"] == pytest.approx(committed["held"], rel=1e-12), (pid, log)
-            assert enter["held"] > 0 and enter["exchanged"] == 0
+            assert (enter["held"] == 0) == flushed and enter["exchanged"] == 0
         failures = _of(log, "failed")
         assert all(entry["error"] == "horovod.common.exceptions.HorovodInternalError" for entry in failures)
     if scenario == "kill":  # the survivor's step before the failure changed what it held: rolled back

@@ -153,3 +153,16 @@ def test_a_compressor_in_the_state_as_an_ordinary_value_is_refused():
         model(row(0, 0)).backward()  # the exchange launched in backward
         opt.step()
     assert pickle.loads(pickle.dumps(TopK(0.01))).ratio == 0.01  # pickling elsewhere is as before
+
+
+def test_flush_needs_the_optimizer_and_goes_first():
+    """register(..., flush=True) applies residuals with the optimizer, so the compression alone is refused;
+    its handler saves before the model's, which then holds the applied residuals."""
+    model, compression = Probe(), TopK(0.01)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), named_parameters=model.named_parameters(),
+                                   compression=compression, communicator=SingleProcessCommunicator())
+    state = TorchState(model=model, optimizer=opt)
+    with pytest.raises(TypeError, match=r"flush=True\) applies residuals with the optimizer"):
+        hvd.elastic.register(state, compression, flush=True)
+    handler = hvd.elastic.register(state, opt, flush=True)
+    assert next(iter(state._handlers.values())) is handler
