@@ -2,7 +2,8 @@
 gracefully (2 -> 1), a worker killed (2 -> 1, the survivor renumbered from rank 1 to rank 0 and rolled
 back to its last commit), a worker added (1 -> 2), on the stock ``horovod.torch`` route and the drop-in
 (tests/distributed/elastic_torch.py runs the job and logs what each process held); and Keras 2's
-``fit`` on ``hvd_compress.keras`` with a worker added (tests/distributed/elastic_keras.py).
+``fit`` on ``hvd_compress.keras`` with a worker added (tests/distributed/elastic_keras.py); and
+examples/elastic_train.py through a removal and an addition.
 
 Each run checks: the job ends with status 0; the loss falls; every rank ends with the same parameters;
 a survivor's residuals are those of its last commit when it re-enters training (continuous across a
@@ -16,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List
@@ -61,6 +64,50 @@ def run_elastic(tmp_path: Path, module: str, scenario: str, *args: str, **env: s
             for path in events.glob("*.jsonl")}
     assert logs, launch.output(done)
     return logs
+
+
+COMMIT = re.compile(r"epoch (\d+) step (\d+) size (\d+) loss ([\d.]+)")
+FINAL = re.compile(r"\[rank (\d)\] test accuracy ([\d.]+)  final parameters sha256 (\w+)")
+
+
+def test_elastic_example_goes_on_through_a_removal_and_an_addition(tmp_path):
+    """examples/elastic_train.py as the README launches it: the test removes ``127.0.0.1`` from the hosts
+    file after the first commit, and adds it back after the first commit of the smaller world."""
+    launch.require_horovod_torch()
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text("localhost:1\n127.0.0.1:1\n")
+    discovery = tmp_path / "discover.sh"
+    discovery.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    discovery.chmod(discovery.stat().st_mode | stat.S_IEXEC)
+    command, env = launch._command("horovodrun", 2, "examples.elastic_train", ["--epochs", "6"])
+    command[command.index("--gloo") + 1:command.index("--gloo") + 1] = [
+        "--min-np", "1", "--max-np", "2", "--network-interface", "lo", "--host-discovery-script", str(discovery)]
+    process = subprocess.Popen(command, cwd=launch.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    sizes, lines = [], []
+    watchdog = threading.Timer(180, lambda: os.killpg(process.pid, 9))
+    watchdog.start()
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            match = COMMIT.search(line)
+            if match:
+                sizes.append(int(match.group(3)))
+                if sizes == [2]:
+                    hosts_file.write_text("localhost:1\n")
+                elif sizes[-1] == 1 and sizes.count(1) == 1:
+                    hosts_file.write_text("localhost:1\n127.0.0.1:1\n")
+        returncode = process.wait()
+    finally:
+        watchdog.cancel()
+    output = "".join(lines)
+    assert returncode == 0, output[-4000:]
+    changes = [size for at, size in enumerate(sizes) if at == 0 or sizes[at - 1] != size]
+    assert changes == [2, 1, 2], (sizes, output[-4000:])
+    finals = FINAL.findall(output)
+    assert sorted(rank for rank, _, _ in finals) == ["0", "1"], output[-4000:]
+    assert len({digest for _, _, digest in finals}) == 1  # every rank ends with the same model
+    assert float(finals[0][1]) > 0.8
 
 
 def _of(log: List[dict], event: str) -> List[dict]:

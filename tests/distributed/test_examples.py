@@ -47,7 +47,7 @@ def test_pytorch_example_trains_and_reports_savings(path, compression):
 
 @pytest.mark.parametrize(
     "script",
-    ["pytorch_train.py", "keras_train.py", "async_sgd.py", "torchrun_train.py", "accelerate_train.py"],
+    ["pytorch_train.py", "keras_train.py", "async_sgd.py", "torchrun_train.py", "accelerate_train.py", "elastic_train.py"],
 )
 def test_examples_run_as_scripts_without_the_repository_on_the_path(script, tmp_path):
     """``python examples/X.py`` (as the README launches them) imports only the installed library."""
