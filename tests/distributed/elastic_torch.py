@@ -4,7 +4,8 @@ discovery script that prints the hosts file ``--hosts-file`` (tests/distributed/
 Two hosts of one slot each, ``localhost`` and ``127.0.0.1`` (one machine under two names, so Horovod
 can drop or blacklist one of them). Every process trains one linear regression with
 ``TopK(0.05, indices="leader", dense_below=0)`` on the stock ``horovod.torch`` route or the drop-in
-``hvd_compress.torch`` (``--flush``: each commit applies the residuals first), commits after every
+``hvd_compress.torch`` (``--measured``: wrapped in ``Auto``; ``--flush``: each commit applies the residuals
+first), commits after every
 second step, and at step ``--change-at`` the scenario happens:
 
 - ``remove``: the ``localhost`` process rewrites the hosts file without ``127.0.0.1`` (graceful removal);
@@ -30,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from hvd_compress import TopK
+from hvd_compress import Auto, TopK
 from hvd_compress.torch.elastic import held_residual, register
 
 
@@ -40,6 +41,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--scenario", choices=("remove", "add", "kill"), required=True)
     parser.add_argument("--hosts-file", required=True, help="the hosts file the discovery script prints")
     parser.add_argument("--events", required=True, help="a folder for each process's JSON lines")
+    parser.add_argument("--measured", action="store_true", help="the compression wrapped in Auto")
     parser.add_argument("--flush", action="store_true", help="register(..., flush=True): commits apply residuals")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--change-at", type=int, default=5, help="an odd step: the steps before it end with a commit")
@@ -66,6 +68,8 @@ def main() -> None:
     torch.manual_seed(hvd.rank())  # processes start apart; Horovod's sync makes them alike
     model = torch.nn.Linear(32, 8)
     compression = TopK(0.05, indices="leader", dense_below=0)
+    if args.measured:  # measures compressed against dense by time on every rank, re-measured after a reset
+        compression = Auto(compression, warmup=1, decide_every=3)
     sgd = torch.optim.SGD(model.parameters(), lr=0.2)
     optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), compression=compression)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, batch=0)

@@ -132,6 +132,14 @@ def test_elastic_flush_loses_nothing_with_a_worker_killed(tmp_path, route):
     check_job(logs, "kill", flushed=True)
 
 
+@pytest.mark.parametrize("route, scenario", [("dropin", "remove"), ("stock", "add")])
+def test_elastic_auto_decides_again_without_a_false_disagreement(tmp_path, route, scenario):
+    launch.require_horovod_torch()
+    logs = run_elastic(tmp_path, "tests.distributed.elastic_torch", scenario, "--route", route, "--scenario", scenario,
+                       "--measured")
+    check_job(logs, scenario)
+
+
 def test_elastic_keras_fit_with_a_process_added(tmp_path):
     launch.require("horovod.tensorflow.keras")
     logs = run_elastic(tmp_path, "tests.distributed.elastic_keras", "add", TF_USE_LEGACY_KERAS="1")
