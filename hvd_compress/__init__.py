@@ -16,6 +16,9 @@ density warm-up as a schedule (``.step()``, ``state_dict()``), for every route
 allreduce on the real link and sends each bucket the cheaper way
 (:mod:`hvd_compress.engine.auto`).
 
+``regroup_states(old_states, rank, world)`` regroups every rank's checkpoint for a world of another
+size, keeping the sum over ranks of the residuals (:mod:`hvd_compress.algorithms.regroup`).
+
 Every compressor is its options plus a bucket codec, which the one bucket engine
 (:mod:`hvd_compress.engine`) runs on every route. The numpy kernels of
 :mod:`hvd_compress.kernels.reference` are what every framework's kernels are
@@ -24,6 +27,7 @@ process on the routes' bucket engine.
 """
 
 from hvd_compress.algorithms import Compression, DensityWarmup
+from hvd_compress.algorithms.regroup import regroup_states
 from hvd_compress.horovod.interface import (
     FP16,
     Auto,
@@ -52,5 +56,6 @@ __all__ = [
     "HorovodInterface",
     "DensityWarmup",
     "NonFiniteGradientError",
+    "regroup_states",
     "__version__",
 ]

@@ -145,7 +145,8 @@ class Simulator:
         if len(state["ranks"]) != self.n_ranks:
             raise ValueError(
                 f"hvd_compress: state of {len(state['ranks'])} ranks cannot load into "
-                f"a Simulator of {self.n_ranks}"
+                f"a Simulator of {self.n_ranks}; regroup it for {self.n_ranks} ranks, keeping the sum of the "
+                f"residuals: [hvd_compress.regroup_states(state, r, {self.n_ranks}) for r in range({self.n_ranks})]"
             )
         for compressor, rank_state in zip(self.compressors, state["ranks"]):
             compressor.load_state_dict(rank_state)

@@ -217,7 +217,9 @@ class Compressor:
         The state is this rank's: loading another rank's (rank 0's checkpoint on every
         rank) stops every rank at the first exchange with an error saying so. Resumed
         on another number of ranks, each rank keeps the residuals it saved (ranks that
-        saved none start from zero; residuals of ranks no longer present are not applied).
+        saved none start from zero; residuals of ranks no longer present are not applied),
+        unless every rank's checkpoint is regrouped for the new world first
+        (:func:`~hvd_compress.algorithms.regroup.regroup_states`: their sum kept).
         """
         run = check_one_state(self, "load_state_dict", run)
         check_state(state, self)

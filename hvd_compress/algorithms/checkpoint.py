@@ -27,7 +27,8 @@ shape of the tensor's size, arrays of any framework (moved at the first step). A
 that rank (``rank``): one holding another rank's is stopped, on every rank, by the exchanges' first
 cross-rank check (``CompressorState.note``), the Simulator at its ``load_state_dict``; the number of
 ranks may change between save and resume (``world``: ranks no longer present leave their residuals
-behind). What cannot move is
+behind, unless every rank's checkpoint is regrouped for the new world:
+:func:`~hvd_compress.algorithms.regroup.regroup_states`). What cannot move is
 refused, naming the writer: a whole Simulator or optimizer checkpoint handed to a compressor
 (:func:`check_state` says where the compressor state sits in it), and state none of whose tensor
 names the reading route uses (:func:`check_names`: routes that are not told parameter names name
@@ -161,15 +162,17 @@ def _broken(what: str) -> ValueError:
     )
 
 
-def check_state(state: Any, compressor: Any) -> None:
-    """Raise ``ValueError`` naming what is wrong with checkpoint ``state`` for ``compressor``."""
+def check_state(state: Any, compressor: Any = None) -> None:
+    """Raise ``ValueError`` naming what is wrong with checkpoint ``state`` for ``compressor`` (``None``: for
+    any compressor, everything but the algorithm checked)."""
     if isinstance(state, dict) and _other_state(state):
-        raise ValueError(f"hvd_compress: cannot load this into {compressor!r}: {_other_state(state)}")
+        into = "a compressor" if compressor is None else repr(compressor)
+        raise ValueError(f"hvd_compress: cannot load this into {into}: {_other_state(state)}")
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "tensors" not in state:
         raise _broken(f"expected a dict with 'config' and 'tensors', got {type(state).__name__} "
                       f"{sorted(state) if isinstance(state, dict) else ''}")
     saved = state["config"].get("type")
-    if saved != type(compressor).__name__:
+    if compressor is not None and saved != type(compressor).__name__:
         raise ValueError(f"hvd_compress: checkpoint holds {saved} state (written by {writer(state)}); cannot "
                          f"load it into {compressor!r}")
     if not isinstance(state["tensors"], dict):
