@@ -12,9 +12,7 @@ added (a process joins). Each process appends the events of tests/distributed/el
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 
 import numpy as np
 
@@ -32,15 +30,12 @@ def main() -> None:
     import hvd_compress.keras as hvd
     from hvd_compress import TopK
     from hvd_compress.horovod.elastic import held_residual
+    from tests.distributed.elastic_events import event_log, log_commits, rewrite_hosts
 
     hvd.init()
     keras = tf.keras
     host, first_life = os.environ.get("HOROVOD_HOSTNAME", "?"), [True]
-    log_path = os.path.join(args.events, f"{os.getpid()}.jsonl")
-
-    def log(event: str, **fields) -> None:
-        with open(log_path, "a") as out:
-            out.write(json.dumps(dict(event=event, host=host, rank=hvd.rank(), size=hvd.size(), **fields)) + "\n")
+    log = event_log(args.events, hvd)
 
     generator = np.random.default_rng(7)
     inputs = generator.standard_normal((512, 32)).astype(np.float32)
@@ -54,13 +49,7 @@ def main() -> None:
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
     handler = hvd.elastic.register(state, optimizer)
     run = compression.state
-    save = handler.save
-
-    def save_and_log() -> None:
-        save()
-        log("commit", step=state.batch, held=held_residual(run))
-
-    handler.save = save_and_log
+    log_commits(handler, run, state, log)
 
     def rows(step: int) -> np.ndarray:
         return np.arange(16) + 16 * ((step * hvd.size() + hvd.rank()) % 32)
@@ -91,12 +80,7 @@ def main() -> None:
 
         def on_train_batch_begin(self, batch, logs=None):
             if self.base + batch == args.change_at and first_life[0] and host == "localhost":
-                with open(args.hosts_file + ".new", "w") as out:
-                    out.write("localhost:1\n127.0.0.1:1\n")
-                os.replace(args.hosts_file + ".new", args.hosts_file)
-                deadline = time.monotonic() + 30
-                while state._host_messages.empty() and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                rewrite_hosts(args.hosts_file, "localhost:1\n127.0.0.1:1\n", state)
 
         def on_train_batch_end(self, batch, logs=None):
             state.batch = self.base + batch + 1

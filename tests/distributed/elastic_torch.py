@@ -23,16 +23,15 @@ parameters and loss).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import time
 
 import numpy as np
 import torch
 
 from hvd_compress import Auto, TopK
 from hvd_compress.torch.elastic import held_residual, register
+from tests.distributed.elastic_events import event_log, log_commits, rewrite_hosts
 
 
 def parse() -> argparse.Namespace:
@@ -56,11 +55,7 @@ def main() -> None:
         import hvd_compress.torch as hvd
     hvd.init()
     host, first_life = os.environ.get("HOROVOD_HOSTNAME", "?"), [True]
-    log_path = os.path.join(args.events, f"{os.getpid()}.jsonl")
-
-    def log(event: str, **fields) -> None:
-        with open(log_path, "a") as out:
-            out.write(json.dumps(dict(event=event, host=host, rank=hvd.rank(), size=hvd.size(), **fields)) + "\n")
+    log = event_log(args.events, hvd)
 
     generator = np.random.default_rng(7)
     inputs = torch.from_numpy(generator.standard_normal((512, 32)).astype(np.float32))
@@ -75,13 +70,7 @@ def main() -> None:
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, batch=0)
     handler = register(state, optimizer if args.route == "dropin" or args.flush else compression, flush=args.flush)
     run = optimizer.compression_state if args.route == "dropin" else compression.state
-    save = handler.save
-
-    def save_and_log() -> None:
-        save()
-        log("commit", step=state.batch, held=held_residual(run))
-
-    handler.save = save_and_log
+    log_commits(handler, run, state, log)
 
     def loss_at(step: int) -> torch.Tensor:
         rows = torch.arange(16) + 16 * ((step * hvd.size() + hvd.rank()) % 32)
@@ -93,13 +82,7 @@ def main() -> None:
         if args.scenario == "kill" and hvd.rank() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         if args.scenario in ("remove", "add") and host == "localhost":
-            hosts = "localhost:1\n" + ("127.0.0.1:1\n" if args.scenario == "add" else "")
-            with open(args.hosts_file + ".new", "w") as out:
-                out.write(hosts)
-            os.replace(args.hosts_file + ".new", args.hosts_file)
-            deadline = time.monotonic() + 30
-            while state._host_messages.empty() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            rewrite_hosts(args.hosts_file, "localhost:1\n" + ("127.0.0.1:1\n" if args.scenario == "add" else ""), state)
 
     @hvd.elastic.run
     def train(state) -> None:

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 import pytest
@@ -64,6 +64,26 @@ def gloo_group(rank: int, size: int, port: int, timeout_s: float = 30.0) -> Iter
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def spawn_gloo(entry: Callable[..., None], ranks: int, *args: Any, timeout: float = 180.0) -> None:
+    """``entry(rank, port, *args)`` on ``ranks`` spawned processes (``port`` a free one for
+    :func:`gloo_group`); a rank that fails fails the test, and ranks still running after ``timeout`` s
+    are killed and fail it as a hang."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(entry, args=(port, *args), nprocs=ranks, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1):  # raises when a rank failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the ranks did not finish within {timeout} s (hang?)")
 
 
 def require_horovod_torch() -> None:

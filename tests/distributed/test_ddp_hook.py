@@ -23,7 +23,6 @@ import contextlib
 import io
 import math
 import pickle
-import socket
 import time
 import warnings
 from pathlib import Path
@@ -36,7 +35,6 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
 
 from hvd_compress import Compression, NoneCompressor, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress import wire  # noqa: E402
@@ -425,18 +423,7 @@ def _entry(rank: int, port: int, out: str) -> None:
 
 
 def spawn(out: Path, timeout: float = 180.0) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        _entry, args=(port, str(out)), nprocs=RANKS, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):  # raises when a rank failed
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {timeout} s (hang?)")
+    launch.spawn_gloo(_entry, RANKS, str(out), timeout=timeout)
 
 
 # ---------------------------------------------------------------- in this process

@@ -11,8 +11,6 @@ regrouped states (1e-6), and no rank may stop with ``ranks disagree``.
 
 from __future__ import annotations
 
-import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ dist = pytest.importorskip("torch.distributed")
 if not (dist.is_available() and dist.is_gloo_available()):
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-import torch.multiprocessing as mp  # noqa: E402
 
 from hvd_compress import regroup_states  # noqa: E402
 from tests.distributed import launch  # noqa: E402
@@ -55,16 +52,7 @@ def _entry(rank: int, port: int, folder: str) -> None:
 
 
 def spawn(folder: Path, timeout: float = 120.0) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_entry, args=(port, str(folder)), nprocs=NEW, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1):  # raises when a rank failed
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {timeout} s (hang?)")
+    launch.spawn_gloo(_entry, NEW, str(folder), timeout=timeout)
 
 
 @pytest.mark.timeout(180)
