@@ -12,7 +12,8 @@ not bool ones):
 * :func:`marks_above`: ``m = [x > t_row]`` alone;
 * :func:`moments`: each row's std and mean (Gaussian-k's first threshold);
 * :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
-  bound's std in one pass) and its codes (in one pass instead of six).
+  bound's std in one pass; :func:`largest_magnitudes` without clipping) and its codes (in one pass
+  instead of six).
 
 The results are integers, maxima and IEEE operations in the same order (inductor keeps
 ``-fno-unsafe-math-optimizations``, ``-ffp-contract=off``), so compiled and eager agree bit for bit;
@@ -146,6 +147,12 @@ def ternary_scales(rows: torch.Tensor, clip: float) -> Tuple[torch.Tensor, torch
     bound = (std.to(torch.float64) * clip).to(rows.dtype)
     bound = torch.where((bound <= 0) | (low == high), torch.inf, bound)
     return torch.minimum(local, bound), bound
+
+
+@Pass
+def largest_magnitudes(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |g| = max(-min g, max g)`` exactly: TernGrad's scales without clipping (no std)."""
+    return torch.maximum(-rows.amin(dim=1), rows.amax(dim=1)).abs()
 
 
 @Pass

@@ -603,9 +603,11 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
     ``max|clip(g)| = min(max(-min g, max g), b)`` exactly; ``b = c std(g)``, +Inf where ``b = 0``
     or ``g`` is constant (no clipping). Where passes are compiled (:func:`compiled_here`), one
     :func:`~hvd_compress.kernels.torch_compiled.ternary_scales` per group."""
+    if compiled_here(a) and clip is None:
+        return torch.cat([compiled.largest_magnitudes(grp.view(a)) for grp in groups]), None
     if compiled_here(a):
-        scales = [compiled.ternary_scales(grp.view(a), -1.0 if clip is None else float(clip)) for grp in groups]
-        return torch.cat([s[0] for s in scales]), None if clip is None else torch.cat([s[1] for s in scales])
+        scales = [compiled.ternary_scales(grp.view(a), float(clip)) for grp in groups]
+        return torch.cat([s[0] for s in scales]), torch.cat([s[1] for s in scales])
     extremes = [torch.aminmax(grp.view(a), dim=1) for grp in groups]
     low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
     local = torch.maximum(-low, high).abs()

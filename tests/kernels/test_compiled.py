@@ -47,7 +47,7 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
     bound = torch.from_numpy(np.full((rows, 1), 1.7, dtype))
     scale = torch.from_numpy(np.full((rows, 1), 2.3, dtype))
     for p, args in [(C.marks_and_largest, (a, limit)), (C.marks_above, (a, limit)), (C.counts_above, (a, limits)),
-                    (C.ternary_codes, (a, uniform, bound, scale))]:
+                    (C.ternary_codes, (a, uniform, bound, scale)), (C.largest_magnitudes, (a,))]:
         got, source, eager = (p(*args), p.fn(*args), p.eager(*args))  # compiled; its source and the eager way, eager
         for g, s, e in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, source, eager))):
             assert g.dtype == s.dtype == e.dtype
@@ -61,6 +61,7 @@ def test_compiled_reductions_equal_eager_within_rounding(compiling):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=2e-6)
     np.testing.assert_array_equal(C.ternary_scales(a, -1.0)[1].numpy(), np.full(3, np.inf, np.float32))
+    np.testing.assert_array_equal(C.largest_magnitudes(a).numpy(), C.ternary_scales.eager(a, -1.0)[0].numpy())
 
 
 def simulate(make, compiled, monkeypatch, steps=4, ranks=3):
