@@ -35,18 +35,20 @@ class RegTopK(LargestScores, Sparsifier):
 
     def __init__(
         self,
-        ratio: float,
+        ratio: Optional[float] = None,
         mu: float = 5.0,
         error_feedback: bool = True,
         dense_below: int = DENSE_BELOW,
         dense_when_cheaper: bool = True,
         seed: int = 0,
         momentum: float = 0.0,
-        indices: str = "gather",
+        indices: Optional[str] = None,
         exact_every: int = 1,
+        traffic: Optional[float] = None,
     ) -> None:
         super().__init__(
             ratio,
+            traffic=traffic,
             error_feedback=error_feedback,
             dense_below=dense_below,
             dense_when_cheaper=dense_when_cheaper,

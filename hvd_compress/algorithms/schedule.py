@@ -125,7 +125,9 @@ class DensityWarmup:
     ``warmup_steps == 0``), as ``torch.optim.lr_scheduler`` sets the first rate.
     Each :meth:`step` moves one step on and sets :func:`warmup_density` of it,
     which reaches the target (the compressor's ``ratio`` when the schedule was
-    made) after ``warmup_steps`` calls and stays there.
+    made) after ``warmup_steps`` calls and stays there. Compressors given a
+    traffic budget (``TopK(traffic=0.05)``) have their ``traffic`` ramped instead,
+    from ``start`` of a dense allreduce's bytes to the budget.
 
     ``state_dict()`` / ``load_state_dict()`` carry the position and the
     settings, so a resumed run continues the ramp where it stopped; loading sets
@@ -138,7 +140,9 @@ class DensityWarmup:
 
     def __init__(self, compressor: Any, warmup_steps: int, start: float = 0.25) -> None:
         self.compressors = compressors_of(compressor, "DensityWarmup")
-        targets = {float(c.ratio) for c in self.compressors}
+        #: what the schedule ramps: the traffic budget of compressors given one (``traffic=``), else the density
+        self.setting = "traffic" if all(getattr(c, "traffic", None) is not None for c in self.compressors) else "ratio"
+        targets = {float(getattr(c, self.setting)) for c in self.compressors}
         if len(targets) != 1:
             raise ValueError(f"hvd_compress: DensityWarmup's compressors disagree on the density: {sorted(targets)}")
         self.target = targets.pop()
@@ -173,7 +177,7 @@ class DensityWarmup:
     def _apply(self) -> float:
         density = self.density
         for compressor in self.compressors:
-            compressor.ratio = density
+            setattr(compressor, self.setting, density)
             compressor.target_ratio = self.target  # what messages show as configured (not the ramp's density)
         return density
 

@@ -32,6 +32,7 @@ from typing import Any, Dict, Optional
 from hvd_compress.kernels import reference
 from hvd_compress.algorithms.base import Compressor, check_ratio
 from hvd_compress.algorithms.state import CompressorState
+from hvd_compress.algorithms.traffic import resolve as traffic_plan
 from hvd_compress.algorithms.validation import (
     check_bool, check_count, check_exact_every, check_indices, check_momentum, checked,
 )
@@ -73,37 +74,81 @@ class Sparsifier(Compressor):
     def indices(self) -> str:
         """How the ranks choose what they send: 'gather' (each rank its own k indices, allgathered: (N-1) 8k
         bytes received per rank), 'leader' or 'aggregate' (one index set shared by every rank, its values
-        allreduced: 2 (N-1)/N 4k bytes, independent of N; algorithms.shared_bucket)."""
+        allreduced: 2 (N-1)/N 4k bytes, independent of N; algorithms.shared_bucket). With ``traffic=``
+        it may be set to 'auto' (the default there): the mode is then picked at each ``bind`` for the
+        number of ranks (:func:`~hvd_compress.algorithms.traffic.resolve`); reading it gives the mode picked."""
         return self._indices
 
     @indices.setter
     def indices(self, value: str) -> None:
-        value = check_indices(value, f"{type(self).__name__} indices")
+        if not (value == "auto" and self._traffic is not None):
+            value = check_indices(value, f"{type(self).__name__} indices")
         if value != "gather" and self._exact_every > 1:
             raise ValueError(
                 f"hvd_compress: indices={value!r} shares one index set between the ranks, which exact_every="
                 f"{self._exact_every} (each rank's own reused thresholds) does not use; choose one of them"
             )
-        self._indices = value
+        self._indices_rule = value
+        self._resolve_traffic()
+
+    @property
+    def traffic(self) -> Optional[float]:
+        """The budget per rank as a fraction of a dense float32 ring allreduce's bytes, in (0, 1], or
+        ``None`` (the density ``ratio`` was given). Set, the index mode and ratio follow from it at every
+        ``bind`` (:mod:`hvd_compress.algorithms.traffic`); density schedules then ramp the traffic."""
+        return self._traffic
+
+    @traffic.setter
+    def traffic(self, value: float) -> None:
+        self._traffic = check_ratio(value)
+        self._resolve_traffic()
+
+    def _resolve_traffic(self) -> None:
+        """The index mode and ratio of the traffic budget on ``self.size`` ranks (with ``traffic=``), or the
+        index mode as set."""
+        if self._traffic is None:
+            self._indices = self._indices_rule
+            return
+        self._indices, ratio = traffic_plan(self._traffic, self._indices_rule, self.size)
+        self.ratio = ratio
+
+    def bind(self, rank: int, size: int) -> "Sparsifier":
+        """:meth:`Compressor.bind`; with ``traffic=``, the index mode and ratio for ``size`` ranks."""
+        resized = size != self.size
+        super().bind(rank, size)
+        if resized and self._traffic is not None:
+            self._resolve_traffic()
+        return self
 
     def __init__(
         self,
-        ratio: float,
+        ratio: Optional[float] = None,
         error_feedback: bool = True,
         dense_below: int = DENSE_BELOW,
         dense_when_cheaper: bool = True,
         seed: int = 0,
         momentum: float = 0.0,
-        indices: str = "gather",
+        indices: Optional[str] = None,
         exact_every: int = 1,
+        traffic: Optional[float] = None,
     ) -> None:
         super().__init__(seed=seed)
-        self.ratio = ratio
+        if (ratio is None) == (traffic is None):
+            raise TypeError(f"hvd_compress: {type(self).__name__} takes a density ratio or a traffic budget "
+                            f"(traffic=, a fraction of a dense allreduce's bytes per rank), exactly one, got "
+                            f"ratio={ratio!r}, traffic={traffic!r}")
+        self._traffic = None if traffic is None else check_ratio(traffic)
+        self.ratio = traffic if ratio is None else ratio
         self.error_feedback = error_feedback
         self.dense_below = dense_below
         self.dense_when_cheaper = dense_when_cheaper
         self.momentum = momentum
         self._exact_every = 1
+        if indices is None:
+            indices = "gather" if traffic is None else "auto"
+        if traffic is not None and exact_every > 1 and indices != "gather":
+            raise ValueError(f"hvd_compress: exact_every={exact_every} reuses each rank's own thresholds, so with "
+                             f"traffic= pass indices='gather' (indices={indices!r} may share one index set)")
         self.indices = indices
         self.exact_every = exact_every
         self._warned_dense: set = set()
@@ -154,6 +199,7 @@ class Sparsifier(Compressor):
             "dense_when_cheaper": self.dense_when_cheaper,
             **({"momentum": self.momentum} if self.momentum else {}),
             **({"indices": self.indices} if self.shared else {}),
+            **({"traffic": self.traffic} if self.traffic is not None else {}),
             **({"exact_every": self.exact_every} if self.exact_every > 1 else {}),
         }
 

@@ -345,7 +345,11 @@ class Auto(ExchangePolicy):
                 way.seed = value
 
     def bind(self, rank: int, size: int) -> "Auto":
-        self.inner.bind(rank, size)
+        """Bind the inner compressor and its copy in the other index mode (with ``traffic=``, each resolves
+        its ratio for ``size`` ranks)."""
+        for way in (self.inner, self.alternative):
+            if way is not None:
+                way.bind(rank, size)
         return self
 
     def state_for(self, holder: Any, route: str, state: Any = None) -> Any:
@@ -365,6 +369,17 @@ class Auto(ExchangePolicy):
         self.inner.ratio = value
         if self.alternative is not None:
             self.alternative.ratio = value
+
+    @property
+    def traffic(self) -> Any:
+        """The inner compressor's traffic budget, ``None`` without one (density schedules then set it here)."""
+        return getattr(self.inner, "traffic", None)
+
+    @traffic.setter
+    def traffic(self, value: float) -> None:
+        for way in (self.inner, self.alternative):
+            if way is not None:
+                way.traffic = value
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Auto", "compressor": repr(self.inner), "warmup": self.warmup,
@@ -405,7 +420,7 @@ class Auto(ExchangePolicy):
     def make_exchange(self, comm: Any, key: str, state: Any = None) -> AutoExchange:
         """The exchange of bucket ``key`` on the run state ``state`` (default: :attr:`state`; called by
         :func:`~hvd_compress.engine.exchange.open_exchange`)."""
-        self.inner.bind(comm.rank, comm.size)
+        self.bind(comm.rank, comm.size)
         return AutoExchange(self, comm, key, self.state if state is None else state)
 
     # ------------------------------------------------------------------ deciding

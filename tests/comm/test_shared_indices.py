@@ -212,7 +212,9 @@ def test_bad_modes_are_clear_errors():
     with pytest.raises(ValueError, match="indices must be one of 'gather', 'leader', 'aggregate'"):
         TopK(0.01, indices="broadcast")
     with pytest.raises(TypeError, match="indices must be one of"):
-        GaussianK(0.01, indices=None)
+        GaussianK(0.01, indices=3)
+    with pytest.raises(ValueError, match="indices must be one of"):  # 'auto' picks by a traffic budget
+        TopK(0.01, indices="auto")
 
 
 def test_dense_only_where_the_shared_payload_is_no_smaller():

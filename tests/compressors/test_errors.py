@@ -24,10 +24,19 @@ def test_ratio_out_of_range(cls, ratio):
         cls(ratio)
 
 
-@pytest.mark.parametrize("ratio", [True, False, "0.1", None, [0.1], 1j])
+@pytest.mark.parametrize("ratio", [True, False, "0.1", [0.1], 1j])
 def test_ratio_of_wrong_type(ratio):
     with pytest.raises(TypeError, match="ratio must be a number"):
         TopK(ratio)
+
+
+@pytest.mark.parametrize("cls", [TopK, GaussianK, RegTopK])
+def test_a_density_or_a_traffic_budget_exactly_one(cls):
+    for args, options in (((), {}), ((None,), {}), ((0.01,), {"traffic": 0.1})):
+        with pytest.raises(TypeError, match="takes a density ratio or a traffic budget"):
+            cls(*args, **options)
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\]"):
+        cls(traffic=1.5)
 
 
 def test_ratio_checked_when_changed_later_and_by_name():
