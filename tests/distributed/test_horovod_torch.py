@@ -133,7 +133,7 @@ def test_two_ranks_equal_simulator_and_send_compressed_bytes(kind, path, shared_
 @pytest.mark.parametrize("path", ["stock", "dropin"])
 def test_four_ranks_mpirun_equal_simulator(path, shared_run):
     """One job of 4 ranks trains both routes."""
-    names = ["regtopk", "terngrad", "gaussiank", "topk-momentum", "topk-leader", "gaussiank-aggregate"]
+    names = ["regtopk", "terngrad", "gaussiank", "topk-momentum", "topk-leader", "gaussiank-aggregate", "topk-traffic"]
     assert_equals_simulator(route(shared_run("mpirun", 4, names, "--path", "stock", "dropin"), path), names, 4)
 
 

@@ -42,7 +42,7 @@ def _mpi4py():
     launch.require_mpi()
 
 
-NAMES = ["topk", "regtopk", "terngrad", "gaussiank", "topk-leader"]
+NAMES = ["topk", "regtopk", "terngrad", "gaussiank", "topk-leader", "regtopk-traffic"]
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,10 @@ def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 def compressor(name: str, seed: int = 0):
     """``topk``, ``fp16``...; ``<sparsifier>-momentum``: with momentum correction (the optimizer is plain SGD);
     ``<sparsifier>-leader``, ``-aggregate``: with that shared index set (``indices=``); ``-reuse``: with
-    reused thresholds between exact selections every other step (``exact_every=2``)."""
+    reused thresholds between exact selections every other step (``exact_every=2``); ``-traffic``: a traffic
+    budget of 4 x RATIO instead of the density (its index rule and density resolved for the world size)."""
+    if name.endswith("-traffic"):
+        return Compression.by_name(name[: -len("-traffic")], None, seed=seed, traffic=4 * RATIO)
     if name.endswith("-momentum"):
         return Compression.by_name(name[: -len("-momentum")], RATIO, seed=seed, momentum=0.9)
     base, _, indices = name.partition("-")
