@@ -10,10 +10,12 @@ python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
                                  [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
-                                 [--exact-every 1,32]
+                                 [--exact-every 1,32] [--powersgd-ranks 1,2,4] [--powersgd-start STEPS]
                                  [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
                                  [--batch-size PER_RANK | --global-batch B]
-                                 [--train-size N] [--test-size N] [--quick] [--out results] [--name STEM]
+                                 [--train-size N] [--test-size N] [--quick] [--figure curves|frontier]
+                                 [--out results] [--name STEM]
+python -m benchmarks convergence --merge A.json,B.json [--figure frontier] [--out results] [--name STEM]
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
                                       [--out results] [--name STEM]
@@ -127,7 +129,13 @@ def _simulate_terngrad(args: argparse.Namespace) -> int:
 
 def _convergence(args: argparse.Namespace) -> int:
     from benchmarks import convergence, datasets
+    from benchmarks.output import publish
 
+    if args.merge:
+        stem = args.name or "convergence_merged"
+        results = convergence.merge_files(args.merge)
+        publish(results, args.out, stem, convergence.FIGURES[args.figure], convergence.print_table)
+        return _wrote(args.out, stem)
     options = convergence.options_for(args.data, args.quick, vars(args))
     try:
         data = datasets.load(args.data, options["train_size"], options["test_size"], args.data_dir)
@@ -144,6 +152,7 @@ def _convergence(args: argparse.Namespace) -> int:
         warmup_epochs=options["warmup_epochs"],
         warmup_start=args.warmup_start,
         global_batch=args.global_batch,
+        powersgd_start=args.powersgd_start,
     )
     print(
         f"Convergence on {data.name} ({len(data.train_y)} training, {len(data.test_y)} test images): "
@@ -167,6 +176,8 @@ def _convergence(args: argparse.Namespace) -> int:
         out=args.out,
         progress=not args.no_progress,
         name=args.name,
+        powersgd_ranks=args.powersgd_ranks,
+        figure=args.figure,
     )
     return _wrote(args.out, args.name or convergence.file_stem(data.name))
 
@@ -265,6 +276,11 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--exact-every", type=_ints, default=[1],
                    help="steps between exact selections of Top-k and RegTop-k, e.g. 1,32 (default 1: every step; "
                         "above 1 the steps between reuse each tensor's threshold)")
+    p.add_argument("--powersgd-ranks", type=_ints, default=[1, 2, 4],
+                   help="PowerSGD's matrix approximation ranks, one row each (default 1,2,4)")
+    p.add_argument("--powersgd-start", type=int,
+                   help="PowerSGD's start_powerSGD_iter: dense steps before it compresses (default: the sparse modes' "
+                        "warm-up steps, --warmup-epochs of steps; at least 2)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")
@@ -287,7 +303,14 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--quick", action="store_true",
                    help=f"tiny run for tests: {', '.join(f'{k} {v}' for k, v in QUICK.items())}. Defaults: {defaults}")
     p.add_argument("--no-progress", action="store_true", help="no progress line per finished run")
-    p.add_argument("--name", help="stem of the written files (default convergence_<data>)")
+    p.add_argument("--figure", choices=("curves", "frontier"), default="curves",
+                   help="curves: test accuracy per epoch (default); frontier: final accuracy against ring traffic "
+                        "per rank vs dense (log), one point per row, bars: seeds' min-max, band: dense's")
+    p.add_argument("--merge", type=_names, metavar="JSON,...",
+                   help="train nothing: merge these convergence JSON files of one protocol (same ranks, batch, steps, "
+                        "seeds, data) into <name>.json/.png, e.g. runs of different --indices or --ratios")
+    p.add_argument("--name", help="stem of the written files (default convergence_<data>; convergence_merged "
+                   "with --merge)")
     _add_out(p, "<name>", _convergence)
 
 

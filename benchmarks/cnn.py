@@ -199,6 +199,7 @@ def train(
     tick: Optional[Callable[[], None]] = None,
     net: Callable[[int], Any] = make_net,
     lr_schedule: str = "constant",
+    simulator: Optional[Callable[[int, int], Any]] = None,
 ) -> Dict[str, Any]:
     """Synchronous data-parallel SGD of ``net(seed)`` (:func:`make_net`) on ``ranks`` simulated ranks.
 
@@ -208,7 +209,10 @@ def train(
     the wire statistics of every payload, averaged over ranks and steps, and
     the momentum the optimizer and the compressor ran with (a compressor with
     momentum correction, ``momentum=m``, wants ``momentum=0`` here). ``lr_schedule``:
-    ``constant``, or ``cosine`` (``lr`` decayed to 0 over the run, every step).
+    ``constant``, or ``cosine`` (``lr`` decayed to 0 over the run, every step). ``simulator(ranks, seed)``:
+    what averages instead of ``Simulator(ranks, compression, seed=seed)``, with its ``step``,
+    ``bytes_sent_per_rank``, ``collectives_per_rank``, ``compressors`` and ``layer_table(shapes)``
+    (a baseline outside hvd_compress, e.g. :class:`benchmarks.powersgd.PowerSGDSimulator`).
     """
     import torch
 
@@ -218,8 +222,9 @@ def train(
         raise ValueError(f"hvd_compress: epochs must be at least 1, got {epochs}")
     model = net(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    sim = Simulator(ranks, compression, seed=seed)
+    sim = Simulator(ranks, compression, seed=seed) if simulator is None else simulator(ranks, seed)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    plan = getattr(sim, "layer_table", None) or functools.partial(layer_table, sim.compressors[0])
     global_batch = ranks * batch_per_rank
     per_epoch = len(data.train_y) // global_batch
     if per_epoch < 1:
@@ -258,7 +263,7 @@ def train(
             probe.after(step, grads, averaged, sim)
         sums["bytes"] += float(sum(sim.bytes_sent_per_rank))
         sums["traffic"] += sum(collective_traffic(posted, ranks) for posted in sim.collectives_per_rank)
-        for row in layer_table(sim.compressors[0], shapes):  # the plan of this step (a warm-up changes k)
+        for row in plan(shapes):  # the plan of this step (a warm-up changes k)
             for key, count in (("values", row["values"]), ("numel", row["numel"])):
                 sums[key] += float(count * ranks)
             per_layer[row["name"]][0] += row["values"] * ranks
@@ -276,7 +281,7 @@ def train(
             tick()
     dense_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # fp32 gradients
     steps_ranks = total * ranks
-    layers = layer_table(sim.compressors[0], shapes)
+    layers = plan(shapes)
     for row in layers:
         values, numel = per_layer[row["name"]]
         row["density"] = values / numel if numel else None

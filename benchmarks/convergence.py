@@ -35,6 +35,18 @@ Every run is repeated for every seed (the seed sets the initialization, the
 batch order and the compressors' random streams; the data and its subset are
 fixed).
 
+On request (``--compressors``): ``fp16`` (hvd_compress's ``FP16``: the dense allreduce in float16,
+half the bytes) and ``powersgd``, torch's PowerSGD DDP hook reproduced for the simulated ranks
+(:mod:`benchmarks.powersgd`) at each matrix approximation rank of ``--powersgd-ranks``, with error
+feedback and warm start, dense allreduces for its first ``start_powerSGD_iter`` steps
+(``--powersgd-start``; by default the sparse modes' warm-up steps) and SGD momentum on the average,
+as dense; its settings go to the JSON's ``settings.powersgd``.
+
+``--figure frontier`` (:func:`write_frontier`) draws accuracy for traffic: each row's final accuracy
+(seed mean, min-max bars) against its ``traffic_vs_dense`` (log), dense's range a band.
+``--merge a.json,b.json`` (:func:`merge`) joins studies of one protocol (say, runs of different
+``--indices``) into one JSON and figure without training.
+
 Protocol (:class:`Setup`, recorded in the JSON's settings: ``protocol``,
 ``images_per_step``, ``steps``, ``warmup_steps``): by default each rank takes
 ``batch_per_rank`` images per step, so the global batch grows with N and the
@@ -70,16 +82,19 @@ from benchmarks import cnn
 from benchmarks.datasets import Images
 from benchmarks.output import describe_machine, publish
 from benchmarks.report import pyplot, require_packages, save_figure
+from benchmarks.powersgd import DEFAULT_RANKS as DEFAULT_POWERSGD_RANKS
+from benchmarks.powersgd import PowerSGD, PowerSGDSimulator
 from hvd_compress.algorithms import Compression, DensityWarmup
 
 #: Models of ``--models`` by default; ``wide-mlp`` (hidden layers of 1024) has a gradient of 1.9M
 #: parameters, one that takes longer to send over 1 Gbit/s than to compute (time-to-accuracy's model).
 DEFAULT_MODELS = ("cnn", "mlp")
 MODELS = DEFAULT_MODELS + ("wide-mlp",)
-#: Compressor names of ``--compressors``; ``none`` is dense.
-COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad", "terngrad-ef")
-#: ``--compressors`` by default (``terngrad-ef``: TernGrad with error feedback, on request)
-DEFAULT_COMPRESSORS = COMPRESSORS[:-1]
+#: Compressor names of ``--compressors``; ``none`` is dense, ``fp16`` hvd_compress's FP16 (half the bytes),
+#: ``powersgd`` the baseline of :mod:`benchmarks.powersgd` (torch's DDP hook) at each of ``powersgd_ranks``.
+COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "powersgd", "terngrad", "terngrad-ef")
+#: ``--compressors`` by default (``terngrad-ef``: TernGrad with error feedback, ``fp16``, ``powersgd``: on request)
+DEFAULT_COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
 #: Sparsifier variants: name -> (momentum correction, density warm-up).
 VARIANTS = {"plain": (False, False), "warmup": (False, True), "mc": (True, False), "mc+warmup": (True, True)}
 DEFAULT_VARIANTS = ("plain", "mc+warmup")
@@ -153,6 +168,10 @@ class Run:
     indices: str = "gather"
     #: steps between exact selections (``exact_every=``; 1: every step exact)
     exact_every: int = 1
+    #: PowerSGD's matrix approximation rank (``powersgd`` only)
+    rank: Optional[int] = None
+    #: PowerSGD's start_powerSGD_iter when given (``--powersgd-start``; None: the warm-up's steps)
+    start: Optional[int] = None
 
     @property
     def momentum_correction(self) -> bool:
@@ -164,7 +183,10 @@ class Run:
 
     @property
     def label(self) -> str:
-        """``dense``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``terngrad``."""
+        """``dense``, ``fp16``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``powersgd rank 2``,
+        ``terngrad``."""
+        if self.name == "powersgd":
+            return f"powersgd rank {self.rank}" + ("" if self.start is None else f" from step {self.start}")
         label = cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
         label += f" [{self.indices}]" if self.indices != "gather" else ""
         return label + (f" [exact every {self.exact_every}]" if self.exact_every > 1 else "")
@@ -183,11 +205,12 @@ class Run:
 def plan(
     models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
     variants: Sequence[str] = DEFAULT_VARIANTS, indices: Sequence[str] = ("gather",),
-    exact_every: Sequence[int] = (1,),
+    exact_every: Sequence[int] = (1,), powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
+    powersgd_start: Optional[int] = None,
 ) -> List[Run]:
-    """Every run, model by model: dense, the sparsifiers per density (each variant, then each index mode,
+    """Every run, model by model: dense, fp16, the sparsifiers per density (each variant, then each index mode,
     then each spacing of exact selections, in the order given; a spacing applies to Top-k and RegTop-k
-    with indices 'gather'), TernGrad."""
+    with indices 'gather'), PowerSGD at each rank (labelled with ``powersgd_start`` when given), TernGrad."""
     unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
     unknown += [v for v in variants if v not in VARIANTS]
     if unknown or not variants:
@@ -197,12 +220,15 @@ def plan(
         )
     runs: List[Run] = []
     for model in dict.fromkeys(models):
-        runs += [Run(model, "none")] if "none" in compressors else []
+        runs += [Run(model, name) for name in ("none", "fp16") if name in compressors]
         for ratio in dict.fromkeys(float(r) for r in ratios):
             runs += [Run(model, n, ratio, v, mode, every) for n in cnn.SPARSE if n in compressors
                      for v in dict.fromkeys(variants) for mode in dict.fromkeys(indices)
                      for every in dict.fromkeys(exact_every)
                      if every == 1 or (n != "gaussiank" and mode == "gather")]
+        if "powersgd" in compressors:
+            runs += [Run(model, "powersgd", rank=int(rank), start=powersgd_start)
+                     for rank in dict.fromkeys(powersgd_ranks)]
         runs += [Run(model, name) for name in ("terngrad", "terngrad-ef") if name in compressors]
     return runs
 
@@ -245,6 +271,8 @@ class Setup:
     lr_schedule: str = "constant"
     #: images per step over all ranks, the same at every N (``--global-batch``); None: ``batch_per_rank`` fixed
     global_batch: Optional[int] = None
+    #: PowerSGD's dense steps, ``start_powerSGD_iter`` (``--powersgd-start``); None: the warm-up's steps
+    powersgd_start: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.global_batch is None:
@@ -268,6 +296,11 @@ class Setup:
         """Steps of the density warm-up's ramp: ``warmup_epochs`` epochs, at least one step."""
         return max(1, round(self.warmup_epochs * self.steps_per_epoch(data)))
 
+    def powersgd_start_iter(self, data: Images) -> int:
+        """PowerSGD's ``start_powerSGD_iter``: ``powersgd_start``, else the sparse modes' warm-up steps
+        (:meth:`warmup_steps`), at least 2 (torch's minimum with error feedback and warm start)."""
+        return max(2, self.warmup_steps(data) if self.powersgd_start is None else self.powersgd_start)
+
     def described(self, data: Images) -> Dict[str, Any]:
         """The settings' record of the protocol: every field, the images and steps per step and run."""
         return {
@@ -277,11 +310,17 @@ class Setup:
         }
 
 
-def train_run(run: Run, data: Any, setup: Setup, seed: int, warmup_steps: int) -> Dict[str, Any]:
-    """One seed of ``run``: the per-epoch test curve, final accuracy, bytes per step, densities."""
+def train_run(run: Run, data: Any, setup: Setup, seed: int, warmup_steps: int,
+              powersgd_start: int = 2) -> Dict[str, Any]:
+    """One seed of ``run``: the per-epoch test curve, final accuracy, bytes per step, densities. PowerSGD
+    starts compressing at step ``powersgd_start``, its Q drawn from ``seed``."""
     probe = WarmupProbe(warmup_steps, setup.warmup_start) if run.warmup else None
+    simulator, compressor = None, None
+    if run.name == "powersgd":
+        compressor = PowerSGD(run.rank, start_iter=powersgd_start, random_seed=seed)
+        simulator = lambda ranks, _seed: PowerSGDSimulator(ranks, compressor)  # noqa: E731
     result = cnn.train(
-        run.compressor(setup.momentum), data, ranks=setup.ranks, epochs=setup.epochs,
+        compressor or run.compressor(setup.momentum), data, simulator=simulator, ranks=setup.ranks, epochs=setup.epochs,
         batch_per_rank=setup.batch_per_rank, lr=setup.lr, momentum=0.0 if run.momentum_correction else setup.momentum,
         seed=seed, evals=setup.epochs, probe=probe, lr_schedule=setup.lr_schedule,
         net=functools.partial(make_model, run.model, tuple(data.train_x.shape[1:])),
@@ -308,7 +347,7 @@ def as_torch(data: Images) -> cnn.ImageData:
 def run_all(runs: Sequence[Run], data: Images, setup: Setup, seeds: Sequence[int], progress: bool = True):
     """Train every run for every seed on one thread; a progress line on stderr after each."""
     tensors, per_epoch = as_torch(data), setup.steps_per_epoch(data)
-    warmup_steps = setup.warmup_steps(data)
+    warmup_steps, powersgd_start = setup.warmup_steps(data), setup.powersgd_start_iter(data)
     if per_epoch < 1:
         raise ValueError(
             f"{len(data.train_y)} training images are fewer than one global batch of "
@@ -321,7 +360,7 @@ def run_all(runs: Sequence[Run], data: Images, setup: Setup, seeds: Sequence[int
         warnings.filterwarnings("ignore", message=r"hvd_compress: \w+ sends '.*' dense")
         for run in runs:
             for seed in seeds:
-                result = train_run(run, tensors, setup, seed, warmup_steps)
+                result = train_run(run, tensors, setup, seed, warmup_steps, powersgd_start)
                 trained.setdefault((run.model, run.label), []).append(result)
                 done += 1
                 if progress:
@@ -355,6 +394,7 @@ def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, A
     row: Dict[str, Any] = {
         "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio,
         "variant": run.variant if run.ratio else None, "momentum_correction": run.momentum_correction,
+        "powersgd_rank": run.rank,
         "warmup": run.warmup,
         **{key: seeds[0][key] for key in ("optimizer_momentum", "compressor_momentum")},
         "final_accuracy": final,
@@ -367,12 +407,18 @@ def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, A
         "seeds": seeds,
     }
     if dense is not None:
-        target = dense["final_accuracy"]["mean"] - gap / 100
-        row["gap_points"] = 100 * (final["mean"] - dense["final_accuracy"]["mean"])
-        row["within_dense_spread"] = final["mean"] >= dense["final_accuracy"]["min"]
-        row["target_accuracy"] = target
-        row["epochs_to_target"] = first_epoch_at(row["curve_mean"], target)
+        against_dense(row, dense, gap)
     return row
+
+
+def against_dense(row: Dict[str, Any], dense: Dict[str, Any], gap: float) -> None:
+    """Set ``row``'s ``gap_points`` (100 (mean - dense mean)), ``within_dense_spread`` (mean >= dense's min),
+    ``target_accuracy`` (dense mean - ``gap`` points) and ``epochs_to_target``."""
+    final, target = row["final_accuracy"], dense["final_accuracy"]["mean"] - gap / 100
+    row["gap_points"] = 100 * (final["mean"] - dense["final_accuracy"]["mean"])
+    row["within_dense_spread"] = final["mean"] >= dense["final_accuracy"]["min"]
+    row["target_accuracy"] = target
+    row["epochs_to_target"] = first_epoch_at(row["curve_mean"], target)
 
 
 def rows_of(runs: Sequence[Run], trained, gap: float) -> List[Dict[str, Any]]:
@@ -403,11 +449,14 @@ def study(
     plot: bool = True,
     stdout: Any = None,
     name: Optional[str] = None,
+    powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
+    figure: str = "curves",
 ) -> Dict[str, Any]:
     """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
-    (default :func:`file_stem`) to ``out`` when given, print the table; returns the results."""
+    (default :func:`file_stem`; ``figure``: a key of :data:`FIGURES`) to ``out`` when given, print the
+    table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs = plan(models, compressors, ratios, variants, indices, exact_every)
+    runs = plan(models, compressors, ratios, variants, indices, exact_every, powersgd_ranks, setup.powersgd_start)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -428,11 +477,34 @@ def study(
             "warmup": "DensityWarmup stepped every iteration from warmup_start to the density over "
                       "warmup_steps steps, warmup_epochs epochs (DGC's exponential ramp)",
             "bytes": "payload bytes one rank hands to the collectives per step, mean over ranks, steps, seeds",
+            **({"powersgd": powersgd_protocol(setup, data, powersgd_ranks)} if "powersgd" in compressors else {}),
         },
         "rows": rows_of(runs, trained, target_gap),
         "wall_seconds": time.perf_counter() - started,
     }
-    return publish(results, out, name or file_stem(data.name), write_plot if plot else None, print_table, stdout)
+    return publish(results, out, name or file_stem(data.name), FIGURES[figure] if plot else None, print_table,
+                   stdout)
+
+
+def powersgd_protocol(setup: Setup, data: Images, ranks: Sequence[int]) -> Dict[str, Any]:
+    """The settings' record of the PowerSGD runs (:mod:`benchmarks.powersgd`)."""
+    start = setup.powersgd_start_iter(data)
+    return {
+        "ranks": [int(r) for r in dict.fromkeys(ranks)],
+        "hook": "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook, reproduced for the "
+                "simulated ranks by benchmarks.powersgd.PowerSGDSimulator (checked against the hook on 2 and 4 "
+                "gloo processes: tests/studies/test_powersgd.py)",
+        "state": {**PowerSGD(1, start_iter=start).describe(), "matrix_approximation_rank": "the row's rank",
+                  "random_seed": "the run's seed"},
+        "start_powerSGD_iter": start,
+        "start_rule": "--powersgd-start" if setup.powersgd_start is not None else
+                      "the sparse modes' warm-up steps (warmup_steps), dense allreduces before it",
+        "buckets": "one, the model's tensors in reverse order (DDP's rebuilt bucket under its 1 MiB first-bucket cap)",
+        "optimizer": f"SGD with momentum {setup.momentum} on the averaged gradient, as dense",
+        "traffic": "ring allreduces of fp32: the whole gradient before start_powerSGD_iter, then P (n k), Q (m k) "
+                   "per compressed matrix and the dense part (1-D tensors and those with (n + m) k "
+                   "min_compression_rate >= n m), 2 (N-1)/N of each",
+    }
 
 
 def file_stem(data: str) -> str:
@@ -451,14 +523,14 @@ def print_table(results: Dict[str, Any], stdout: Any = None) -> None:
     if "protocol" in s:
         say(f"  {s['protocol']}: {s['images_per_step']} images per step, {s['steps']} steps, "
             f"a warm-up of {s['warmup_steps']} steps")
-    say(f"\n  {'model':<5} {'run':<30} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
+    say(f"\n  {'model':<5} {'run':<36} {'test acc (mean +- sd)':>22} {'min-max':>13} {'vs dense':>9} "
         f"{'epoch>=target':>13} {'bytes/step':>11} {'vs dense':>9} {'traffic':>8}")
     for r in results["rows"]:
         acc = r["final_accuracy"]
         gap = "" if "gap_points" not in r else f"{r['gap_points']:+.2f}pt"
         reach = "" if "epochs_to_target" not in r else (str(r["epochs_to_target"] or "never"))
         say(
-            f"  {r['model']:<5} {r['label']:<30} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
+            f"  {r['model']:<5} {r['label']:<36} {acc['mean']:>13.4f} +- {acc['std']:.4f} "
             f"{acc['min']:.3f}-{acc['max']:.3f} {gap:>9} {reach:>13} {r['bytes_per_step']:>11,.0f} "
             f"{r['bytes_vs_dense']:>8.4f}x {r['traffic_vs_dense']:>7.4f}x"
         )
@@ -534,3 +606,125 @@ def plot_panel(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="lower right")
+
+
+# --------------------------------------------------------------------- merge
+#: Settings the studies of a merge must share: the same protocol, data and seeds.
+SHARED_SETTINGS = ("ranks", "epochs", "batch_per_rank", "lr", "momentum", "warmup_epochs", "warmup_start",
+                   "lr_schedule", "global_batch", "steps", "seeds", "data", "target_gap_points")
+
+
+def merge(parts: Sequence[Dict[str, Any]], sources: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """One study of the rows of ``parts`` (studies of the same :data:`SHARED_SETTINGS`, a ``ValueError``
+    otherwise): per model dense first, then the rows in the parts' order, a (model, label) once (the
+    first); the gaps to dense recomputed against the merged dense row; ratios, variants, index modes,
+    spacings and models the union; ``parts`` records each source's labels and wall time."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    first = parts[0]["settings"]
+    for part in parts[1:]:
+        differ = [key for key in SHARED_SETTINGS if part["settings"].get(key) != first.get(key)]
+        if differ:
+            raise ValueError(f"the studies differ in {', '.join(differ)}: merge runs of one protocol only")
+    settings = dict(first)
+    for key in ("ratios", "variants", "indices", "exact_every"):
+        settings[key] = list(dict.fromkeys(v for part in parts for v in part["settings"].get(key, [])))
+    settings["models"] = {m: d for part in parts for m, d in part["settings"]["models"].items()}
+    blocks = [part["settings"]["powersgd"] for part in parts if part["settings"].get("powersgd")]
+    blocks = [block for i, block in enumerate(blocks) if block not in blocks[:i]]
+    settings.pop("powersgd", None)
+    if blocks:  # one, or a list where the parts' PowerSGD runs differ (their start)
+        settings["powersgd"] = blocks[0] if len(blocks) == 1 else blocks
+    settings["parts"] = [{"source": None if sources is None else str(sources[i]),
+                          "rows": [r["label"] for r in part["rows"]], "wall_seconds": part["wall_seconds"]}
+                         for i, part in enumerate(parts)]
+    seen: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    for part in parts:
+        for row in part["rows"]:
+            seen.setdefault((row["model"], row["label"]), dict(row))
+    rows = sorted(seen.values(), key=lambda r: (list(settings["models"]).index(r["model"]), r["compressor"] != "none"))
+    dense = {r["model"]: r for r in rows if r["compressor"] == "none"}
+    for row in rows:
+        for key in ("gap_points", "within_dense_spread", "target_accuracy", "epochs_to_target"):
+            row.pop(key, None)
+        if row["compressor"] != "none" and row["model"] in dense:
+            against_dense(row, dense[row["model"]], first["target_gap_points"])
+    return {"study": "convergence", "machine": parts[0]["machine"], "settings": settings, "rows": rows,
+            "wall_seconds": sum(part["wall_seconds"] for part in parts)}
+
+
+def merge_files(paths: Sequence[str]) -> Dict[str, Any]:
+    """:func:`merge` of the convergence JSON files ``paths``."""
+    import json
+
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            parts.append(json.load(f))
+    return merge(parts, paths)
+
+
+# ------------------------------------------------------------------ frontier
+#: Colour per family of row in the frontier plot: compressor, and a sparsifier's index mode.
+FAMILY_COLORS = {"none": "black", "fp16": "tab:gray", "powersgd": "tab:orange", "powersgd [from step]": "gold",
+                 "topk": "tab:red",
+                 "topk [leader]": "tab:brown", "topk [aggregate]": "tab:blue", "gaussiank": "tab:cyan",
+                 "regtopk": "tab:green", "terngrad": "tab:purple", "terngrad-ef": "tab:pink"}
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def family(row: Dict[str, Any]) -> str:
+    """``topk``, ``topk [leader]``, ``powersgd``, ...: the compressor and a shared index mode (``[from step]``:
+    PowerSGD with a given start)."""
+    mode = next((m for m in ("leader", "aggregate") if f"[{m}]" in row["label"]), None)
+    mode = "from step" if " from step " in row["label"] else mode
+    return row["compressor"] + (f" [{mode}]" if mode else "")
+
+
+def write_frontier(results: Dict[str, Any], path: Any) -> None:
+    """Final test accuracy against ``traffic_vs_dense`` (log x), a panel per model: one point per row,
+    the seed mean with the seeds' min-max as error bars; dense's min-max as a grey band."""
+    rows = results["rows"]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = pyplot().subplots(1, len(models), figsize=(14 * len(models), 7), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        shown = [r for r in rows if r["model"] == model]
+        dense = next((r for r in shown if r["compressor"] == "none"), None)
+        if dense is not None:
+            acc = dense["final_accuracy"]
+            ax.axhspan(acc["min"], acc["max"], color="0.85", zorder=0, label="dense, min-max of seeds")
+            ax.axhline(acc["mean"], color="black", linewidth=0.8, linestyle=":", zorder=0)
+        counts: Dict[str, int] = {}
+        for r in shown:
+            kind, acc = family(r), r["final_accuracy"]
+            marker = MARKERS[counts.get(kind, 0) % len(MARKERS)]
+            counts[kind] = counts.get(kind, 0) + 1
+            bars = [[acc["mean"] - acc["min"]], [acc["max"] - acc["mean"]]]
+            ax.errorbar([r["traffic_vs_dense"]], [acc["mean"]], yerr=bars, fmt=marker, color=FAMILY_COLORS.get(kind),
+                        capsize=3, markersize=6, label=r["label"])
+        ax.set_xscale("log")
+        ax.set_xlabel("ring traffic per rank / a dense fp32 allreduce's (log)")
+        ax.set_ylabel("final test accuracy (mean of seeds; bars: min-max)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    s = results["settings"]
+    title = (
+        f"{s['data']['name']} ({s['data']['train_images']:,} training images), {s['epochs']} epochs, "
+        f"{s['ranks']} simulated ranks ({s.get('protocol', 'fixed per-rank batch')}: "
+        f"{s['ranks'] * s['batch_per_rank']} images per step, "
+        f"{s['steps']} steps), seeds {','.join(map(str, s['seeds']))}: accuracy for traffic"
+        + (f"; PowerSGD dense for its first {powersgd_starts(s)} steps" if "powersgd" in s else "")
+    )
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(11 * fig.get_figwidth()))))
+    save_figure(fig, path)
+
+
+def powersgd_starts(settings: Dict[str, Any]) -> str:
+    """``117``, or ``117 / 10``: the start_powerSGD_iter of each PowerSGD block of ``settings``."""
+    blocks = settings["powersgd"] if isinstance(settings["powersgd"], list) else [settings["powersgd"]]
+    return " / ".join(str(block["start_powerSGD_iter"]) for block in blocks)
+
+
+#: ``--figure``: the per-epoch curves (:func:`write_plot`) or accuracy for traffic (:func:`write_frontier`).
+FIGURES = {"curves": write_plot, "frontier": write_frontier}
