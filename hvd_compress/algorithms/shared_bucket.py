@@ -124,13 +124,12 @@ class SharedIndexCodec(SparseBucketCodec):
         """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
         position (and ``None`` for the age; counted in the statistics of the run state ``run``)."""
         ops = layout.ops
-        probe = self.rows.largest(ops.magnitude(a))
         if self.rate is None:
             unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
+            probe = self.rows.largest(ops.magnitude(a))
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
-        age = ops.add(self.age, self.one)
-        return self.rows.topk(ops.multiply(self.rate, age))[0], probe, age
+        return self.rows.aged_topk(self.rate, self.age, a, self.one)
 
     def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
         ops, count = layout.ops, idx.shape[0]
@@ -140,24 +139,24 @@ class SharedIndexCodec(SparseBucketCodec):
         total = ops.index_add(total, self.flag_positions, flags)
         bad = ops.isnan(flags)
         if self.rule == "aggregate":
-            self._learn(layout, total, idx, age, bad)
+            self._learn(layout, total, idx, summed[:count], age, bad)
             return total, bad
         posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
         if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
             self.posterior = kept_in_place(ops, self.posterior, posterior)
         return total, bad
 
-    def _learn(self, layout: Any, total: Array, idx: Array, age: Any, bad: Array) -> None:
+    def _learn(self, layout: Any, total: Array, idx: Array, sums: Array, age: Any, bad: Array) -> None:
         """``rate[S] = |total[S]| / age[S]`` and ``age[S] = 0``, every other entry one step older; a flagged
-        tensor keeps its rates and its entries count the step. Work of size K: the plan's rates and ages
-        change where they lie (:meth:`flush` hands out copies)."""
+        tensor keeps its rates and its entries count the step. ``sums``: ``total[S]`` as received (the flags
+        added at a tensor's first entry are 0 where its rates change). Work of size K, two gathers and two
+        scatters: the plan's rates and ages change where they lie (:meth:`flush` hands out copies)."""
         ops = layout.ops
         if age is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
             self.rate = ops.nonfinite_to_zero(abs(total[: layout.n_compressed]))
             self.age = ops.zeros(layout.n_compressed, layout.acc, layout.like)
             return
         kept = ops.take(bad, self.rows.slot_row)  # per slot: its tensor's flag
-        rate = ops.where(kept, ops.take(self.rate, idx), abs(ops.take(total, idx)) / ops.take(age, idx))
-        waited = ops.where(kept, ops.take(age, idx), 0)
-        self.rate = ops.index_add(ops.zero_at(self.rate, idx), idx, rate)
-        self.age = ops.index_add(ops.zero_at(age, idx), idx, waited)
+        waited = ops.take(age, idx)
+        self.rate = ops.put(self.rate, idx, ops.where(kept, ops.take(self.rate, idx), abs(sums) / waited))
+        self.age = ops.put(age, idx, ops.where(kept, waited, 0))

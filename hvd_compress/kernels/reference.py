@@ -555,6 +555,12 @@ def zero_at(a: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return a
 
 
+def put(a: np.ndarray, indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``a[indices] = values`` in place (distinct ``indices``); returns ``a``."""
+    a[indices] = values
+    return a
+
+
 def fill_zero(a: np.ndarray) -> np.ndarray:
     a[...] = 0
     return a

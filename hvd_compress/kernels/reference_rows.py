@@ -18,25 +18,35 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_compress.kernels import reference
+from hvd_compress.kernels import ops_for, reference
 
 
 #: entries a row's sample holds (about): :func:`sampled_limit`
 TOPK_SAMPLE = 8192
 
 
+def sample_step(n: int) -> int:
+    """The stride of a row's sample for :func:`sampled_limit`: odd, about :data:`TOPK_SAMPLE` entries of ``n``."""
+    return max(1, n // TOPK_SAMPLE) | 1
+
+
 def sampled_limit(rows: np.ndarray, k: int) -> np.ndarray:
-    """Each row's limit for a Top-k by marking (``(R, 1)``, ``rows``' dtype): the ``j``-th largest of the
-    row's every ``s``-th entry (``s`` odd, about :data:`TOPK_SAMPLE` sampled), ``j = e + 3 sqrt(e) + 3``
-    with ``e = k m / n`` the sampled entries expected above the row's k-th largest: about ``k (1 +
-    3 / sqrt(e))`` entries lie above it (-Inf where ``j`` exceeds the sample: every entry)."""
+    """Each row's limit for a Top-k by marking (``(R, 1)``, ``rows``' dtype): :func:`limit_of_sample` of the
+    row's every :func:`sample_step`-th entry."""
     n = rows.shape[1]
-    sample = rows[:, :: max(1, n // TOPK_SAMPLE) | 1]
+    return limit_of_sample(rows[:, :: sample_step(n)], k, n)
+
+
+def limit_of_sample(sample: np.ndarray, k: int, n: int) -> np.ndarray:
+    """The ``j``-th largest of each row of ``sample`` (``(R, m)``, every :func:`sample_step`-th entry of rows of
+    ``n``), ``j = e + 3 sqrt(e) + 3`` with ``e = k m / n`` the sampled entries expected above the row's k-th
+    largest: about ``k (1 + 3 / sqrt(e))`` entries lie above it (-Inf where ``j`` exceeds the sample: every
+    entry)."""
     m = sample.shape[1]
     expected = k * m / n
     j = int(math.ceil(expected + 3 * math.sqrt(expected) + 3))
     if j > m:
-        return np.full((rows.shape[0], 1), -np.inf, dtype=rows.dtype)
+        return np.full((sample.shape[0], 1), -np.inf, dtype=sample.dtype)
     return np.partition(sample, m - j, axis=1)[:, m - j : m - j + 1].copy()
 
 
@@ -97,6 +107,14 @@ class Rows:
                       else topk_by_marking(row, k))
             positions[slot : slot + k] = chosen + first
         return positions, np.array(top, dtype=scores.dtype)
+
+    def aged_topk(self, rate: Any, age: Any, a: Any, one: Any) -> Tuple[Any, Any, Any]:
+        """The aggregate rule's selection: ``(positions, probe, aged)``, ``aged = age + one``, ``positions`` each
+        row's ``k`` largest ``rate * aged`` (:meth:`topk`), ``probe`` each row's largest ``|a|`` (:meth:`largest`);
+        arrays of the framework of the subclass (numpy here)."""
+        ops = ops_for(a)
+        aged = ops.add(age, one)
+        return self.topk(ops.multiply(rate, aged))[0], self.largest(ops.magnitude(a)), aged
 
     def gaussiank(self, a: np.ndarray, magnitude: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
         """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, first)``:

@@ -514,6 +514,11 @@ def zero_at(a, indices) -> tf.Tensor:
     return momentum_mask(a, indices)
 
 
+def put(a, indices, values) -> tf.Tensor:
+    """``a`` with ``values`` at ``indices`` (distinct)."""
+    return tf.tensor_scatter_nd_update(a, tf.reshape(indices, [-1, 1]), values)
+
+
 def fill_zero(a) -> tf.Tensor:
     return tf.zeros_like(a)
 

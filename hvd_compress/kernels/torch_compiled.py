@@ -10,9 +10,12 @@ not bool ones):
 * :func:`counts_above`: each row's count above each of its thresholds (Gaussian-k's correction,
   reused thresholds);
 * :func:`marks_above`: ``m = [x > t_row]`` alone;
+* :func:`aged_marks`: the aggregate rule's scores ``rate (age + 1)`` marked above each row's limit, ``age + 1``
+  written (the step's ages) and each row's largest ``|a|`` (its non-finite flag), without forming a score;
 * :func:`moments`: each row's std and mean (Gaussian-k's first threshold);
+* :func:`largest_magnitudes`: each row's largest ``|x|`` (TernGrad's scales without clipping);
 * :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
-  bound's std in one pass; :func:`largest_magnitudes` without clipping) and its codes (in one pass
+  bound's std in one pass) and its codes (in one pass
   instead of six).
 
 The results are integers, maxima and IEEE operations in the same order (inductor keeps
@@ -128,10 +131,34 @@ def marks_above_source(rows: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 def counts_above_source(rows: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     """``c[i, j] = #{x in rows[i] : x > limits[i, j]}`` (int64): ``rows`` ``(R, n)``, ``limits`` ``(R, m)``
     in ``rows``' dtype."""
-    return (rows[:, :, None] > limits[:, None, :]).to(torch.int32).sum(dim=1, dtype=torch.int64)
+    return (rows[:, :, None] > limits[:, None, :]).sum(dim=1)  # bools summed as int64: inductor vectorises it
+
+
+def aged_marks_source(a: torch.Tensor, rate: torch.Tensor, age: torch.Tensor, aged: torch.Tensor,
+                      limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The aggregate rule's pass over ``(R, n)`` rows: ``aged = age + 1`` (written into ``aged``), then
+    ``([rate aged > limit]`` as int8, each row's largest ``|a|``: ``max(-min a, max a)``, NaN where ``a`` holds
+    NaN); ``limit`` ``(R, 1)``."""
+    grown = age + 1
+    aged.copy_(grown)
+    return marks_above_source(rate * grown, limit), largest_magnitudes_source(a)
+
+
+def _aged_marks(a: torch.Tensor, rate: torch.Tensor, age: torch.Tensor, aged: torch.Tensor,
+                limit: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`aged_marks`, eagerly: the score in a temporary, compared in place."""
+    torch.add(age, 1, out=aged)
+    return _marks(torch.mul(rate, aged), limit), largest_magnitudes_source(a)
+
+
+def largest_magnitudes_source(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's ``max |g| = max(-min g, max g)`` exactly (NaN where the row holds NaN), read once."""
+    return torch.maximum(-rows.amin(dim=1), rows.amax(dim=1)).abs()
 
 
 marks_and_largest = Pass(marks_and_largest_source, _marks_and_largest)
+aged_marks = Pass(aged_marks_source, _aged_marks)
+largest_magnitudes = Pass(largest_magnitudes_source)
 marks_above = Pass(marks_above_source, _marks)
 counts_above = Pass(counts_above_source, _counts_above)
 
@@ -147,12 +174,6 @@ def ternary_scales(rows: torch.Tensor, clip: float) -> Tuple[torch.Tensor, torch
     bound = (std.to(torch.float64) * clip).to(rows.dtype)
     bound = torch.where((bound <= 0) | (low == high), torch.inf, bound)
     return torch.minimum(local, bound), bound
-
-
-@Pass
-def largest_magnitudes(rows: torch.Tensor) -> torch.Tensor:
-    """Each row's ``max |g| = max(-min g, max g)`` exactly: TernGrad's scales without clipping (no std)."""
-    return torch.maximum(-rows.amin(dim=1), rows.amax(dim=1)).abs()
 
 
 @Pass

@@ -517,7 +517,8 @@ def float_errors_ignored():
 
 
 def empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=like.device)
+    """Uninitialised; on the host one of :data:`HOST_BUFFERS` (see :func:`_empty`)."""
+    return _empty(numel, dtype, like.device) if on_host(like) else torch.empty(numel, dtype=dtype, device=like.device)
 
 
 def zeros(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -551,6 +552,10 @@ def take(a: torch.Tensor, indices: torch.Tensor, out: Optional[torch.Tensor] = N
 
 def zero_at(a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return a.index_fill_(0, indices, 0)
+
+
+def put(a: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return a.index_copy_(0, indices, values)
 
 
 def fill_zero(a: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from hvd_compress.kernels import reference
 from hvd_compress.kernels.reference_rows import each_row, row_order
-from hvd_compress.kernels.reference_rows import sampled_limit as sampled_limit_of
+from hvd_compress.kernels.reference_rows import limit_of_sample, sample_step
 from hvd_compress.kernels import torch_compiled as compiled
 from hvd_compress.kernels import torch_ops as ops
 
@@ -93,11 +93,14 @@ def _outcomes() -> torch.Tensor:
 _OUTCOMES = _outcomes()
 
 
-def sampled_limit(rows: torch.Tensor, k: int) -> torch.Tensor:
+def sampled_limit(rows: torch.Tensor, k: int, sample: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`~hvd_compress.kernels.reference_rows.sampled_limit` of a CPU ``(R, n)`` tensor: ``(R, 1)`` in its
-    dtype (16-bit rows sampled in float32, which holds their values exactly)."""
-    sample = rows if rows.dtype in ops.HOST_FLOATS else rows.float()
-    return torch.from_numpy(sampled_limit_of(sample.numpy(), k)).to(rows.dtype)
+    dtype (16-bit rows sampled in float32, which holds their values exactly); ``sample``: the rows' every
+    :func:`~hvd_compress.kernels.reference_rows.sample_step`-th entry where already formed."""
+    if sample is None:
+        sample = rows[:, :: sample_step(rows.shape[1])]
+    sample = sample if sample.dtype in ops.HOST_FLOATS else sample.float()
+    return torch.from_numpy(limit_of_sample(sample.numpy(), k, rows.shape[1])).to(rows.dtype)
 
 
 class Rows:
@@ -251,6 +254,43 @@ class Rows:
                     chosen = ops.topk_indices(row, k)
                 parts.append(chosen.long() + (start + i * n))
         return torch.cat(parts), torch.cat(top)
+
+    def aged_topk(self, rate: torch.Tensor, age: torch.Tensor, a: torch.Tensor,
+                  one: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The aggregate rule's selection: ``(positions, probe, aged)``, ``aged = age + one``, ``positions`` each
+        row's ``k`` largest ``rate * aged`` (:meth:`topk`'s), ``probe`` each row's largest ``|a|``. On the host
+        one pass per group (:func:`~hvd_compress.kernels.torch_compiled.aged_marks`) writes ``aged`` and marks
+        the scores above the limit of their strided sample, no score formed: the same selection."""
+        if not (ops.on_host(a) and a.dtype in ops.HOST_FLOATS and rate.dtype in ops.HOST_FLOATS):
+            aged = ops.add(age, one)
+            return self.topk(ops.multiply(rate, aged))[0], self.largest(ops.magnitude(a)), aged
+        aged = ops.empty(age.shape[0], age.dtype, age)
+        parts, probe = [], []
+        views = zip(self._views(a), *(self._views(x) for x in (rate, age, aged)))
+        for (start, view, k, _, _, _), (_, rates, *_), (_, ages, *_), (_, grown, *_) in views:
+            step = sample_step(view.shape[1])
+            sample = rates[:, ::step] * (ages[:, ::step] + one)
+            marks, largest = compiled.aged_marks(view, rates, ages, grown, sampled_limit(rates, k, sample))
+            probe.append(largest)
+            parts += self._marked_topk(marks, k, start, lambda i, at: rates[i].index_select(0, at) * grown[i].index_select(0, at),
+                                       lambda i: rates[i] * grown[i])
+        return torch.cat(parts), torch.cat(probe), aged
+
+    def _marked_topk(self, marks: torch.Tensor, k: int, start: int, scores_at: Any, row_scores: Any) -> List[torch.Tensor]:
+        """Per row of a group's ``marks`` (int8 ``(R, n)``, the scores above the row's sampled limit): the work
+        positions of its ``k`` largest scores, ties to the lower index, among the marked entries where at least
+        ``k`` are marked (``scores_at(i, positions)``), else of the whole row (``row_scores(i)``)."""
+        n, chosen = marks.shape[1], []
+        marked = np.flatnonzero(marks.view(torch.bool).numpy())
+        edges = np.searchsorted(marked, np.arange(marks.shape[0] + 1) * n)
+        for i in range(marks.shape[0]):
+            mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
+            if mine.shape[0] >= k:
+                rows = mine.index_select(0, ops.topk_indices(scores_at(i, mine), k).long())
+            else:
+                rows = ops.topk_indices(row_scores(i), k)
+            chosen.append(rows.long() + (start + i * n))
+        return chosen
 
     # -------------------------------------------------------------- Gaussian-k
     def thresholds(self, a: torch.Tensor, ratio: float) -> Tuple[torch.Tensor, torch.Tensor]:

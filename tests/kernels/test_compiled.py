@@ -46,9 +46,17 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
     uniform = torch.from_numpy(np.random.default_rng(9).random((rows, 1000)).astype(dtype))
     bound = torch.from_numpy(np.full((rows, 1), 1.7, dtype))
     scale = torch.from_numpy(np.full((rows, 1), 2.3, dtype))
+    rate = torch.from_numpy(np.abs(rows_with_specials(rows, 1000, 7, dtype).numpy()) * 0.37)
+    age = torch.from_numpy(np.random.default_rng(5).integers(0, 40, (rows, 1000)).astype(dtype))
+    aged = [torch.full_like(age, -1.0) for _ in range(3)]
     for p, args in [(C.marks_and_largest, (a, limit)), (C.marks_above, (a, limit)), (C.counts_above, (a, limits)),
-                    (C.ternary_codes, (a, uniform, bound, scale)), (C.largest_magnitudes, (a,))]:
-        got, source, eager = (p(*args), p.fn(*args), p.eager(*args))  # compiled; its source and the eager way, eager
+                    (C.ternary_codes, (a, uniform, bound, scale)), (C.largest_magnitudes, (a,)),
+                    (C.aged_marks, (a, rate, age, aged, limit * 10))]:
+        calls = [args[:3] + (aged[i],) + args[4:] if p is C.aged_marks else args for i in range(3)]
+        got, source, eager = (p(*calls[0]), p.fn(*calls[1]), p.eager(*calls[2]))  # compiled; its source, eager
+        if p is C.aged_marks:  # and the ages it wrote
+            got, source, eager = (x + (y,) for x, y in zip((got, source, eager), aged))
+            np.testing.assert_array_equal(aged[0].numpy(), age.numpy() + 1)
         for g, s, e in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, source, eager))):
             assert g.dtype == s.dtype == e.dtype
             np.testing.assert_array_equal(g.numpy(), s.numpy())
@@ -122,12 +130,12 @@ def test_steady_steps_compile_nothing(compiling, monkeypatch):
     from torch._dynamo.utils import counters
 
     for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
-                 ENGINE_CASES["topk-reuse"]):
+                 ENGINE_CASES["topk-reuse"], ENGINE_CASES["topk-aggregate"]):
         simulate(make, True, monkeypatch, steps=2, ranks=2)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
-                 ENGINE_CASES["topk-reuse"]):
+                 ENGINE_CASES["topk-reuse"], ENGINE_CASES["topk-aggregate"]):
         simulate(make, True, monkeypatch, steps=3, ranks=2)
     assert counters["stats"]["unique_graphs"] == graphs
     sim = Simulator(2, TopK(0.03, dense_below=10))  # other sizes, two size groups of two rows each
