@@ -22,7 +22,7 @@ from hvd_compress.algorithms.checkpoint import check_state, plain_counts, state_
 from hvd_compress.algorithms.residual import TensorMemory
 from hvd_compress.algorithms.state import (ROUTE_REFERENCES, CompressorState, WireStats, check_one_state,
                                            pickled_by_horovod_broadcast, refused_broadcast, state_for_route)
-from hvd_compress.algorithms.validation import check_count, check_nonfinite, checked
+from hvd_compress.algorithms.validation import check_compile, check_count, check_nonfinite, checked
 
 
 def check_ratio(ratio: Any) -> float:
@@ -81,9 +81,18 @@ class Compressor:
         "allreduce) or 'raise' (the routes that own the step raise NonFiniteGradientError on every rank).",
     )
     _nonfinite = "propagate"
+    compile = checked(
+        "compile", check_compile,
+        "Whether the selection passes run compiled with torch.compile (kernels.torch_compiled): None (default: "
+        "as HVD_COMPRESS_COMPILE says, the CPU only unless it is set), True (on every device) or False "
+        "(eagerly, the same results). Read when a bucket's layout is first seen; a setting of this machine, not "
+        "part of config() (the ranks need not agree on it).",
+    )
+    _compile = None
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, compile: Optional[bool] = None) -> None:
         self.seed = check_count(seed, f"{type(self).__name__} seed")
+        self.compile = compile
         self.rank, self.size = 0, 1
         self.own_state = CompressorState()  # what a run accumulates, apart from the configuration
 
@@ -155,7 +164,8 @@ class Compressor:
         return fingerprint(self.config(), self.own_state if run is None else run, self.rank)
 
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "type")
+        options = {**self.config(), **({} if self.compile is None else {"compile": self.compile})}
+        params = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "type")
         return f"{type(self).__name__}({params})"
 
     # ------------------------------------------------------------- interface

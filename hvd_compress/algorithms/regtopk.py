@@ -45,10 +45,12 @@ class RegTopK(LargestScores, Sparsifier):
         indices: Optional[str] = None,
         exact_every: int = 1,
         traffic: Optional[float] = None,
+        compile: Optional[bool] = None,
     ) -> None:
         super().__init__(
             ratio,
             traffic=traffic,
+            compile=compile,
             error_feedback=error_feedback,
             dense_below=dense_below,
             dense_when_cheaper=dense_when_cheaper,

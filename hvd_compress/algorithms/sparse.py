@@ -131,8 +131,9 @@ class Sparsifier(Compressor):
         indices: Optional[str] = None,
         exact_every: int = 1,
         traffic: Optional[float] = None,
+        compile: Optional[bool] = None,
     ) -> None:
-        super().__init__(seed=seed)
+        super().__init__(seed=seed, compile=compile)
         if (ratio is None) == (traffic is None):
             raise TypeError(f"hvd_compress: {type(self).__name__} takes a density ratio or a traffic budget "
                             f"(traffic=, a fraction of a dense allreduce's bytes per rank), exactly one, got "

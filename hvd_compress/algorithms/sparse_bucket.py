@@ -56,7 +56,8 @@ class SparseBucketCodec:
         self.index_dtype = ops.index_dtype(layout.n_compressed + 1)
         #: the selections of the compressed part; unused slots point at the spare entry
         self.rows = bucket_rows(ops, [(g.start, g.rows, g.n, k(g.n), slots(g.n)) for g in groups],
-                                layout.like, spare=layout.n_compressed, tensors=added_order(layout))
+                                layout.like, spare=layout.n_compressed, tensors=added_order(layout),
+                                compile=compressor.compile)
         #: flags sent per step: one per compressed tensor, and a 0 for the spare entry, each added
         #: at the first work position of its tensor (the spare: its own)
         self.flag_count = sum(g.rows for g in groups) + self.spare

@@ -49,8 +49,9 @@ class TernGrad(Compressor):
         error_feedback: bool = False,
         dense_below: int = DENSE_BELOW,
         seed: int = 0,
+        compile: Optional[bool] = None,
     ) -> None:
-        super().__init__(seed=seed)
+        super().__init__(seed=seed, compile=compile)
         self.clip = clip
         self.scalar_sharing = scalar_sharing
         self.error_feedback = error_feedback

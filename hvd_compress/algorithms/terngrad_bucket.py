@@ -48,7 +48,7 @@ class TernaryBucketCodec:
         """Scales, codes, then the decode ``(sum over ranks, per-tensor flag of a non-finite tensor)``."""
         ops = layout.ops
         a = step.accumulated(g)
-        local, bound = ops.terngrad_bucket_scales(a, layout.groups, self.compressor.clip)
+        local, bound = ops.terngrad_bucket_scales(a, layout.groups, self.compressor.clip, self.compressor.compile)
         local = ops.cast(local, layout.acc)  # max|clip(g)| of every compressed tensor
         uniform = self._uniform(layout, a, step.run)
         sanitized = ops.nonfinite_to_zero(local)
@@ -85,7 +85,7 @@ class TernaryBucketCodec:
         """Codes drawn with ``scale`` (one per compressed tensor): the residual ``r = a - S t``, and their collective."""
         ops = layout.ops
         scale_a = ops.cast(scale, a.dtype)
-        codes = ops.terngrad_bucket_codes(a, layout.groups, bound, scale_a, uniform)
+        codes = ops.terngrad_bucket_codes(a, layout.groups, bound, scale_a, uniform, self.compressor.compile)
         if step.feedback:  # per group in place
             step.residual = ops.terngrad_bucket_residual(a, layout.groups, codes, scale_a)
         if self.wire_format == "allreduce":

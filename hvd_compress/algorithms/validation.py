@@ -35,6 +35,11 @@ def check_bool(value: Any, name: str) -> bool:
     return bool(value)
 
 
+def check_compile(value: Any, name: str) -> Optional[bool]:
+    """``None`` or a bool (see :attr:`~hvd_compress.algorithms.base.Compressor.compile`)."""
+    return None if value is None else check_bool(value, f"{name} (None: HVD_COMPRESS_COMPILE decides)")
+
+
 def check_count(value: Any, name: str) -> int:
     """``value`` as a non-negative int; bools, floats and negatives are rejected."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):

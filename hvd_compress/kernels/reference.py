@@ -610,10 +610,11 @@ def uniform_into(rng: np.random.Generator, out: np.ndarray) -> np.ndarray:
     return rng.random(out.shape[0], dtype=np.float32, out=out)
 
 
-def terngrad_bucket_scales(a: np.ndarray, groups, clip):
+def terngrad_bucket_scales(a: np.ndarray, groups, clip, compile=None):
     """Per row of ``groups`` (views of ``a``): ``(max|clip(a)|, clipping bound or None)`` in ``a``'s
     dtype, the clipping bound ``c std`` (TernGrad's, Wen et al. 2017, section 3.3), +Inf where the row is
-    left as it is (``std = 0`` or a constant row: clipping would erase it)."""
+    left as it is (``std = 0`` or a constant row: clipping would erase it). ``compile``: torch's option
+    (numpy compiles nothing)."""
     rows_of = [row for grp in groups for row in grp.view(a)]
     largest = np.array([np.max(np.abs(row)) for row in rows_of], dtype=a.dtype)
     if clip is None:
@@ -625,8 +626,10 @@ def terngrad_bucket_scales(a: np.ndarray, groups, clip):
     return np.minimum(largest, bound), bound
 
 
-def terngrad_bucket_codes(a: np.ndarray, groups, bound, scale: np.ndarray, uniform: np.ndarray) -> np.ndarray:
-    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``)."""
+def terngrad_bucket_codes(a: np.ndarray, groups, bound, scale: np.ndarray, uniform: np.ndarray,
+                          compile=None) -> np.ndarray:
+    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``); ``compile``: torch's
+    option (numpy compiles nothing)."""
     ratio = np.abs(a)  # S = 0: |a| = 0 / 0 is NaN, no code
     for grp in groups:
         view = grp.view(ratio)

@@ -68,11 +68,13 @@ class Rows:
     position ``start``, each selecting ``k`` entries into ``width`` slots (Top-k: ``k``;
     Gaussian-k: ``floor(4k/3)``), the groups' slots one after the other; unused slots hold
     the work position ``spare``. ``device``: the host's (numpy has no other). ``tensors``
-    (see :func:`row_order`): each row's label, in the order the tensors were added.
+    (see :func:`row_order`): each row's label, in the order the tensors were added. ``compile``: numpy
+    compiles nothing (torch's :class:`~hvd_compress.kernels.torch_rows.Rows` takes it).
     """
 
     def __init__(self, groups: Sequence[Tuple[int, int, int, int, int]], device: None = None,
-                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
+                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None,
+                 compile: Optional[bool] = None) -> None:
         self.groups = [tuple(int(x) for x in g) for g in groups]
         self.spare = spare
         widths = [width for _, count, _, _, width in self.groups for _ in range(count)]

@@ -652,9 +652,9 @@ def scale_rows(groups, values, scale, dtype, numel: int) -> tf.Tensor:
     return tf.cast(values, dtype) * _per_entry(tf.cast(scale, dtype), groups, numel)
 
 
-def terngrad_bucket_scales(a, groups, clip):
+def terngrad_bucket_scales(a, groups, clip, compile=None):
     """Per row: ``(max|clip(a)|, clipping bound or None)`` as :func:`reference.terngrad_bucket_scales` gives
-    them (the bound +Inf where the row is left as it is)."""
+    them (the bound +Inf where the row is left as it is); ``compile``: torch's option."""
     rows = _rows(a, groups)
     largest = tf.stack([tf.reduce_max(tf.abs(row)) for row in rows])
     if clip is None:
@@ -666,8 +666,9 @@ def terngrad_bucket_scales(a, groups, clip):
     return tf.minimum(largest, bound), bound
 
 
-def terngrad_bucket_codes(a, groups, bound, scale, uniform) -> tf.Tensor:
-    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``)."""
+def terngrad_bucket_codes(a, groups, bound, scale, uniform, compile=None) -> tf.Tensor:
+    """:func:`terngrad_codes` of every row, each with its ``scale`` (and clipping ``bound``); ``compile``: torch's
+    option."""
     magnitude = tf.abs(a)
     if bound is not None:
         magnitude = tf.minimum(magnitude, _per_entry(bound, groups, a.shape[0]))

@@ -37,7 +37,8 @@ class Rows(reference_rows.Rows):
     where :attr:`slot_row` is made and the selections create their tensors."""
 
     def __init__(self, groups: Sequence[Tuple[int, int, int, int, int]], device: Optional[str] = None,
-                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
+                 spare: Optional[int] = None, tensors: Optional[Sequence[Tuple[int, Any]]] = None,
+                 compile: Optional[bool] = None) -> None:
         super().__init__(groups, spare=spare, tensors=tensors)
         self.device = device
         self.row_width = [width for _, count, _, _, width in self.groups for _ in range(count)]

@@ -23,7 +23,8 @@ The results are integers, maxima and IEEE operations in the same order (inductor
 the sums (Gaussian-k's moments, TernGrad's std) may round differently, within float rounding, as a
 row-wise reduction does from one tensor's: a threshold between two neighbouring floats can move.
 
-Where it runs compiled (:func:`enabled`): ``HVD_COMPRESS_COMPILE`` = ``1`` (every device), ``0``
+Where it runs compiled (:func:`enabled`): as a compressor's ``compile`` option says where it is set (``True``:
+every device, ``False``: nowhere), else ``HVD_COMPRESS_COMPILE`` = ``1`` (every device), ``0``
 (nowhere), or unset / ``auto``: on the CPU, where it is measured faster (``python -m benchmarks
 select``), not on CUDA until a GPU run shows it faster there. Shapes are dynamic (one compile per
 function, plus one for single-row groups: torch specialises sizes 0 and 1), so a new layout does
@@ -50,11 +51,14 @@ _ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 _broken = False
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether passes on ``device`` run compiled (module docstring); ``ValueError`` for a value of
-    ``HVD_COMPRESS_COMPILE`` that is none of the above."""
+def enabled(device: torch.device, compile: Optional[bool] = None) -> bool:
+    """Whether passes on ``device`` run compiled: ``compile`` where it is a bool (a compressor's option), else as
+    ``HVD_COMPRESS_COMPILE`` says (module docstring); never once a compilation failed. ``ValueError`` for a
+    value of ``HVD_COMPRESS_COMPILE`` that is none of the above."""
+    if _broken or compile is not None:
+        return bool(compile) and not _broken
     value = os.environ.get(COMPILE_ENV, "").strip().lower()
-    if value in _OFF or _broken:
+    if value in _OFF:
         return False
     if value in _ON:
         return True
@@ -79,9 +83,10 @@ class Pass:
         self.fn, self.eager, self.compiled = fn, eager or fn, None
         self.__doc__, self.__name__ = fn.__doc__, fn.__name__
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, compile: Optional[bool] = None) -> Any:
+        """``compile``: the caller's choice (a compressor's option), else :func:`enabled` decides."""
         global _broken
-        if not enabled(args[0].device):
+        if not enabled(args[0].device, compile):
             return self.eager(*args)
         try:
             if self.compiled is None:

@@ -66,13 +66,15 @@ _NUMPY_DTYPES = {
 float16, float32, float64, int16, int64 = torch.float16, torch.float32, torch.float64, torch.int16, torch.int64
 
 #: CPU tensors take the host's shortcuts (numpy's selection and buffers, reused host buffers, host
-#: reads, which cost nothing there); :func:`accelerator_path` turns them off.
-_host_shortcuts = True
+#: reads, which cost nothing there) unless an :func:`accelerator_path` block is open: how many are, in any
+#: thread (a count, so that blocks of several threads ending in any order leave the shortcuts on)
+_accelerator_blocks = 0
+_blocks_lock = threading.Lock()
 
 
 def on_host(a: torch.Tensor) -> bool:
     """Whether ``a`` takes the CPU's shortcuts: on the CPU, outside :func:`accelerator_path`."""
-    return _host_shortcuts and a.device.type == "cpu"
+    return not _accelerator_blocks and a.device.type == "cpu"
 
 
 @contextlib.contextmanager
@@ -82,23 +84,27 @@ def accelerator_path() -> Iterator[None]:
     What a trace of the block sees (``python -m benchmarks trace``) is then what a GPU
     would launch: the kernels and the bytes of the device code path, without a GPU.
     """
-    global _host_shortcuts
-    saved, _host_shortcuts = _host_shortcuts, False
+    global _accelerator_blocks
+    with _blocks_lock:
+        _accelerator_blocks += 1
     try:
         yield
     finally:
-        _host_shortcuts = saved
+        with _blocks_lock:
+            _accelerator_blocks -= 1
 
 
 #: the float dtypes the host's selections and the compiled passes take (numpy's, for samples and limits)
 HOST_FLOATS = (torch.float32, torch.float64)
 
 
-def compiled_here(a: torch.Tensor) -> bool:
+def compiled_here(a: torch.Tensor, compile: Optional[bool] = None) -> bool:
     """Whether the fused passes of :mod:`~hvd_compress.kernels.torch_compiled` run on ``a`` compiled: where
-    compiling is on for its device, on the CPU outside :func:`accelerator_path` (whose trace shows what
-    a GPU launches, by default uncompiled), and for the float dtypes the host's kernels take."""
-    return (on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device) and a.dtype in HOST_FLOATS
+    compiling is on for its device (``compile``, a compressor's option, else ``HVD_COMPRESS_COMPILE``), on the
+    CPU outside :func:`accelerator_path` (whose trace shows what a GPU launches, by default uncompiled), and
+    for the float dtypes the host's kernels take."""
+    return ((on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device, compile)
+            and a.dtype in HOST_FLOATS)
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -119,7 +125,7 @@ def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     (numpy asks for transparent huge pages, ``madvise``, whose compaction can stall; torch's CPU
     allocator faults 4 KiB at a time): more than a pass over the data. Reused buffers cost none.
     """
-    if _host_shortcuts and device.type == "cpu" and dtype in _NUMPY_DTYPES:
+    if not _accelerator_blocks and device.type == "cpu" and dtype in _NUMPY_DTYPES:
         return torch.from_numpy(HOST_BUFFERS.take(numel, _NUMPY_DTYPES[dtype]))
     return torch.empty(numel, dtype=dtype, device=device)
 
@@ -603,15 +609,15 @@ def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
     return torch.rand(out.shape[0], generator=rng, dtype=torch.float32, device=out.device, out=out)
 
 
-def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
+def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compile: Optional[bool] = None):
     """One ``aminmax`` (and ``std``) per group: ``clip(g) = clamp(g, -b, b)`` is monotone, so
     ``max|clip(g)| = min(max(-min g, max g), b)`` exactly; ``b = c std(g)``, +Inf where ``b = 0``
     or ``g`` is constant (no clipping). Where passes are compiled (:func:`compiled_here`), one
-    :func:`~hvd_compress.kernels.torch_compiled.ternary_scales` per group."""
-    if compiled_here(a) and clip is None:
-        return torch.cat([compiled.largest_magnitudes(grp.view(a)) for grp in groups]), None
-    if compiled_here(a):
-        scales = [compiled.ternary_scales(grp.view(a), float(clip)) for grp in groups]
+    :func:`~hvd_compress.kernels.torch_compiled.ternary_scales` per group (``compile``: the compressor's option)."""
+    if compiled_here(a, compile) and clip is None:
+        return torch.cat([compiled.largest_magnitudes(grp.view(a), compile=True) for grp in groups]), None
+    if compiled_here(a, compile):
+        scales = [compiled.ternary_scales(grp.view(a), float(clip), compile=True) for grp in groups]
         return torch.cat([s[0] for s in scales]), torch.cat([s[1] for s in scales])
     extremes = [torch.aminmax(grp.view(a), dim=1) for grp in groups]
     low, high = torch.cat([e[0] for e in extremes]), torch.cat([e[1] for e in extremes])
@@ -625,16 +631,18 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float]):
 
 
 def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
-                          uniform: torch.Tensor) -> torch.Tensor:
+                          uniform: torch.Tensor, compile: Optional[bool] = None) -> torch.Tensor:
     """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``; ``|clip(g)| = min(|g|, b)`` and ``clip``
     keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
     ``minimum`` (NaN included), in place without an ``out`` argument. Where passes are compiled
-    (:func:`compiled_here`), one :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
-    if compiled_here(a):
+    (:func:`compiled_here`; ``compile``: the compressor's option), one
+    :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
+    if compiled_here(a, compile):
         codes = _empty(a.shape[0], torch.int8, a.device)
         for grp in groups:
             limit = grp.column(bound) if bound is not None else torch.full((grp.rows, 1), torch.inf, dtype=a.dtype)
-            grp.view(codes).copy_(compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale)))
+            grp.view(codes).copy_(compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale),
+                                                         compile=True))
         return codes
     ratio = torch.abs(a)
     for grp in groups:

@@ -111,14 +111,17 @@ class Rows:
     slots (Top-k: ``k``; Gaussian-k: ``floor(4k/3)``); the groups' slots follow each other in
     order. ``spare`` is the work position unused slots hold (Gaussian-k). ``tensors``
     (:func:`~hvd_compress.kernels.reference_rows.row_order`): each row's label, in the order the
-    tensors were added (:meth:`each`). Built once per layout: the index tensors the selections
+    tensors were added (:meth:`each`). ``compile``: whether the passes of the CPU's way run compiled (``None``:
+    as :func:`~hvd_compress.kernels.torch_compiled.enabled` says). Built once per layout: the index tensors the selections
     need are made here, on ``device``, and the selections reuse one scratch buffer of marks.
     """
 
     def __init__(self, groups: Sequence[Group], device, spare: Optional[int] = None,
-                 tensors: Optional[Sequence[Tuple[int, Any]]] = None) -> None:
+                 tensors: Optional[Sequence[Tuple[int, Any]]] = None, compile: Optional[bool] = None) -> None:
         self.groups = [tuple(int(x) for x in g) for g in groups]
         self.device, self.spare = torch.device(device), spare
+        #: whether the passes run compiled (``None``: :func:`~hvd_compress.kernels.torch_compiled.enabled`)
+        self.compile = compile
         #: the rows in the order :meth:`each` visits them
         self.order = row_order(self.groups, tensors)
         self.row_ranges: List[Tuple[int, int]] = []
@@ -239,7 +242,7 @@ class Rows:
         the marks are in index order); a row with fewer, whole."""
         parts, top = [], []
         for start, view, k, _, _, _ in self._views(scores):
-            marks, largest = compiled.marks_and_largest(view, sampled_limit(view, k))
+            marks, largest = compiled.marks_and_largest(view, sampled_limit(view, k), compile=self.compile)
             top.append(largest)
             n = view.shape[1]
             marked = np.flatnonzero(marks.view(torch.bool).numpy())
@@ -270,7 +273,8 @@ class Rows:
         for (start, view, k, _, _, _), (_, rates, *_), (_, ages, *_), (_, grown, *_) in views:
             step = sample_step(view.shape[1])
             sample = rates[:, ::step] * (ages[:, ::step] + one)
-            marks, largest = compiled.aged_marks(view, rates, ages, grown, sampled_limit(rates, k, sample))
+            marks, largest = compiled.aged_marks(view, rates, ages, grown, sampled_limit(rates, k, sample),
+                                                  compile=self.compile)
             probe.append(largest)
             parts += self._marked_topk(marks, k, start, lambda i, at: rates[i].index_select(0, at) * grown[i].index_select(0, at),
                                        lambda i: rates[i] * grown[i])
@@ -298,7 +302,8 @@ class Rows:
         Phi^-1(1 - ratio / 2)``, the moments reduced in ``a``'s dtype (as
         :func:`torch_ops.gaussiank_thresholds`; compiled, :func:`~hvd_compress.kernels.torch_compiled.moments`,
         within float rounding of it)."""
-        std_mean = compiled.moments if ops.compiled_here(a) else functools.partial(torch.std_mean, dim=1, correction=0)
+        std_mean = compiled.moments if ops.compiled_here(a, self.compile) else functools.partial(torch.std_mean, dim=1,
+                                                                                                  correction=0)
         moments = [std_mean(view) for _, view, *_ in self._views(a)]
         both = torch.empty(2 * self.count, dtype=torch.float64, device=a.device)
         std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments], out=both).view(2, -1)
@@ -420,7 +425,8 @@ class Rows:
         for start, view, k, width, (r0, r1), (lo, _) in self._views(magnitude):
             stride, bounds, n = stride_of(k) if stride_of else 1, bounds_of(k), view.shape[1]
             limits = _limits(chosen[r0:r1, None] * np.asarray(reference.GAUSSIANK_FACTORS), view.dtype)
-            counts = compiled.counts_above(view[:, ::stride] if stride > 1 else view, limits).numpy() * stride
+            counts = compiled.counts_above(view[:, ::stride] if stride > 1 else view, limits, compile=self.compile)
+            counts = counts.numpy() * stride
             take, limit = np.full(r1 - r0, width), np.full(r1 - r0, np.inf)
             for i in range(r1 - r0):
                 first_i = float(chosen[r0 + i])
@@ -428,7 +434,8 @@ class Rows:
                     at = {first_i * f: c for f, c in zip(reference.GAUSSIANK_FACTORS, counts[i])}
                     chosen[r0 + i], cut = reference.threshold_choice(at.__getitem__, first_i, *bounds)
                     take[i], limit[i] = k if cut else width, chosen[r0 + i]
-            marks = compiled.marks_above(view, _limits(limit[:, None], view.dtype)).view(torch.bool).numpy()
+            marks = compiled.marks_above(view, _limits(limit[:, None], view.dtype), compile=self.compile)
+            marks = marks.view(torch.bool).numpy()
             marked = np.flatnonzero(marks)
             edges = np.searchsorted(marked, np.arange(r1 - r0 + 1) * n)
             for i in range(r1 - r0):

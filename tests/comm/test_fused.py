@@ -459,3 +459,16 @@ def test_a_bucket_of_several_dtypes_is_a_fused_bucket_per_dtype(framework):
                 assert type(got) is type(expected[name]) and np.dtype(got.dtype.name if framework == "tensorflow"
                                                                       else got.dtype) == dtype, name
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(expected[name]), err_msg=f"{step} {name}")
+
+
+def test_accelerator_blocks_of_several_threads_end_in_any_order():
+    """Rank threads open and close ``accelerator_path`` blocks in any order: the CPU's way is off while one
+    is open and on again once all have closed."""
+    a = torch.zeros(3)
+    first, second = torch_ops.accelerator_path(), torch_ops.accelerator_path()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not torch_ops.on_host(a)
+    second.__exit__(None, None, None)
+    assert torch_ops.on_host(a)

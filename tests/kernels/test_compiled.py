@@ -170,6 +170,50 @@ def test_the_switch(monkeypatch, value, cpu, cuda):
     assert (C.enabled(torch.device("cpu")), C.enabled(torch.device("cuda"))) == (cpu, cuda)
 
 
+@pytest.mark.parametrize("switch, option", [("1", False), ("0", True)])
+def test_the_compressor_option_overrides_the_switch(monkeypatch, switch, option):
+    """``compile=False`` runs every pass eagerly where ``HVD_COMPRESS_COMPILE=1``, ``compile=True`` compiled
+    where it is 0: the same averages and residuals, bit for bit (Top-k's, the aggregate rule's and unclipped
+    TernGrad's passes: no reordered sums)."""
+    compiled_calls, compile_now = [], torch.compile
+
+    def recorded(fn, **options):
+        run = compile_now(fn, **options)
+        return lambda *args: compiled_calls.append(fn.__name__) or run(*args)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    for p in (C.marks_and_largest, C.aged_marks, C.counts_above, C.marks_above, C.moments, C.ternary_scales,
+              C.ternary_codes, C.largest_magnitudes):
+        monkeypatch.setattr(p, "compiled", None)  # compiled again, through ``recorded``
+    for kind in ("topk", "topk-aggregate", "terngrad", "topk-reuse"):
+        with_option = ENGINE_CASES[kind]
+
+        def make(with_option=with_option):
+            compressor = with_option()
+            compressor.compile = option
+            return compressor
+
+        compiled_calls.clear()
+        got = simulate(make, switch == "1", monkeypatch, steps=3, ranks=2)
+        assert bool(compiled_calls) == option, kind
+        want = simulate(with_option, option, monkeypatch, steps=3, ranks=2)
+        for (avg_g, res_g, bytes_g), (avg_w, res_w, bytes_w) in zip(got, want):
+            assert bytes_g == bytes_w
+            for name in avg_w:
+                np.testing.assert_array_equal(avg_g[name], avg_w[name], err_msg=f"{kind} {name}")
+
+
+def test_the_compressor_option_is_checked_and_not_agreed_on():
+    assert TopK(0.1, compile=False).compile is False and TernGrad().compile is None
+    assert "compile=True" in repr(RegTopK(0.1, compile=True))
+    assert TopK(0.1, compile=True).config() == TopK(0.1).config()  # a machine's setting, not the ranks' header
+    with pytest.raises(TypeError, match="compile"):
+        GaussianK(0.1, compile="yes")
+    compressor = TopK(0.1)
+    with pytest.raises(TypeError, match="compile"):
+        compressor.compile = 1
+
+
 def test_a_bad_switch_value_is_an_error(monkeypatch):
     monkeypatch.setenv(C.COMPILE_ENV, "sometimes")
     with pytest.raises(ValueError, match="HVD_COMPRESS_COMPILE"):
