@@ -16,9 +16,10 @@ python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] 
                                  [--train-size N] [--test-size N] [--quick] [--figure curves|frontier]
                                  [--out results] [--name STEM]
 python -m benchmarks convergence --merge A.json,B.json [--figure frontier] [--out results] [--name STEM]
-python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4] [--compressor topk]
-                                      [--ratio 0.01] [--variant mc+warmup] [--train-size N] [--epochs E]
-                                      [--out results] [--name STEM]
+python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4]
+                                      [--runs dense,fp16,compressor,aggregate,traffic,auto] [--compressor topk]
+                                      [--ratio 0.01] [--variant mc+warmup] [--aggregate-ratio 0.08]
+                                      [--traffic 0.04] [--train-size N] [--epochs E] [--out results] [--name STEM]
 python -m benchmarks select [--device cuda|cpu] [--sizes 11.7M,25.6M] [--ratios 0.01,0.001] [--repeats 20]
                            [--rows topk/eager,topk/compiled,...] [--code-path route|accelerator] [--out results]
                            [--name select]
@@ -186,11 +187,13 @@ def _time_to_accuracy(args: argparse.Namespace) -> int:
     from benchmarks import time_to_accuracy
 
     names = ("data", "data_dir", "model", "train_size", "test_size", "epochs", "lr", "lr_schedule", "momentum",
-             "compressor", "ratio", "variant", "warmup_epochs", "warmup_start", "evals_per_epoch", "seed")
-    training = time_to_accuracy.Training(batch_per_rank=args.batch_size, **{n: getattr(args, n) for n in names})
+             "compressor", "ratio", "variant", "aggregate_ratio", "traffic", "warmup_epochs", "warmup_start",
+             "evals_per_epoch", "seed")
+    training = time_to_accuracy.Training(batch_per_rank=args.batch_size, configurations=args.runs,
+                                         **{n: getattr(args, n) for n in names})
     print(
-        f"Time to accuracy: {args.model} on {args.data}, {args.ranks} processes, {args.epochs} epochs; dense, "
-        f"{training.label(args.compressor)} and Auto of it; {_where(args)}"
+        f"Time to accuracy: {args.model} on {args.data}, {args.ranks} processes, {args.epochs} epochs; "
+        f"{', '.join(training.label(c) for c in training.runs())}; {_where(args)}"
     )
     return _on_ranks(
         time_to_accuracy.run,
@@ -206,14 +209,24 @@ def _time_to_accuracy(args: argparse.Namespace) -> int:
     )
 
 
+def _time_to_accuracy_runs(text: str) -> Any:
+    from benchmarks.time_to_accuracy import check_runs
+
+    try:
+        return check_runs(_names(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def _add_time_to_accuracy(commands: Any) -> None:
     from benchmarks.convergence import MODELS, VARIANTS
     from benchmarks.datasets import DATASETS
-    from benchmarks.time_to_accuracy import Training
+    from benchmarks.time_to_accuracy import RUNS, TRAFFIC_WARMUP_START, Training
 
     d = Training()
     p = commands.add_parser(
-        "time-to-accuracy", help="training time to a target accuracy over emulated links: dense, a compressor, Auto"
+        "time-to-accuracy",
+        help="training time to a target accuracy over emulated links: dense, fp16, sparsifiers, a traffic budget, Auto"
     )
     _add_link(p, rates="emulated link rates",
               none="plain processes on localhost, no root needed (default emulated: ci/netns_cluster.sh, root)")
@@ -229,11 +242,25 @@ def _add_time_to_accuracy(commands: Any) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help=f"SGD step size ({d.lr})")
     _add_lr_schedule(p, d.lr_schedule)
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD's momentum, or the compressor's with mc")
+    p.add_argument("--runs", type=_time_to_accuracy_runs, default=d.configurations, metavar="NAME,...",
+                   help=f"of {','.join(RUNS)}, in this order, dense among them (default {','.join(d.configurations)}). "
+                        "dense: fp32 allreduce, SGD with momentum; fp16: FP16, the allreduce in float16, SGD with "
+                        "momentum; compressor: --compressor at --ratio in --variant; aggregate: the same with "
+                        "indices='aggregate' at --aggregate-ratio; traffic: TopK(traffic=--traffic, momentum="
+                        f"--momentum) with a warm-up from {TRAFFIC_WARMUP_START:.0%} of dense's traffic, SGD without "
+                        "momentum (the README's recommended setting); auto: Auto of the compressor run")
     p.add_argument("--compressor", default=d.compressor, help=f"topk, gaussiank or regtopk ({d.compressor})")
     _add_ratio(p)
-    p.add_argument("--variant", choices=tuple(VARIANTS), default=d.variant, help=f"({d.variant})")
+    p.add_argument("--variant", choices=tuple(VARIANTS), default=d.variant,
+                   help=f"of the compressor, aggregate and auto runs ({d.variant})")
+    p.add_argument("--aggregate-ratio", type=float, default=d.aggregate_ratio,
+                   help=f"density of the aggregate run ({d.aggregate_ratio})")
+    p.add_argument("--traffic", type=float, default=d.traffic,
+                   help=f"the traffic run's budget, a fraction of a dense fp32 allreduce's bytes per rank "
+                        f"({d.traffic})")
     p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help=f"({d.warmup_epochs})")
-    p.add_argument("--warmup-start", type=float, default=d.warmup_start, help=f"({d.warmup_start})")
+    p.add_argument("--warmup-start", type=float, default=d.warmup_start,
+                   help=f"warm-up start density of the compressor, aggregate and auto runs ({d.warmup_start})")
     p.add_argument("--evals-per-epoch", type=int, default=d.evals_per_epoch, help=f"({d.evals_per_epoch})")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--target-gap", type=float, default=0.5,

@@ -172,6 +172,9 @@ class Run:
     rank: Optional[int] = None
     #: PowerSGD's start_powerSGD_iter when given (``--powersgd-start``; None: the warm-up's steps)
     start: Optional[int] = None
+    #: a sparsifier's traffic budget (``traffic=``, a fraction of a dense fp32 allreduce's bytes per rank) in place
+    #: of ``ratio``; ``indices`` is then its rule (``auto``: picked from the number of ranks)
+    traffic: Optional[float] = None
 
     @property
     def momentum_correction(self) -> bool:
@@ -183,11 +186,12 @@ class Run:
 
     @property
     def label(self) -> str:
-        """``dense``, ``fp16``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``, ``powersgd rank 2``,
-        ``terngrad``."""
+        """``dense``, ``fp16``, ``top-k 1%``, ``top-k 1% +warm-up``, ``top-k 1% +mc +warm-up``,
+        ``top-k traffic 0.04 +mc +warm-up [auto]``, ``powersgd rank 2``, ``terngrad``."""
         if self.name == "powersgd":
             return f"powersgd rank {self.rank}" + ("" if self.start is None else f" from step {self.start}")
-        label = cnn.label(self.name, self.ratio) + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
+        label = cnn.label(self.name, self.ratio) + (f" traffic {self.traffic:g}" if self.traffic is not None else "")
+        label += " +mc" * self.momentum_correction + " +warm-up" * self.warmup
         label += f" [{self.indices}]" if self.indices != "gather" else ""
         return label + (f" [exact every {self.exact_every}]" if self.exact_every > 1 else "")
 
@@ -195,11 +199,12 @@ class Run:
         """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
         if self.name == "terngrad-ef":
             return Compression.terngrad(error_feedback=True)
-        if not self.ratio:
+        if not (self.ratio or self.traffic):
             return Compression.by_name(self.name)
         return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0,
-                                   indices=self.indices, **({"exact_every": self.exact_every}
-                                                            if self.exact_every > 1 else {}))
+                                   indices=self.indices,
+                                   **({"exact_every": self.exact_every} if self.exact_every > 1 else {}),
+                                   **({"traffic": self.traffic} if self.traffic is not None else {}))
 
 
 def plan(
