@@ -38,6 +38,7 @@ python -m benchmarks train-step [--model mlp] [--device cpu] [--steps 25] [--war
                                 [--json FILE] [--plot FILE]
 python -m benchmarks tf-step [--models mlp,cnn] [--rows dense,...] [--steps 10] [--rounds 3] [--one-by-one]
                              [--baseline JSON] [--out results]
+python -m benchmarks tf-xla [--sizes 11.7M,25.6M] [--repeats 9] [--out results]
 """
 
 from __future__ import annotations
@@ -830,9 +831,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_out(scaling, "scaling", _bench_scaling)
     _add_train_step(commands)
 
-    from benchmarks import tf_step  # imports neither TensorFlow nor Horovod until it runs
+    from benchmarks import tf_step, tf_xla  # import neither TensorFlow nor Horovod until they run
 
     tf_step.add_command(commands, _add_out, _wrote)
+    tf_xla.add_command(commands, _add_out, _wrote)
     return parser
 
 
