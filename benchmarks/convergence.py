@@ -615,23 +615,35 @@ def plot_panel(ax: Any, rows: Sequence[Dict[str, Any]]) -> None:
 
 # --------------------------------------------------------------------- merge
 #: Settings the studies of a merge must share: the same protocol, data and seeds.
-SHARED_SETTINGS = ("ranks", "epochs", "batch_per_rank", "lr", "momentum", "warmup_epochs", "warmup_start",
-                   "lr_schedule", "global_batch", "steps", "seeds", "data", "target_gap_points")
+SHARED_SETTINGS = ("ranks", "epochs", "batch_per_rank", "lr", "momentum", "lr_schedule", "global_batch", "steps",
+                   "seeds", "data", "target_gap_points")
+#: Settings of the warm-up, shared by the parts whose rows run one (a density warm-up, or PowerSGD's dense
+#: steps when they default to the warm-up's): dense, fp16 or PowerSGD from a given step do not depend on them.
+WARMUP_SETTINGS = ("warmup_epochs", "warmup_start")
+
+
+def uses_warmup(part: Dict[str, Any]) -> bool:
+    """Whether a study's rows depend on its :data:`WARMUP_SETTINGS`."""
+    default_start = part["settings"].get("powersgd_start") is None
+    return any(row.get("warmup") or (row["compressor"] == "powersgd" and default_start) for row in part["rows"])
 
 
 def merge(parts: Sequence[Dict[str, Any]], sources: Optional[Sequence[str]] = None) -> Dict[str, Any]:
-    """One study of the rows of ``parts`` (studies of the same :data:`SHARED_SETTINGS`, a ``ValueError``
-    otherwise): per model dense first, then the rows in the parts' order, a (model, label) once (the
+    """One study of the rows of ``parts`` (studies of the same :data:`SHARED_SETTINGS`, and of the same
+    :data:`WARMUP_SETTINGS` among those whose rows use them: a ``ValueError`` otherwise): per model dense first, then the rows in the parts' order, a (model, label) once (the
     first); the gaps to dense recomputed against the merged dense row; ratios, variants, index modes,
     spacings and models the union; ``parts`` records each source's labels and wall time."""
     if not parts:
         raise ValueError("nothing to merge")
     first = parts[0]["settings"]
+    warming = [part["settings"] for part in parts if uses_warmup(part)] or [first]
     for part in parts[1:]:
-        differ = [key for key in SHARED_SETTINGS if part["settings"].get(key) != first.get(key)]
+        keys = SHARED_SETTINGS + (WARMUP_SETTINGS if uses_warmup(part) else ())
+        differ = [key for key in keys if part["settings"].get(key) != (warming[0] if key in WARMUP_SETTINGS
+                                                                         else first).get(key)]
         if differ:
             raise ValueError(f"the studies differ in {', '.join(differ)}: merge runs of one protocol only")
-    settings = dict(first)
+    settings = {**first, **{key: warming[0].get(key) for key in WARMUP_SETTINGS}}
     for key in ("ratios", "variants", "indices", "exact_every"):
         settings[key] = list(dict.fromkeys(v for part in parts for v in part["settings"].get(key, [])))
     settings["models"] = {m: d for part in parts for m, d in part["settings"]["models"].items()}

@@ -92,3 +92,26 @@ def test_merge(tmp_path, capsys):
     assert convergence.powersgd_starts(both) == "4 / 10"
     dense["settings"]["powersgd"] = {"start_powerSGD_iter": 4}
     assert convergence.merge([sparse, dense])["settings"]["powersgd"] == {"start_powerSGD_iter": 4}
+
+
+def test_merge_asks_for_one_warm_up_only_of_the_parts_that_run_one(tmp_path):
+    """A part of dense and fp16 rows merges with one whose sparsifier warms up from elsewhere (its warm-up
+    settings are the merge's); two parts whose warm-ups differ, or PowerSGD starting at the warm-up's end
+    beside a warm-up of another length, do not."""
+    warm = run(tmp_path, "warm", "--compressors", "topk", "--ratios", "0.01", "--variants", "mc+warmup",
+               "--warmup-start", "0.1", "--seeds", "0")
+    dense = run(tmp_path, "dense", "--compressors", "none,fp16", "--seeds", "0")
+    assert dense["settings"]["warmup_start"] == 0.25 and not convergence.uses_warmup(dense)
+    merged = convergence.merge([dense, warm])
+    assert merged["settings"]["warmup_start"] == 0.1 and [r["label"] for r in merged["rows"]] == [
+        "dense", "fp16", "top-k 1% +mc +warm-up"]
+    other = json.loads(json.dumps(warm))
+    other["settings"]["warmup_start"] = 0.25
+    with pytest.raises(ValueError, match="differ in warmup_start"):
+        convergence.merge([dense, warm, other])
+    psgd = json.loads(json.dumps(dense))
+    psgd["rows"][1]["compressor"] = "powersgd"  # PowerSGD from the warm-up's end (no --powersgd-start)
+    with pytest.raises(ValueError, match="differ in warmup_start"):
+        convergence.merge([warm, psgd])
+    psgd["settings"]["powersgd_start"] = 10
+    assert convergence.merge([warm, psgd])["settings"]["warmup_start"] == 0.1
