@@ -236,26 +236,20 @@ class Rows:
 
     def _topk_host(self, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """The CPU's Top-k: per group one pass marks the scores above each row's :func:`sampled_limit` and
-        finds each row's largest (:func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`); a row
-        with at least ``k`` marks holds its ``k`` largest among them (every entry tied with the k-th largest
-        lies above the limit), selected there by :func:`torch_ops.topk_indices` (ties to the lower index:
-        the marks are in index order); a row with fewer, whole."""
+        finds each row's largest (:func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`), then each
+        row's ``k`` largest among its marked few (:meth:`_marked_topk`)."""
         parts, top = [], []
         for start, view, k, _, _, _ in self._views(scores):
             marks, largest = compiled.marks_and_largest(view, sampled_limit(view, k), compile=self.compile)
             top.append(largest)
-            n = view.shape[1]
-            marked = np.flatnonzero(marks.view(torch.bool).numpy())
-            edges = np.searchsorted(marked, np.arange(view.shape[0] + 1) * n)
-            for i, (row, nan) in enumerate(zip(view, torch.isnan(largest).numpy())):
-                mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
-                if nan:  # NaN, which the reference never ranks: the accelerator's way ranks it above +Inf
-                    chosen = Rows([(0, 1, n, k, k)], row.device).topk(row, host=False)[0]
-                elif mine.shape[0] >= k:
-                    chosen = mine.index_select(0, ops.topk_indices(row.index_select(0, mine), k).long())
-                else:  # the sample's limit was too high (or the row has fewer than k entries above 0)
-                    chosen = ops.topk_indices(row, k)
-                parts.append(chosen.long() + (start + i * n))
+            nan = torch.isnan(largest).numpy()
+
+            def alone(i: int, view: torch.Tensor = view, k: int = k, nan: np.ndarray = nan) -> Optional[torch.Tensor]:
+                """A row holding NaN, which the reference never ranks: the accelerator's way ranks it above +Inf."""
+                return Rows([(0, 1, view.shape[1], k, k)], view.device).topk(view[i], host=False)[0] if nan[i] else None
+
+            parts += self._marked_topk(marks, k, start, lambda i, at, view=view: view[i].index_select(0, at),
+                                       lambda i, view=view: view[i], alone)
         return torch.cat(parts), torch.cat(top)
 
     def aged_topk(self, rate: torch.Tensor, age: torch.Tensor, a: torch.Tensor,
@@ -276,23 +270,29 @@ class Rows:
             marks, largest = compiled.aged_marks(view, rates, ages, grown, sampled_limit(rates, k, sample),
                                                   compile=self.compile)
             probe.append(largest)
-            parts += self._marked_topk(marks, k, start, lambda i, at: rates[i].index_select(0, at) * grown[i].index_select(0, at),
-                                       lambda i: rates[i] * grown[i])
+            parts += self._marked_topk(marks, k, start,
+                                       lambda i, at, rates=rates, grown=grown: (rates[i].index_select(0, at)
+                                                                                * grown[i].index_select(0, at)),
+                                       lambda i, rates=rates, grown=grown: rates[i] * grown[i])
         return torch.cat(parts), torch.cat(probe), aged
 
-    def _marked_topk(self, marks: torch.Tensor, k: int, start: int, scores_at: Any, row_scores: Any) -> List[torch.Tensor]:
-        """Per row of a group's ``marks`` (int8 ``(R, n)``, the scores above the row's sampled limit): the work
-        positions of its ``k`` largest scores, ties to the lower index, among the marked entries where at least
-        ``k`` are marked (``scores_at(i, positions)``), else of the whole row (``row_scores(i)``)."""
+    def _marked_topk(self, marks: torch.Tensor, k: int, start: int, scores_at: Any, row_scores: Any,
+                     alone: Any = None) -> List[torch.Tensor]:
+        """Per row ``i`` of a group's ``marks`` (int8 ``(R, n)``, the scores above the row's sampled limit): the
+        work positions of its ``k`` largest scores, ties to the lower index (the marks are in index order),
+        among the marked entries where at least ``k`` are (``scores_at(i, positions)``; every entry tied with
+        the k-th largest lies above the limit), else of the whole row (``row_scores(i)``: the sample's limit
+        was too high, or fewer than ``k`` entries lie above 0); ``alone(i)``, where given and not ``None``,
+        selects row ``i`` itself."""
         n, chosen = marks.shape[1], []
         marked = np.flatnonzero(marks.view(torch.bool).numpy())
         edges = np.searchsorted(marked, np.arange(marks.shape[0] + 1) * n)
         for i in range(marks.shape[0]):
-            mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
-            if mine.shape[0] >= k:
-                rows = mine.index_select(0, ops.topk_indices(scores_at(i, mine), k).long())
-            else:
-                rows = ops.topk_indices(row_scores(i), k)
+            rows = alone(i) if alone is not None else None
+            if rows is None:
+                mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
+                rows = (mine.index_select(0, ops.topk_indices(scores_at(i, mine), k).long()) if mine.shape[0] >= k
+                        else ops.topk_indices(row_scores(i), k))
             chosen.append(rows.long() + (start + i * n))
         return chosen
 
