@@ -58,7 +58,11 @@ def _passes(g: np.ndarray, r: np.ndarray, limit: np.float32) -> Dict[str, Callab
         magnitude = tf.abs(g + r)
         return magnitude > limit, tf.reduce_max(magnitude)
 
-    graph_body = tf.function(lambda g, r, limit: (lambda m: (tf.where(m[0])[:, 0], m[1]))(body(g, r, limit)))
+    @tf.function
+    def graph_body(g, r, limit):
+        marks, largest = body(g, r, limit)
+        return tf.where(marks)[:, 0], largest
+
     xla_body = tf.function(body, jit_compile=True)
     tg, tr, tl = tf.constant(g), tf.constant(r), tf.constant(limit)
 

@@ -502,7 +502,8 @@ BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 #: functions return new ones (``joined`` then concatenates the parts written "into" a buffer).
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
-    "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply", "where", "gaussiank_from",
+    "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply", "where",
+    "gaussiank_from",
     "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
