@@ -630,20 +630,20 @@ def uses_warmup(part: Dict[str, Any]) -> bool:
 
 def merge(parts: Sequence[Dict[str, Any]], sources: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """One study of the rows of ``parts`` (studies of the same :data:`SHARED_SETTINGS`, and of the same
-    :data:`WARMUP_SETTINGS` among those whose rows use them: a ``ValueError`` otherwise): per model dense first, then the rows in the parts' order, a (model, label) once (the
-    first); the gaps to dense recomputed against the merged dense row; ratios, variants, index modes,
+    :data:`WARMUP_SETTINGS` among those whose rows use them: a ``ValueError`` otherwise): per model dense
+    first, then the rows in the parts' order, a (model, label) once (the first); the gaps to dense recomputed against the merged dense row; ratios, variants, index modes,
     spacings and models the union; ``parts`` records each source's labels and wall time."""
     if not parts:
         raise ValueError("nothing to merge")
     first = parts[0]["settings"]
-    warming = [part["settings"] for part in parts if uses_warmup(part)] or [first]
+    warm = next((part["settings"] for part in parts if uses_warmup(part)), first)
     for part in parts[1:]:
-        keys = SHARED_SETTINGS + (WARMUP_SETTINGS if uses_warmup(part) else ())
-        differ = [key for key in keys if part["settings"].get(key) != (warming[0] if key in WARMUP_SETTINGS
-                                                                         else first).get(key)]
+        want = {key: (warm if key in WARMUP_SETTINGS else first).get(key)
+                for key in SHARED_SETTINGS + (WARMUP_SETTINGS if uses_warmup(part) else ())}
+        differ = [key for key, value in want.items() if part["settings"].get(key) != value]
         if differ:
             raise ValueError(f"the studies differ in {', '.join(differ)}: merge runs of one protocol only")
-    settings = {**first, **{key: warming[0].get(key) for key in WARMUP_SETTINGS}}
+    settings = {**first, **{key: warm.get(key) for key in WARMUP_SETTINGS}}
     for key in ("ratios", "variants", "indices", "exact_every"):
         settings[key] = list(dict.fromkeys(v for part in parts for v in part["settings"].get(key, [])))
     settings["models"] = {m: d for part in parts for m, d in part["settings"]["models"].items()}
