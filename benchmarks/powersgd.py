@@ -21,7 +21,7 @@ N ranks in lockstep, every collective a sum over ranks in rank order. Per step `
   compressed matrix ``M_r - M_hat``, for the dense part ``x_r - mean_r x_r`` (whose mean over ranks
   is zero, so it leaves the average unchanged up to rounding).
 
-Orthogonalization (:func:`orthogonalize`) is torch's: Gram-Schmidt, column by column
+Orthogonalization (:func:`orthogonalize`) is the hook's own ``_orthogonalize``: Gram-Schmidt, column by column
 ``c_i <- c_i / |c_i|``, ``c_j <- c_j - (c_i . c_j) c_i`` for ``j > i``, when ``k <= 2``; a QR
 factorization's Q when ``k > 2`` (the two differ at most in column signs, which ``P Q^T`` does
 not see).
@@ -80,20 +80,11 @@ class PowerSGD:
 
 
 def orthogonalize(matrices: Any) -> Any:
-    """Orthonormalize the columns of each ``n x k`` matrix of a ``(b, n, k)`` batch in place, as torch's
-    ``_orthogonalize`` (epsilon 0): Gram-Schmidt for ``k <= 2``, else the Q of a QR factorization."""
-    import torch
+    """The columns of each ``n x k`` matrix of a ``(b, n, k)`` batch orthonormalized in place by the hook's own
+    ``_orthogonalize`` (epsilon 0: Gram-Schmidt for ``k <= 2``, else a QR factorization); returns them."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-    rank = matrices.shape[2]
-    if rank > 2:
-        matrices.copy_(torch.linalg.qr(matrices).Q)
-        return matrices
-    for i in range(rank):
-        col = matrices[:, :, i:i + 1]
-        col /= torch.norm(col, dim=1, keepdim=True)
-        if i + 1 < rank:
-            rest = matrices[:, :, i + 1:]
-            rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+    _orthogonalize(matrices)
     return matrices
 
 
