@@ -524,7 +524,7 @@ def float_errors_ignored():
 
 def empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """Uninitialised; on the host one of :data:`HOST_BUFFERS` (see :func:`_empty`)."""
-    return _empty(numel, dtype, like.device) if on_host(like) else torch.empty(numel, dtype=dtype, device=like.device)
+    return _empty(numel, dtype, like.device)
 
 
 def zeros(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
@@ -614,9 +614,9 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compi
     ``max|clip(g)| = min(max(-min g, max g), b)`` exactly; ``b = c std(g)``, +Inf where ``b = 0``
     or ``g`` is constant (no clipping). Where passes are compiled (:func:`compiled_here`), one
     :func:`~hvd_compress.kernels.torch_compiled.ternary_scales` per group (``compile``: the compressor's option)."""
-    if compiled_here(a, compile) and clip is None:
-        return torch.cat([compiled.largest_magnitudes(grp.view(a), compile=True) for grp in groups]), None
     if compiled_here(a, compile):
+        if clip is None:
+            return torch.cat([compiled.largest_magnitudes(grp.view(a), compile=True) for grp in groups]), None
         scales = [compiled.ternary_scales(grp.view(a), float(clip), compile=True) for grp in groups]
         return torch.cat([s[0] for s in scales]), torch.cat([s[1] for s in scales])
     extremes = [torch.aminmax(grp.view(a), dim=1) for grp in groups]
