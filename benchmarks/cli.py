@@ -11,6 +11,7 @@ python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] 
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
                                  [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
                                  [--exact-every 1,32] [--powersgd-ranks 1,2,4] [--powersgd-start STEPS]
+                                 [--traffic 0.04]
                                  [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
                                  [--batch-size PER_RANK | --global-batch B]
                                  [--train-size N] [--test-size N] [--quick] [--figure curves|frontier]
@@ -162,6 +163,7 @@ def _convergence(args: argparse.Namespace) -> int:
         f"({setup.batch_per_rank} images per rank and step); "
         f"{', '.join(args.compressors)} at {', '.join(f'{r:g}' for r in args.ratios)}, "
         f"variants {','.join(args.variants)}; "
+        + (f"traffic budgets {', '.join(f'{t:g}' for t in args.traffic)}; " if args.traffic else "") +
         f"seeds {','.join(map(str, args.seeds))}"
     )
     convergence.study(
@@ -180,6 +182,7 @@ def _convergence(args: argparse.Namespace) -> int:
         name=args.name,
         powersgd_ranks=args.powersgd_ranks,
         figure=args.figure,
+        traffic=args.traffic,
     )
     return _wrote(args.out, args.name or convergence.file_stem(data.name))
 
@@ -309,6 +312,9 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--powersgd-start", type=int,
                    help="PowerSGD's start_powerSGD_iter: dense steps before it compresses (default: the sparse modes' "
                         "warm-up steps, --warmup-epochs of steps; at least 2)")
+    p.add_argument("--traffic", type=_floats, default=[],
+                   help="oktopk's traffic budgets, fractions of a dense fp32 ring allreduce's bytes per rank, one "
+                        "row each per variant (e.g. 0.04)")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2], help="seeds, e.g. 0,1,2 (default)")
     p.add_argument("--ranks", type=int, default=4, help="simulated ranks (default 4)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD step size (0.05)")

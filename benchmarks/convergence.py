@@ -40,7 +40,9 @@ half the bytes) and ``powersgd``, torch's PowerSGD DDP hook reproduced for the s
 (:mod:`benchmarks.powersgd`) at each matrix approximation rank of ``--powersgd-ranks``, with error
 feedback and warm start, dense allreduces for its first ``start_powerSGD_iter`` steps
 (``--powersgd-start``; by default the sparse modes' warm-up steps) and SGD momentum on the average,
-as dense; its settings go to the JSON's ``settings.powersgd``.
+as dense; its settings go to the JSON's ``settings.powersgd``. ``oktopk``: the sum-selected global top-k
+(:mod:`benchmarks.oktopk`, after Ok-Topk) at each traffic budget of ``--traffic``, in every variant
+(momentum correction its own, the warm-up ramping the budget from ``--warmup-start``).
 
 ``--figure frontier`` (:func:`write_frontier`) draws accuracy for traffic: each row's final accuracy
 (seed mean, min-max bars) against its ``traffic_vs_dense`` (log), dense's range a band.
@@ -83,6 +85,7 @@ from benchmarks.datasets import Images
 from benchmarks.output import describe_machine, publish
 from benchmarks.report import pyplot, require_packages, save_figure
 from benchmarks.powersgd import DEFAULT_RANKS as DEFAULT_POWERSGD_RANKS
+from benchmarks.oktopk import OkTopk, OkTopkSimulator
 from benchmarks.powersgd import PowerSGD, PowerSGDSimulator
 from hvd_compress.algorithms import Compression, DensityWarmup
 
@@ -92,7 +95,8 @@ DEFAULT_MODELS = ("cnn", "mlp")
 MODELS = DEFAULT_MODELS + ("wide-mlp",)
 #: Compressor names of ``--compressors``; ``none`` is dense, ``fp16`` hvd_compress's FP16 (half the bytes),
 #: ``powersgd`` the baseline of :mod:`benchmarks.powersgd` (torch's DDP hook) at each of ``powersgd_ranks``.
-COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "powersgd", "terngrad", "terngrad-ef")
+#: ``oktopk`` the sum-selected global top-k of :mod:`benchmarks.oktopk` at each of ``traffic`` (budgets, not densities).
+COMPRESSORS = ("none", "fp16", "topk", "gaussiank", "regtopk", "powersgd", "oktopk", "terngrad", "terngrad-ef")
 #: ``--compressors`` by default (``terngrad-ef``: TernGrad with error feedback, ``fp16``, ``powersgd``: on request)
 DEFAULT_COMPRESSORS = ("none", "topk", "gaussiank", "regtopk", "terngrad")
 #: Sparsifier variants: name -> (momentum correction, density warm-up).
@@ -190,6 +194,8 @@ class Run:
         ``top-k traffic 0.04 +mc +warm-up [auto]``, ``powersgd rank 2``, ``terngrad``."""
         if self.name == "powersgd":
             return f"powersgd rank {self.rank}" + ("" if self.start is None else f" from step {self.start}")
+        if self.name == "oktopk":
+            return f"ok-topk traffic {self.traffic:g}" + " +mc" * self.momentum_correction + " +warm-up" * self.warmup
         label = cnn.label(self.name, self.ratio) + (f" traffic {self.traffic:g}" if self.traffic is not None else "")
         label += " +mc" * self.momentum_correction + " +warm-up" * self.warmup
         label += f" [{self.indices}]" if self.indices != "gather" else ""
@@ -211,13 +217,16 @@ def plan(
     models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
     variants: Sequence[str] = DEFAULT_VARIANTS, indices: Sequence[str] = ("gather",),
     exact_every: Sequence[int] = (1,), powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
-    powersgd_start: Optional[int] = None,
+    powersgd_start: Optional[int] = None, traffic: Sequence[float] = (),
 ) -> List[Run]:
     """Every run, model by model: dense, fp16, the sparsifiers per density (each variant, then each index mode,
     then each spacing of exact selections, in the order given; a spacing applies to Top-k and RegTop-k
-    with indices 'gather'), PowerSGD at each rank (labelled with ``powersgd_start`` when given), TernGrad."""
+    with indices 'gather'), PowerSGD at each rank (labelled with ``powersgd_start`` when given), Ok-Topk at
+    each budget of ``traffic`` in each variant, TernGrad."""
     unknown = [c for c in compressors if c not in COMPRESSORS] + [m for m in models if m not in MODELS]
     unknown += [v for v in variants if v not in VARIANTS]
+    if "oktopk" in compressors and not traffic:
+        raise ValueError("oktopk needs at least one traffic budget (--traffic 0.04)")
     if unknown or not variants:
         raise ValueError(
             f"unknown {unknown or 'empty variants'}: compressors {COMPRESSORS}, models {MODELS}, "
@@ -234,6 +243,9 @@ def plan(
         if "powersgd" in compressors:
             runs += [Run(model, "powersgd", rank=int(rank), start=powersgd_start)
                      for rank in dict.fromkeys(powersgd_ranks)]
+        if "oktopk" in compressors:
+            runs += [Run(model, "oktopk", variant=v, traffic=float(budget))
+                     for budget in dict.fromkeys(traffic) for v in dict.fromkeys(variants)]
         runs += [Run(model, name) for name in ("terngrad", "terngrad-ef") if name in compressors]
     return runs
 
@@ -319,9 +331,13 @@ def train_run(run: Run, data: Any, setup: Setup, seed: int, warmup_steps: int,
               powersgd_start: int = 2) -> Dict[str, Any]:
     """One seed of ``run``: the per-epoch test curve, final accuracy, bytes per step, densities. PowerSGD
     starts compressing at step ``powersgd_start``, its Q drawn from ``seed``."""
-    probe = WarmupProbe(warmup_steps, setup.warmup_start) if run.warmup else None
+    probe = WarmupProbe(warmup_steps, setup.warmup_start) if run.warmup and run.name != "oktopk" else None
     simulator, compressor = None, None
-    if run.name == "powersgd":
+    if run.name == "oktopk":  # its warm-up ramps the budget inside the baseline
+        compressor = OkTopk(run.traffic, momentum=setup.momentum if run.momentum_correction else 0.0,
+                            warmup_steps=warmup_steps if run.warmup else 0, warmup_start=setup.warmup_start)
+        simulator = lambda ranks, _seed: OkTopkSimulator(ranks, compressor)  # noqa: E731
+    elif run.name == "powersgd":
         compressor = PowerSGD(run.rank, start_iter=powersgd_start, random_seed=seed)
         simulator = lambda ranks, _seed: PowerSGDSimulator(ranks, compressor)  # noqa: E731
     result = cnn.train(
@@ -398,7 +414,7 @@ def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, A
     final = spread(curves[:, -1])
     row: Dict[str, Any] = {
         "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio,
-        "variant": run.variant if run.ratio else None, "momentum_correction": run.momentum_correction,
+        "variant": run.variant if run.ratio or run.traffic else None, "traffic_budget": run.traffic, "momentum_correction": run.momentum_correction,
         "powersgd_rank": run.rank,
         "warmup": run.warmup,
         **{key: seeds[0][key] for key in ("optimizer_momentum", "compressor_momentum")},
@@ -456,12 +472,14 @@ def study(
     name: Optional[str] = None,
     powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
     figure: str = "curves",
+    traffic: Sequence[float] = (),
 ) -> Dict[str, Any]:
     """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
     (default :func:`file_stem`; ``figure``: a key of :data:`FIGURES`) to ``out`` when given, print the
     table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
-    runs = plan(models, compressors, ratios, variants, indices, exact_every, powersgd_ranks, setup.powersgd_start)
+    runs = plan(models, compressors, ratios, variants, indices, exact_every, powersgd_ranks, setup.powersgd_start,
+                traffic)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -483,6 +501,10 @@ def study(
                       "warmup_steps steps, warmup_epochs epochs (DGC's exponential ramp)",
             "bytes": "payload bytes one rank hands to the collectives per step, mean over ranks, steps, seeds",
             **({"powersgd": powersgd_protocol(setup, data, powersgd_ranks)} if "powersgd" in compressors else {}),
+            **({"oktopk": {"traffic": list(dict.fromkeys(traffic)), "baseline": "benchmarks.oktopk.OkTopkSimulator: "
+                           "a sum-selected global top-k after Ok-Topk (PPoPP 2022), interleaved fixed regions, s "
+                           "pairs per region sent and kept, s = round(traffic d / 2N); the warm-up ramps the "
+                           "budget"}} if "oktopk" in compressors else {}),
         },
         "rows": rows_of(runs, trained, target_gap),
         "wall_seconds": time.perf_counter() - started,

@@ -112,11 +112,20 @@ def allgather_traffic(nbytes: float, n_ranks: int) -> float:
     return float((n_ranks - 1) * nbytes)
 
 
+def alltoall_traffic(nbytes: float, n_ranks: int) -> float:
+    """Bytes one rank sends in an all-to-all of ``nbytes`` split evenly over the ranks: ``(N-1)/N * P``
+    (its own share stays)."""
+    return (n_ranks - 1) / n_ranks * nbytes
+
+
+#: the bytes one rank sends in each collective, of the bytes it hands it
+TRAFFIC = {"allreduce": allreduce_traffic, "allgather": allgather_traffic, "alltoall": alltoall_traffic}
+
+
 def collective_traffic(posted: Sequence[Tuple[str, str, int]], n_ranks: int) -> float:
     """Ring bytes one rank sends for the collectives it posted in a step (``Simulator.collectives_per_rank[r]``:
-    ``(name, "allreduce" or "allgather", bytes)``)."""
-    return sum(allreduce_traffic(nbytes, n_ranks) if collective == "allreduce" else allgather_traffic(nbytes, n_ranks)
-               for _, collective, nbytes in posted)
+    ``(name, "allreduce", "allgather" or "alltoall", bytes)``)."""
+    return sum(TRAFFIC[collective](nbytes, n_ranks) for _, collective, nbytes in posted)
 
 
 # ---------------------------------------------------------------------- run
