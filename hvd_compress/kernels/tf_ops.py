@@ -617,14 +617,28 @@ def _rows(a, groups) -> list:
 
 
 @functools.lru_cache(maxsize=256)
-def _row_of_entry(layout: Tuple[Tuple[int, int], ...], numel: int, device: str) -> tf.Tensor:
+def _row_index(layout: Tuple[Tuple[int, int], ...], numel: int) -> np.ndarray:
     """Each entry's row (int32) of a work buffer of ``numel`` entries whose rows are ``layout``'s
-    ``(rows, n)`` groups from entry 0; the entries after them: one past the last row. Made once per
-    layout and device (4 bytes an entry: a gather by it spreads a per-row vector in one op)."""
+    ``(rows, n)`` groups from entry 0; the entries after them: one past the last row (4 bytes an
+    entry: a gather by it spreads a per-row vector in one op)."""
     lengths = [n for rows, n in layout for _ in range(rows)]
     index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    return np.concatenate([index, np.full(numel - index.size, len(lengths), np.int32)])
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_row_of_entry(layout: Tuple[Tuple[int, int], ...], numel: int, device: str) -> tf.Tensor:
     with on_device(device):
-        return tf.constant(np.concatenate([index, np.full(numel - index.size, len(lengths), np.int32)]))
+        return tf.constant(_row_index(layout, numel))
+
+
+def _row_of_entry(layout: Tuple[Tuple[int, int], ...], numel: int, device: str) -> tf.Tensor:
+    """:func:`_row_index` as a tensor: made once per layout and device eagerly; while a ``tf.function``
+    traces, a constant of that graph (a tensor kept from one graph cannot be used in another)."""
+    if tf.executing_eagerly():
+        return _eager_row_of_entry(layout, numel, device)
+    with on_device(device):
+        return tf.constant(_row_index(layout, numel))
 
 
 def _per_entry(per_row, groups, numel: int):

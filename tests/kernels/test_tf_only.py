@@ -56,3 +56,17 @@ def test_kernels_take_variables():
     want = np.zeros_like(a)
     want[idx] = want_values
     np.testing.assert_array_equal(sent.numpy(), want)
+
+
+def test_a_layout_traced_by_two_graphs():
+    """A layout's per-entry row index is kept once made eagerly, but made anew in each graph that traces
+    it: a tensor of one graph cannot be used in another (a retrace, a second ``tf.function``)."""
+    from hvd_compress.kernels.groups import Group
+
+    groups = [Group(0, 0, [0, 1], 3), Group(6, 2, [2], 2)]
+    bad = tf.constant([True, False, True])
+    old, new = tf.constant(np.arange(9.0) + 0.25), tf.constant(-np.arange(9.0) - 0.5)
+    want = np.concatenate([np.arange(3.0) + 0.25, -np.arange(3.0, 6.0) - 0.5, np.arange(6.0, 8.0) + 0.25, [-8.5]])
+    for _ in range(2):
+        assert np.array_equal(tf.function(lambda: F.keep_rows(groups, bad, old, new), autograph=False)(), want)
+        assert np.array_equal(F.keep_rows(groups, bad, old, new), want)
