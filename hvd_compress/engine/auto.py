@@ -163,6 +163,8 @@ class DenseView:
     rank = property(lambda self: self.inner.rank)
     #: the inner compressor's momentum correction: its tensors sent dense send their velocity
     momentum = property(lambda self: getattr(self.inner, "momentum", 0.0))
+    #: the inner compressor's ``compile`` option (its momentum update and checks run as it asks)
+    compile = property(lambda self: getattr(self.inner, "compile", None))
     fused_kind = staticmethod(lambda numel: DENSE)  # every tensor
     warn_dense = staticmethod(lambda name, numel: None)  # nothing to warn of: the view sends every tensor dense
 

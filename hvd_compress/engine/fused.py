@@ -194,6 +194,8 @@ class FusedBucket(PicklesOpsByName):
         self.divisor = ops.scalar(world, self.acc, like)
         #: momentum correction's decay (0: off)
         self.momentum = float(getattr(compressor, "momentum", 0.0) or 0.0)
+        #: the compressor's ``compile`` option, for the kernels' fused passes (None: the environment decides)
+        self.compile = getattr(compressor, "compile", None)
         self.step_stats = self._step_stats()
         # state
         self.residual: Optional[Array] = None
@@ -354,8 +356,9 @@ class FusedBucket(PicklesOpsByName):
                 out.header = self.start_check(comm, run)
         dense = self._dense_input(tensors) if not self.momentum else self._dense_velocity_input(tensors, out)
         if dense is not None:
-            send = comm.allreduce_async if self.momentum else comm.allreduce_donated_async  # the velocity is kept
-            out.handles["dense"] = send(dense, comm.SUM, f"{self.key}.dense")
+            if dense is out.dense_velocity:  # the velocity is kept: a copy is reduced (on the host a kept buffer)
+                dense = self.ops.concat([dense])
+            out.handles["dense"] = comm.allreduce_donated_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
             g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
             out.rounds.begin(self.codec.exchange(self.layout, g, out), self.codec.rounds)
@@ -385,7 +388,7 @@ class FusedBucket(PicklesOpsByName):
             return None
         ops = self.ops
         g = ops.concat([ops.reshape(tensors[i], (-1,)) for i in self.dense])
-        out.dense_velocity = sent = ops.momentum_update(self.dense_velocity, g, self.momentum)
+        out.dense_velocity = sent = ops.momentum_update(self.dense_velocity, g, self.momentum, self.compile)
         for i in list(self.flush_into_dense):  # once, after a switch to dense (see flush): a new buffer,
             start, stop = self.dense_offsets[i], self.dense_offsets[i] + self.numels[i]  # the velocity stays
             sent = ops.concat([sent[:start], sent[start:stop] + self.flush_into_dense.pop(i), sent[stop:]])
@@ -394,7 +397,8 @@ class FusedBucket(PicklesOpsByName):
 
     def keep_dense_velocity(self, total: Array, velocity: Array) -> None:
         """The dense part's new velocity, but a tensor whose sum holds NaN/Inf keeps its old one."""
-        self.dense_velocity = self.ops.keep_finite_rows(self.dense_groups, total, self.dense_velocity, velocity)
+        self.dense_velocity = self.ops.keep_finite_rows(self.dense_groups, total, self.dense_velocity, velocity,
+                                                        self.compile)
 
     def compensated(self, g: Array) -> Array:
         """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
@@ -427,7 +431,7 @@ class Launched:
         ``a = r + u``; in the residual's dtype, at least float32."""
         b = self.bucket
         if b.momentum:
-            self.velocity = u = b.ops.momentum_update(b.velocity, g, b.momentum)
+            self.velocity = u = b.ops.momentum_update(b.velocity, g, b.momentum, b.compile)
             return u if b.residual is None else u + b.residual
         return b.compensated(g)
 
@@ -485,8 +489,6 @@ class Launched:
         parts = []
         if b.dense:
             total = b.ops.cast(comm.wait(self.handles["dense"]), b.acc)
-            if total is self.dense_velocity:  # a world of one hands back its input: keep the velocity apart
-                total = b.ops.clone(total)
             if self.dense_velocity is not None:
                 b.keep_dense_velocity(total, self.dense_velocity)
             parts.append((total, b.dense_offsets))

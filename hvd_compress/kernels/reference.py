@@ -158,11 +158,12 @@ def error_feedback_split(
     return sent, residual
 
 
-def momentum_update(velocity: np.ndarray, g: np.ndarray, momentum: float) -> np.ndarray:
+def momentum_update(velocity: np.ndarray, g: np.ndarray, momentum: float, compile=None) -> np.ndarray:
     """``u = m u + g`` (a new array in the velocity's dtype, at least float32): the velocity of Deep
     Gradient Compression's momentum correction (Lin et al. 2018, section 3.2), which error feedback
     then accumulates instead of the gradient. ``m`` is rounded to that dtype first; one multiply,
-    then one add (no fused multiply-add), as every kernel module computes it."""
+    then one add (no fused multiply-add), as every kernel module computes it. ``compile``: torch's
+    option (numpy compiles nothing)."""
     return velocity * velocity.dtype.type(momentum) + g.astype(velocity.dtype)
 
 
@@ -702,8 +703,9 @@ def keep_rows(groups, bad: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.n
     return old
 
 
-def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``old`` updated in place to ``new``, but each row of ``groups`` where ``total`` holds NaN/Inf left."""
+def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray, compile=None) -> np.ndarray:
+    """``old`` updated in place to ``new``, but each row of ``groups`` where ``total`` holds NaN/Inf left
+    (``compile``: torch's option; numpy compiles nothing)."""
     for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = isnan(multiply(grp.view(total), 0).sum(1))[:, None]
         np.copyto(grp.view(old), grp.view(new), where=~bad)

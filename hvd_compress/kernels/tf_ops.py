@@ -230,8 +230,8 @@ def error_feedback_split(a, indices, in_place: bool = False, wire_dtype=None) ->
     return sent, tf.tensor_scatter_nd_update(a, positions, values - tf.cast(sent, a.dtype))
 
 
-def momentum_update(velocity, g, momentum: float) -> tf.Tensor:
-    """``u = m u + g`` in the velocity's dtype (see the reference)."""
+def momentum_update(velocity, g, momentum: float, compile=None) -> tf.Tensor:
+    """``u = m u + g`` in the velocity's dtype (see the reference); ``compile``: torch's option."""
     return velocity * tf.constant(momentum, velocity.dtype) + tf.cast(g, velocity.dtype)
 
 
@@ -654,8 +654,8 @@ def keep_rows(groups, bad, old, new) -> tf.Tensor:
     return tf.where(_per_entry(bad, groups, new.shape[0]), old, new)
 
 
-def keep_finite_rows(groups, total, old, new) -> tf.Tensor:
-    """``new``, but each row where ``total`` holds NaN/Inf taken from ``old``."""
+def keep_finite_rows(groups, total, old, new, compile=None) -> tf.Tensor:
+    """``new``, but each row where ``total`` holds NaN/Inf taken from ``old``; ``compile``: torch's option."""
     bad = tf.concat([tf.math.is_nan(tf.reduce_sum(tf.reshape(total[grp.start : grp.stop], [grp.rows, grp.n]) * 0, 1))
                      for grp in groups], 0)
     return keep_rows(groups, bad, old, new)

@@ -13,6 +13,7 @@ not bool ones):
 * :func:`aged_marks`: the aggregate rule's scores ``rate (age + 1)`` marked above each row's limit, ``age + 1``
   written (the step's ages) and each row's largest ``|a|`` (its non-finite flag), without forming a score;
 * :func:`moments`: each row's std and mean (Gaussian-k's first threshold);
+* :func:`momentum_update`: momentum correction's velocity ``u = m u + g`` (one pass instead of two);
 * :func:`largest_magnitudes`: each row's largest ``|x|`` (TernGrad's scales without clipping);
 * :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
   bound's std in one pass) and its codes (in one pass
@@ -161,7 +162,17 @@ def largest_magnitudes_source(rows: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-rows.amin(dim=1), rows.amax(dim=1)).abs()
 
 
+def momentum_update_source(velocity: torch.Tensor, g: torch.Tensor, momentum: float, out: torch.Tensor) -> None:
+    """``out = m u + g`` in the velocity's dtype: ``m u`` rounded, then the sum (no fused multiply-add)."""
+    out.copy_(velocity * momentum + g)
+
+
+def _momentum_update(velocity: torch.Tensor, g: torch.Tensor, momentum: float, out: torch.Tensor) -> None:
+    torch.mul(velocity, momentum, out=out).add_(g)
+
+
 marks_and_largest = Pass(marks_and_largest_source, _marks_and_largest)
+momentum_update = Pass(momentum_update_source, _momentum_update)
 aged_marks = Pass(aged_marks_source, _aged_marks)
 largest_magnitudes = Pass(largest_magnitudes_source)
 marks_above = Pass(marks_above_source, _marks)

@@ -308,9 +308,14 @@ def error_feedback_split(
     return sent, residual.index_copy_(0, idx, values.sub_(sent.to(a.dtype)))
 
 
-def momentum_update(velocity: torch.Tensor, g: torch.Tensor, momentum: float) -> torch.Tensor:
-    """``u = m u + g``, a new tensor in the velocity's dtype (see the reference)."""
-    return torch.mul(velocity, momentum).add_(g)
+def momentum_update(velocity: torch.Tensor, g: torch.Tensor, momentum: float,
+                    compile: Optional[bool] = None) -> torch.Tensor:
+    """``u = m u + g``, a new tensor in the velocity's dtype (see the reference; on the host a kept buffer,
+    :func:`_empty`): one compiled pass where passes compile (:func:`compiled_here`; ``compile``: the
+    compressor's option)."""
+    out = _empty(velocity.numel(), velocity.dtype, velocity.device).view(velocity.shape)
+    compiled.momentum_update(velocity, g, momentum, out, compile=compiled_here(velocity, compile))
+    return out
 
 
 def momentum_mask(velocity: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -690,10 +695,21 @@ def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -
     return old
 
 
-def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    for grp in groups:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
-        bad = torch.isnan(torch.mul(grp.view(total), 0).sum(1))[:, None]
-        torch.where(bad, grp.view(old), grp.view(new), out=grp.view(old))
+def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
+                     compile: Optional[bool] = None) -> torch.Tensor:
+    """``new``, but each row where ``total`` holds NaN/Inf as in ``old`` (written into ``old``). On the host a
+    row's flag is its largest ``|x|`` not finite (one read, compiled where passes are), and where no row is
+    flagged (a read that costs nothing there) the result is ``new`` itself, nothing copied."""
+    if on_host(total):
+        check = compiled_here(total, compile)
+        finite = [torch.isfinite(compiled.largest_magnitudes(grp.view(total), compile=check)) for grp in groups]
+        if all(flags.numpy().all() for flags in finite):
+            return new
+        bad = [~flags for flags in finite]
+    else:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
+        bad = [torch.isnan(torch.mul(grp.view(total), 0).sum(1)) for grp in groups]
+    for grp, flags in zip(groups, bad):
+        torch.where(flags[:, None], grp.view(old), grp.view(new), out=grp.view(old))
     return old
 
 

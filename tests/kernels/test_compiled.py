@@ -63,6 +63,23 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
             np.testing.assert_array_equal(g.numpy(), e.numpy())
 
 
+@pytest.mark.parametrize("dtype, g_dtype", [(np.float32, np.float32), (np.float64, np.float64),
+                                            (np.float32, np.float16)])
+def test_compiled_momentum_update_equals_eager_and_the_reference(compiling, dtype, g_dtype):
+    from hvd_compress.kernels import reference as R
+
+    rng = np.random.default_rng(4)
+    u = rows_with_specials(1, 5001, 2, dtype)[0]
+    g = torch.from_numpy((rng.standard_normal(5001) * 3.1).astype(g_dtype))
+    compiled, eager = torch.full_like(u, -7.0), torch.full_like(u, -7.0)
+    C.momentum_update(u, g, 0.9, compiled)
+    C.momentum_update.eager(u, g, 0.9, eager)
+    want = R.momentum_update(u.numpy(), g.numpy(), 0.9)
+    assert compiled.dtype == eager.dtype == u.dtype
+    np.testing.assert_array_equal(compiled.numpy(), eager.numpy())
+    np.testing.assert_array_equal(compiled.numpy(), want)
+
+
 def test_compiled_reductions_equal_eager_within_rounding(compiling):
     a = torch.from_numpy(np.random.default_rng(3).standard_normal((3, 5000)).astype(np.float32) * 1.7 + 0.3)
     for got, want in [(C.moments(a), C.moments.eager(a)), (C.ternary_scales(a, 2.5), C.ternary_scales.eager(a, 2.5))]:

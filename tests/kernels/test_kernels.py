@@ -241,6 +241,33 @@ def test_momentum_update_and_mask_match_reference(K, dtype, data, momentum):
     K.check(kernels_of, [K.tensor(u), K.tensor(g), K.tensor(indices)], want)
 
 
+@pytest.mark.parametrize("dtype", FLOATS_32_64)
+@pytest.mark.parametrize("flagged", [(), (0, 2, 4)])
+def test_keep_finite_rows_keeps_the_old_rows_where_the_total_is_not_finite(K, dtype, flagged):
+    """Two groups (3 rows of 5, 2 rows of 4); rows of the total holding NaN, +Inf, -Inf keep the old rows,
+    the others take the new; nothing flagged: the new rows. Torch's host and accelerator branches both."""
+    from hvd_compress.kernels.groups import Group
+
+    groups = [Group(0, 0, [0, 1, 2], 5), Group(15, 3, [3, 4], 4)]
+    rows = [(0, 5), (5, 10), (10, 15), (15, 19), (19, 23)]
+    rng = np.random.default_rng(len(flagged))
+    total, old, new = (rng.standard_normal(23).astype(dtype) * 1.3 for _ in range(3))
+    want = new.copy()
+    for row, special in zip(flagged, (np.nan, np.inf, -np.inf)):
+        start, stop = rows[row]
+        total[start + 1] = special
+        want[start:stop] = old[start:stop]
+    np.testing.assert_array_equal(R.keep_finite_rows(groups, total, old.copy(), new), want)
+
+    def kept(t, o, n):
+        return K.ops.keep_finite_rows(groups, t, o, n)
+
+    K.check(kept, [K.tensor(total), K.tensor(old), K.tensor(new)], want)
+    if K.name == "torch-cpu":
+        with K.ops.accelerator_path():
+            K.check(kept, [K.tensor(total), K.tensor(old), K.tensor(new)], want, "accelerator path")
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @given("few", data=st.data(), factor=st.sampled_from([1.0, 1.0, 1.37, 3.1e1, 1 + 2**-30]))
 def test_terngrad_codes_match_reference_given_the_same_uniforms(K, dtype, data, factor):
