@@ -11,8 +11,9 @@ after a few untimed calls:
   step that allocates its output pays at least;
 * ``torch.topk``: ``torch.topk(|g + r|, k)`` (unsorted, ``r`` a residual-sized draw), the plain
   error-feedback selection;
-* a compressor's row (``none``, ``topk``, ``regtopk``, ``gaussiank``, ``terngrad``, ``topk-reuse``:
-  ``exact_every=32``, ``topk-aggregate``: ``indices="aggregate"``), twice: ``eager`` and ``compiled``
+* a compressor's row (``none``, ``topk``, ``regtopk``, ``gaussiank``, ``terngrad``, ``topk-mc``:
+  ``momentum=0.9``, ``topk-reuse``: ``exact_every=32``, ``topk-aggregate``: ``indices="aggregate"``),
+  twice: ``eager`` and ``compiled``
   (``HVD_COMPRESS_COMPILE`` 0 and 1 around its calls: the fused passes of
   :mod:`hvd_compress.kernels.torch_compiled`): one whole exchange of a bucket holding the gradient, as
   the drop-in optimizer runs each of its buckets (:func:`~hvd_compress.engine.exchange.open_exchange`,
@@ -140,6 +141,7 @@ def _engine_rows() -> Dict[str, Tuple[str, Callable[[Case], Callable[[], Any]]]]
         "regtopk": ("RegTop-k: Top-k of the posterior's scores", {}),
         "gaussiank": ("Gaussian-k: moments, the counts of its thresholds, one marking pass", {}),
         "terngrad": ("TernGrad: scales, draws, codes, packing, decode", {}),
+        "topk-mc": ("Top-k with momentum correction: u = m u + g, a = u + r, u[S] = 0", {"momentum": 0.9}),
         "topk-reuse": ("Top-k, exact_every=32: a step between exact ones", {"exact_every": 32}),
         "topk-aggregate": ("Top-k, indices='aggregate': the rate x age scores, an allreduce", {"indices": "aggregate"}),
     }

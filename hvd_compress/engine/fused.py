@@ -432,7 +432,7 @@ class Launched:
         b = self.bucket
         if b.momentum:
             self.velocity = u = b.ops.momentum_update(b.velocity, g, b.momentum, b.compile)
-            return u if b.residual is None else u + b.residual
+            return u if b.residual is None else b.ops.add(u, b.residual)
         return b.compensated(g)
 
     @float_errors_ignored

@@ -687,9 +687,10 @@ def placed(out: torch.Tensor, parts) -> torch.Tensor:
 
 def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``old`` updated in place to ``new``, but each row flagged in ``bad`` left as it was; on the host, where
-    no row is flagged (a read that costs nothing there), one copy."""
+    no row is flagged (a read that costs nothing there), ``new`` itself (state moves only on the host: a
+    captured CUDA graph reads the addresses it captured)."""
     if on_host(old) and not bad.numpy().any():  # a view of the flags: nothing copied or waited for
-        return old.copy_(new)
+        return new
     for grp in groups:
         torch.where(grp.column(bad), grp.view(old), grp.view(new), out=grp.view(old))
     return old
