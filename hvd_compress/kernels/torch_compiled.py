@@ -1,9 +1,10 @@
 """Fused passes of the torch kernels, compiled with ``torch.compile`` (inductor: C++/OpenMP on the CPU,
 Triton on CUDA) where that is on, else run eagerly: the same functions, the same results.
 
-Each pass is a plain torch function over one size group's ``(rows, n)`` view that reads the
-data once and writes at most one byte per entry (marks in int8: inductor vectorises int8 stores,
-not bool ones):
+Each pass is a plain torch function that reads the data once. The selection passes run over one
+size group's ``(rows, n)`` view and write at most one byte per entry (marks in int8: inductor
+vectorises int8 stores, not bool ones); the momentum update runs over a flat buffer and writes the
+velocity into a buffer it is given:
 
 * :func:`marks_and_largest`: ``m = [x > t_row]`` and each row's largest entry (NaN where the row
   holds NaN), for the sampled-threshold Top-k of :class:`~hvd_compress.kernels.torch_rows.Rows`;
