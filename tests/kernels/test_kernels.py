@@ -257,7 +257,8 @@ def test_keep_finite_rows_keeps_the_old_rows_where_the_total_is_not_finite(K, dt
         start, stop = rows[row]
         total[start + 1] = special
         want[start:stop] = old[start:stop]
-    np.testing.assert_array_equal(R.keep_finite_rows(groups, total, old.copy(), new), want)
+    with np.errstate(invalid="ignore"):  # 0 * Inf: the NaN that flags a row
+        np.testing.assert_array_equal(R.keep_finite_rows(groups, total, old.copy(), new), want)
 
     def kept(t, o, n):
         return K.ops.keep_finite_rows(groups, t, o, n)
