@@ -698,15 +698,15 @@ def keep_rows(groups, bad: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -
 
 def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
                      compile: Optional[bool] = None) -> torch.Tensor:
-    """``new``, but each row where ``total`` holds NaN/Inf as in ``old`` (written into ``old``). On the host a
-    row's flag is its largest ``|x|`` not finite (one read, compiled where passes are), and where no row is
-    flagged (a read that costs nothing there) the result is ``new`` itself, nothing copied."""
+    """``new``, but each row where ``total`` holds NaN/Inf as in ``old`` (written into ``old``). On the host the
+    whole part's largest ``|x|`` is read first (one pass, compiled where passes are): where it is finite the
+    result is ``new`` itself, nothing copied; else each row's flag is its own largest ``|x|`` not finite."""
     if on_host(total):
         check = compiled_here(total, compile)
-        finite = [torch.isfinite(compiled.largest_magnitudes(grp.view(total), compile=check)) for grp in groups]
-        if all(flags.numpy().all() for flags in finite):
+        whole = compiled.largest_magnitudes(total[: groups[-1].stop].view(1, -1), compile=check)
+        if torch.isfinite(whole).numpy().all():  # a view of the flag: nothing copied or waited for
             return new
-        bad = [~flags for flags in finite]
+        bad = [~torch.isfinite(compiled.largest_magnitudes(grp.view(total), compile=check)) for grp in groups]
     else:  # per row, the sum of 0 * its elements: NaN where it holds NaN/Inf
         bad = [torch.isnan(torch.mul(grp.view(total), 0).sum(1)) for grp in groups]
     for grp, flags in zip(groups, bad):
