@@ -163,10 +163,14 @@ class Compressor:
         """
         return fingerprint(self.config(), self.own_state if run is None else run, self.rank)
 
-    def __repr__(self) -> str:
-        options = {**self.config(), **({} if self.compile is None else {"compile": self.compile})}
-        params = ", ".join(f"{k}={v!r}" for k, v in options.items() if k != "type")
+    def config_repr(self, config: Optional[Dict[str, Any]] = None) -> str:
+        """``Type(key=value, ...)`` of :meth:`config` (or of ``config``): what ranks agree on, without this
+        machine's settings (``compile``)."""
+        params = ", ".join(f"{k}={v!r}" for k, v in (config or self.config()).items() if k != "type")
         return f"{type(self).__name__}({params})"
+
+    def __repr__(self) -> str:
+        return self.config_repr({**self.config(), **({} if self.compile is None else {"compile": self.compile})})
 
     # ------------------------------------------------------------- interface
 

@@ -173,7 +173,17 @@ class DenseView:
         return self
 
     def config_hash(self, run: Any) -> int:
-        return fingerprint({"type": "Dense", "of": repr(self.inner)}, run, self.rank)
+        """The inner compressor's configuration (:meth:`~hvd_compress.algorithms.base.Compressor.config_repr`,
+        without the machine's ``compile``), its density and traffic left out while a warm-up ramps them
+        (``target_ratio`` set and not reached): a dense bucket sends the same whatever they are, so its plan
+        is not rebuilt at every step of the ramp."""
+        config = self.inner.config()
+        target = getattr(self.inner, "target_ratio", None)
+        ramped = getattr(self.inner, "traffic", None)
+        ramped = self.inner.ratio if ramped is None else ramped
+        if target is not None and ramped != target:
+            config = {key: value for key, value in config.items() if key not in ("ratio", "traffic")}
+        return fingerprint({"type": "Dense", "of": self.inner.config_repr(config)}, run, self.rank)
 
     def __repr__(self) -> str:
         return f"DenseView(of={repr(self.inner)!r})"
@@ -373,6 +383,17 @@ class Auto(ExchangePolicy):
             self.alternative.ratio = value
 
     @property
+    def target_ratio(self) -> Any:
+        """The density a warm-up ramps the inner compressor to (``None`` where none has), kept on the inner one."""
+        return getattr(self.inner, "target_ratio", None)
+
+    @target_ratio.setter
+    def target_ratio(self, value: float) -> None:
+        for way in (self.inner, self.alternative):
+            if way is not None:
+                way.target_ratio = value
+
+    @property
     def traffic(self) -> Any:
         """The inner compressor's traffic budget, ``None`` without one (density schedules then set it here)."""
         return getattr(self.inner, "traffic", None)
@@ -384,7 +405,7 @@ class Auto(ExchangePolicy):
                 way.traffic = value
 
     def config(self) -> Dict[str, Any]:
-        return {"type": "Auto", "compressor": repr(self.inner), "warmup": self.warmup,
+        return {"type": "Auto", "compressor": self.inner.config_repr(), "warmup": self.warmup,
                 "decide_every": self.decide_every, "margin": self.margin, "pin": self.pin,
                 **({"indices": self.alternative.indices} if self.alternative is not None else {})}
 

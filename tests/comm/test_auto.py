@@ -401,3 +401,31 @@ def test_the_simulator_seeds_auto_as_its_compressor():
     auto = Auto(TopK(0.1), indices="auto", log=False)
     auto.seed = 9
     assert auto.inner.seed == auto.alternative.seed == 9
+
+
+def test_a_density_ramp_keeps_the_dense_plan_and_compile_is_not_agreed_on():
+    """A dense bucket sends the same whatever the density: while a warm-up ramps it, ``Auto``'s dense plan
+    stays (no rebuild and no header check at every step), and it is rebuilt once, when the ramp ends.
+    Ranks whose compressors differ only in ``compile=`` (a machine's setting) send the same headers."""
+    from hvd_compress import DensityWarmup
+    from hvd_compress.algorithms.state import CompressorState
+    from hvd_compress.transport.communicator import SingleProcessCommunicator
+
+    auto = Auto(TopK(0.01, momentum=0.9, dense_below=0), pin="dense", log=False)
+    comm, run = SingleProcessCommunicator(), CompressorState()
+    ramp = DensityWarmup(auto, 4, start=0.25)
+    generator, plans, densities = torch.Generator().manual_seed(3), [], []
+    for _ in range(6):
+        exchange = open_exchange(auto, comm, "bucket", run)
+        exchange.add("w", torch.randn(3000, generator=generator))
+        exchange.launch()
+        exchange.finish(average=True)
+        plans.append([id(bucket) for bucket in run.buckets.values()])
+        densities.append(auto.ratio)
+        ramp.step()
+    assert densities[0] == 0.25 and densities[3] > 0.01 and densities[4] == 0.01
+    assert plans[0] == plans[1] == plans[2] == plans[3] != plans[4] == plans[5]
+    for make in (lambda **o: Auto(TopK(0.01, **o), log=False), lambda **o: Auto(RegTopK(0.05, **o), log=False)):
+        mine, theirs = make(compile=False).bind(1, 2), make().bind(1, 2)
+        assert mine.config_hash() == theirs.config_hash()
+        assert mine.dense.config_hash(CompressorState()) == theirs.dense.config_hash(CompressorState())
