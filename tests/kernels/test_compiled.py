@@ -110,6 +110,7 @@ ENGINE_CASES = {
     "regtopk": lambda: RegTopK(0.02, dense_below=100),
     "topk-reuse": lambda: TopK(0.02, dense_below=100, exact_every=2),
     "topk-aggregate": lambda: TopK(0.05, dense_below=100, indices="aggregate"),
+    "topk-momentum": lambda: TopK(0.02, dense_below=100, momentum=0.9),
     "gaussiank": lambda: GaussianK(0.02, dense_below=100),
     "terngrad": lambda: TernGrad(clip=None, dense_below=100, error_feedback=True),
     "terngrad-clipped": lambda: TernGrad(dense_below=100, error_feedback=True),
@@ -146,13 +147,13 @@ def test_steady_steps_compile_nothing(compiling, monkeypatch):
     steps of that layout and of a new one of other sizes add no graph: shapes are dynamic."""
     from torch._dynamo.utils import counters
 
-    for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
-                 ENGINE_CASES["topk-reuse"], ENGINE_CASES["topk-aggregate"]):
+    steady = [ENGINE_CASES[kind] for kind in ("topk", "gaussiank", "terngrad", "topk-reuse", "topk-aggregate",
+                                              "topk-momentum")]
+    for make in steady:
         simulate(make, True, monkeypatch, steps=2, ranks=2)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
-    for make in (ENGINE_CASES["topk"], ENGINE_CASES["gaussiank"], ENGINE_CASES["terngrad"],
-                 ENGINE_CASES["topk-reuse"], ENGINE_CASES["topk-aggregate"]):
+    for make in steady:
         simulate(make, True, monkeypatch, steps=3, ranks=2)
     assert counters["stats"]["unique_graphs"] == graphs
     sim = Simulator(2, TopK(0.03, dense_below=10))  # other sizes, two size groups of two rows each
