@@ -150,6 +150,20 @@ class AutoStats(WireStats):
 
 
 # ---------------------------------------------------------------- dense view
+def _on_both_ways(name: str, doc: str) -> property:
+    """A setting of :class:`Auto` read from its inner compressor (``None`` where it has none) and set on both
+    of its ways (the inner compressor and the other index mode's)."""
+    def get(auto: "Auto") -> Any:
+        return getattr(auto.inner, name, None)
+
+    def put(auto: "Auto", value: Any) -> None:
+        for way in (auto.inner, auto.alternative):
+            if way is not None:
+                setattr(way, name, value)
+
+    return property(get, put, doc=doc)
+
+
 class DenseView:
     """The inner compressor's tensors sent dense, as the compressor of a dense bucket's exchange, on its rank and run
     state: memory (residuals flushed into the dense sum), statistics, fused plans (a switch rebuilds the plan)."""
@@ -382,27 +396,10 @@ class Auto(ExchangePolicy):
         if self.alternative is not None:
             self.alternative.ratio = value
 
-    @property
-    def target_ratio(self) -> Any:
-        """The density a warm-up ramps the inner compressor to (``None`` where none has), kept on the inner one."""
-        return getattr(self.inner, "target_ratio", None)
-
-    @target_ratio.setter
-    def target_ratio(self, value: float) -> None:
-        for way in (self.inner, self.alternative):
-            if way is not None:
-                way.target_ratio = value
-
-    @property
-    def traffic(self) -> Any:
-        """The inner compressor's traffic budget, ``None`` without one (density schedules then set it here)."""
-        return getattr(self.inner, "traffic", None)
-
-    @traffic.setter
-    def traffic(self, value: float) -> None:
-        for way in (self.inner, self.alternative):
-            if way is not None:
-                way.traffic = value
+    target_ratio = _on_both_ways("target_ratio", "The density a warm-up ramps the inner compressor to (``None`` "
+                                                 "where none has), kept on the inner one.")
+    traffic = _on_both_ways("traffic", "The inner compressor's traffic budget, ``None`` without one (density "
+                                       "schedules then set it here).")
 
     def config(self) -> Dict[str, Any]:
         return {"type": "Auto", "compressor": self.inner.config_repr(), "warmup": self.warmup,
