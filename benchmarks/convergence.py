@@ -414,7 +414,8 @@ def summarize(run: Run, seeds: List[Dict[str, Any]], dense: Optional[Dict[str, A
     final = spread(curves[:, -1])
     row: Dict[str, Any] = {
         "model": run.model, "label": run.label, "compressor": run.name, "ratio": run.ratio,
-        "variant": run.variant if run.ratio or run.traffic else None, "traffic_budget": run.traffic, "momentum_correction": run.momentum_correction,
+        "variant": run.variant if run.ratio or run.traffic else None, "traffic_budget": run.traffic,
+        "momentum_correction": run.momentum_correction,
         "powersgd_rank": run.rank,
         "warmup": run.warmup,
         **{key: seeds[0][key] for key in ("optimizer_momentum", "compressor_momentum")},

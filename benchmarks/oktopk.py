@@ -68,7 +68,8 @@ class OkTopk:
                              f"traffic {self.traffic}, momentum {self.momentum}, warmup_steps {self.warmup_steps}")
 
     def traffic_at(self, step: int) -> float:
-        """The budget of (0-based) ``step``: the warm-up's ramp from ``max(warmup_start, traffic)``, then ``traffic``."""
+        """The budget of (0-based) ``step``: the warm-up's ramp from ``max(warmup_start, traffic)``, then
+        ``traffic``."""
         return warmup_density(step, self.warmup_steps, max(self.warmup_start, self.traffic), self.traffic)
 
     @staticmethod

@@ -45,6 +45,18 @@ from hvd_compress.algorithms.base import Compressor, check_ratio, is_compression
 __all__ = ["DensityWarmup", "warmup_density", "check_warmup_steps", "check_has_density", "check_start"]
 
 
+def ramped(compressor: Any) -> str:
+    """What a density warm-up ramps on ``compressor``: its ``traffic`` budget where it has one, else its ``ratio``."""
+    return "traffic" if getattr(compressor, "traffic", None) is not None else "ratio"
+
+
+def ramping(compressor: Any) -> bool:
+    """Whether a density warm-up ramps ``compressor`` now: its target (``target_ratio``, which
+    :class:`DensityWarmup` sets) recorded and not reached."""
+    target = getattr(compressor, "target_ratio", None)
+    return target is not None and getattr(compressor, ramped(compressor)) != target
+
+
 def warmup_density(step: int, warmup_steps: int, start: float, target: float) -> float:
     """``start * (target / start) ** (step / warmup_steps)`` before ``warmup_steps``, then ``target``.
 
@@ -141,7 +153,7 @@ class DensityWarmup:
     def __init__(self, compressor: Any, warmup_steps: int, start: float = 0.25) -> None:
         self.compressors = compressors_of(compressor, "DensityWarmup")
         #: what the schedule ramps: the traffic budget of compressors given one (``traffic=``), else the density
-        self.setting = "traffic" if all(getattr(c, "traffic", None) is not None for c in self.compressors) else "ratio"
+        self.setting = "traffic" if all(ramped(c) == "traffic" for c in self.compressors) else "ratio"
         targets = {float(getattr(c, self.setting)) for c in self.compressors}
         if len(targets) != 1:
             raise ValueError(f"hvd_compress: DensityWarmup's compressors disagree on the density: {sorted(targets)}")

@@ -71,6 +71,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hvd_compress.engine.exchange import BucketExchange
 from hvd_compress.algorithms.base import Compressor, ExchangePolicy, fingerprint
+from hvd_compress.algorithms.schedule import ramping
 from hvd_compress.algorithms.state import WireStats
 from hvd_compress.algorithms.validation import check_count
 from hvd_compress.kernels import ops_for
@@ -189,13 +190,10 @@ class DenseView:
     def config_hash(self, run: Any) -> int:
         """The inner compressor's configuration (:meth:`~hvd_compress.algorithms.base.Compressor.config_repr`,
         without the machine's ``compile``), its density and traffic left out while a warm-up ramps them
-        (``target_ratio`` set and not reached): a dense bucket sends the same whatever they are, so its plan
-        is not rebuilt at every step of the ramp."""
+        (:func:`~hvd_compress.algorithms.schedule.ramping`): a dense bucket sends the same whatever they are,
+        so its plan is not rebuilt at every step of the ramp."""
         config = self.inner.config()
-        target = getattr(self.inner, "target_ratio", None)
-        ramped = getattr(self.inner, "traffic", None)
-        ramped = self.inner.ratio if ramped is None else ramped
-        if target is not None and ramped != target:
+        if ramping(self.inner):
             config = {key: value for key, value in config.items() if key not in ("ratio", "traffic")}
         return fingerprint({"type": "Dense", "of": self.inner.config_repr(config)}, run, self.rank)
 
