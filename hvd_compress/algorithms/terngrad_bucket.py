@@ -69,16 +69,18 @@ class TernaryBucketCodec:
 
     def _uniform(self, layout: Any, a: Array, run: Any) -> Array:
         """Every compressed tensor's uniforms from this rank's stream in the run state ``run``, drawn in the
-        order the tensors were added."""
-        ops = layout.ops
-        uniform = ops.empty(layout.n_compressed, ops.float32, layout.like)
-        comp = self.compressor
+        order the tensors were added, in the gradients' dtype; or the raw draws that the codes' pass makes
+        those uniforms (``ops.draws_dtype``: torch's, compiled on the host)."""
+        ops, comp = layout.ops, self.compressor
+        dtype = ops.draws_dtype(a, layout.dtype, comp.compile)
+        uniform = ops.empty(layout.n_compressed, dtype, layout.like)
         generator = run.generator(ops, comp.seed, comp.rank, a)
         parts = {}
         for i in sorted(layout.compressed):
             start = layout.offsets[i]
             parts[i] = ops.uniform_into(generator, uniform[start : start + layout.numels[i]])
-        return ops.cast(ops.joined(uniform, [parts[i] for i in layout.compressed]), layout.dtype)
+        draws = ops.joined(uniform, [parts[i] for i in layout.compressed])
+        return ops.cast(draws, layout.dtype) if dtype == ops.float32 else draws
 
     def _codes_send(self, layout: Any, a: Array, bound: Optional[Array], uniform: Array, scale: Array,
                     step: Any) -> Send:
@@ -89,8 +91,8 @@ class TernaryBucketCodec:
         if step.feedback:  # per group in place
             step.residual = ops.terngrad_bucket_residual(a, layout.groups, codes, scale_a)
         if self.wire_format == "allreduce":
-            return Send(self.label, "sum", ops.pack_ternary(codes, layout.world))
-        packed = ops.pack_two_bit(codes)
+            return Send(self.label, "sum", ops.pack_ternary(codes, layout.world, self.compressor.compile))
+        packed = ops.pack_two_bit(codes, self.compressor.compile)
         return Send(self.label, "gather", packed, [packed.shape[0]] * layout.world)
 
     def _code_sum(self, layout: Any, received: Array) -> Array:
@@ -122,7 +124,7 @@ class TernaryBucketCodec:
             total = part if total is None else ops.add_into(total, part)
         return total, bad
 
-    @staticmethod
-    def _scaled_rows(layout: Any, codes: Array, scale: Array) -> Array:
+    def _scaled_rows(self, layout: Any, codes: Array, scale: Array) -> Array:
         """``codes * S`` per compressed tensor, in the accumulation dtype (integer codes convert exactly)."""
-        return layout.ops.scale_rows(layout.groups, codes, scale, layout.acc, layout.n_compressed)
+        return layout.ops.scale_rows(layout.groups, codes, scale, layout.acc, layout.n_compressed,
+                                     self.compressor.compile)

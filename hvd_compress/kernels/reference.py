@@ -425,7 +425,7 @@ def _unpack_fields(words: np.ndarray, bits: int, per_word: int, numel: int) -> n
     return grid.reshape(-1)[:numel]
 
 
-def pack_ternary(codes: np.ndarray, world_size: int) -> np.ndarray:
+def pack_ternary(codes: np.ndarray, world_size: int, compile=None) -> np.ndarray:
     """Pack ``t + 1`` into int32 lanes of ``floor(32/b)`` fields of ``b`` bits.
 
     Summing the lanes of N ranks with an int32 allreduce sums every field without
@@ -444,7 +444,7 @@ def unpack_ternary_sum(lanes: np.ndarray, numel: int, world_size: int) -> np.nda
     return fields.astype(np.int32) - np.int32(world_size)
 
 
-def pack_two_bit(codes: np.ndarray) -> np.ndarray:
+def pack_two_bit(codes: np.ndarray, compile=None) -> np.ndarray:
     """``t + 1`` packed four to a byte (int8, the allgather wire format)."""
     fields = (codes + np.int8(1)).view(np.uint8)  # {-1, 0, 1} + 1: 0, 1, 2
     return _pack_fields(fields, 2, 4, np.uint8).view(np.int8)
@@ -505,7 +505,7 @@ BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
     "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply", "where",
     "gaussiank_from",
-    "regtopk_sparse_scores", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
+    "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
 )
@@ -605,6 +605,12 @@ def where(condition: np.ndarray, a, b, out=None) -> np.ndarray:
         out[...] = b
     np.copyto(out, a, where=condition)
     return out
+
+
+def draws_dtype(a: np.ndarray, dtype, compile=None):
+    """The dtype of the draws :func:`uniform_into` writes for TernGrad's codes: float32 (uniforms; torch
+    draws raw integers where its codes' pass is compiled; ``compile``: torch's option)."""
+    return np.float32
 
 
 def uniform_into(rng: np.random.Generator, out: np.ndarray) -> np.ndarray:
@@ -712,8 +718,9 @@ def keep_finite_rows(groups, total: np.ndarray, old: np.ndarray, new: np.ndarray
     return old
 
 
-def scale_rows(groups, values: np.ndarray, scale: np.ndarray, dtype, numel: int) -> np.ndarray:
-    """``values`` times each row's ``scale``, in ``dtype``: ``numel`` entries, the rows of ``groups``."""
+def scale_rows(groups, values: np.ndarray, scale: np.ndarray, dtype, numel: int, compile=None) -> np.ndarray:
+    """``values`` times each row's ``scale``, in ``dtype``: ``numel`` entries, the rows of ``groups``
+    (``compile``: torch's option)."""
     total = np.empty(numel, dtype=dtype)
     for grp in groups:
         multiply(grp.view(values), grp.column(scale), out=grp.view(total))

@@ -424,7 +424,7 @@ def _unpack_fields(words, bits: int, per_word: int, numel: int) -> tf.Tensor:
     return tf.slice(tf.reshape(fields, [-1]), [0], [numel])  # one op each, where indexing takes four
 
 
-def pack_ternary(codes, world_size: int) -> tf.Tensor:
+def pack_ternary(codes, world_size: int, compile=None) -> tf.Tensor:
     bits = ternary_field_bits(world_size)
     return _wrap_int32(_pack_fields(tf.cast(codes, tf.int64) + 1, bits, 32 // bits))
 
@@ -435,7 +435,7 @@ def unpack_ternary_sum(lanes, numel: int, world_size: int) -> tf.Tensor:
     return tf.cast(_unpack_fields(words, bits, 32 // bits, numel) - world_size, tf.int32)
 
 
-def pack_two_bit(codes) -> tf.Tensor:
+def pack_two_bit(codes, compile=None) -> tf.Tensor:
     words = _pack_fields(tf.cast(codes, tf.int64) + 1, 2, 4)
     return tf.bitcast(tf.cast(words, tf.uint8), tf.int8)
 
@@ -605,6 +605,11 @@ def regtopk_sparse_scores(a, idx, values, mu: float) -> tf.Tensor:
     return tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
 
 
+def draws_dtype(a, dtype, compile=None) -> tf.DType:
+    """float32: TernGrad's draws are uniforms (:func:`reference.draws_dtype`)."""
+    return tf.float32
+
+
 def uniform_into(rng: tf.random.Generator, out) -> tf.Tensor:
     """:func:`uniform`'s float32 draws, as many as ``out`` has entries."""
     with _on(out):
@@ -661,7 +666,7 @@ def keep_finite_rows(groups, total, old, new, compile=None) -> tf.Tensor:
     return keep_rows(groups, bad, old, new)
 
 
-def scale_rows(groups, values, scale, dtype, numel: int) -> tf.Tensor:
+def scale_rows(groups, values, scale, dtype, numel: int, compile=None) -> tf.Tensor:
     """``values`` times each row's ``scale``, in ``dtype``."""
     return tf.cast(values, dtype) * _per_entry(tf.cast(scale, dtype), groups, numel)
 

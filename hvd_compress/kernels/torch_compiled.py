@@ -17,8 +17,11 @@ velocity into a buffer it is given:
 * :func:`momentum_update`: momentum correction's velocity ``u = m u + g`` (one pass instead of two);
 * :func:`largest_magnitudes`: each row's largest ``|x|`` (TernGrad's scales without clipping);
 * :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
-  bound's std in one pass) and its codes (in one pass
-  instead of six).
+  bound's std in one pass) and its codes (in one pass instead of six, the uniforms made of the generator's
+  raw draws in it: :func:`uniforms`);
+* :func:`packed_fields` and :func:`scaled_rows`: TernGrad's codes packed into words, and the code sums times
+  each row's scale (one pass each instead of three; unpacking compiles to slower code than torch's eager
+  shifts, so it stays eager).
 
 The results are integers, maxima and IEEE operations in the same order (inductor keeps
 ``-fno-unsafe-math-optimizations``, ``-ffp-contract=off``), so compiled and eager agree bit for bit;
@@ -193,13 +196,41 @@ def ternary_scales(rows: torch.Tensor, clip: float) -> Tuple[torch.Tensor, torch
     return torch.minimum(local, bound), bound
 
 
+def uniforms(draws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``draws`` as uniforms on [0, 1) in ``dtype``: float draws rounded to it, int32 draws (a generator's raw
+    32-bit draws, :func:`~hvd_compress.kernels.torch_ops.uniform_into` on the host) as ``(d mod 2^24) 2^-24``
+    in float32 first, exactly the float32 that ``torch.rand`` makes of the same draw."""
+    if draws.dtype == torch.int32:
+        draws = torch.bitwise_and(draws, 0xFFFFFF).to(torch.float32) * 2.0**-24
+    return draws.to(dtype)
+
+
 @Pass
-def ternary_codes(rows: torch.Tensor, uniform: torch.Tensor, bound: torch.Tensor,
-                  scale: torch.Tensor) -> torch.Tensor:
-    """TernGrad's codes of each row (:func:`~hvd_compress.kernels.torch_ops.terngrad_bucket_codes`):
-    ``sign(g) [u < min(|g|, b) / S]`` in int8; ``bound`` and ``scale`` ``(R, 1)``."""
-    keep = uniform < torch.minimum(rows.abs(), bound) / scale
-    return torch.where(keep, torch.where(rows < 0, -1, 1), 0).to(torch.int8)
+def ternary_codes(rows: torch.Tensor, draws: torch.Tensor, bound: torch.Tensor, scale: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """TernGrad's codes of each row (:func:`~hvd_compress.kernels.torch_ops.terngrad_bucket_codes`) written
+    into ``out`` (int8, ``rows``' shape): ``sign(g) [u < min(|g|, b) / S]``, ``u`` the :func:`uniforms` of
+    ``draws`` in ``rows``' dtype; ``bound`` and ``scale`` ``(R, 1)``."""
+    keep = uniforms(draws, rows.dtype) < torch.minimum(rows.abs(), bound) / scale
+    out.copy_(torch.where(keep, torch.where(rows < 0, -1, 1), 0).to(torch.int8))
+
+
+@Pass
+def packed_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
+    """Each row of ``codes`` (int8 ``(W, per_word)``, values in {-1, 0, 1}) as one ``word``:
+    ``w = sum_i (t_i + 1) << bits i`` (the fields' bits are disjoint: the sum is their OR), the fields
+    unrolled (a reduction over a row of dynamic length compiles to a slow loop)."""
+    words = codes[:, 0].to(word) + 1
+    for i in range(1, per_word):
+        words = words + torch.bitwise_left_shift(codes[:, i].to(word) + 1, bits * i)
+    return words
+
+
+@Pass
+def scaled_rows(values: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = values S`` per row (``scale`` ``(R, 1)``), the values converted to ``out``'s dtype first (integer
+    codes convert exactly)."""
+    out.copy_(values.to(out.dtype) * scale)
 
 
 @Pass

@@ -98,13 +98,13 @@ def accelerator_path() -> Iterator[None]:
 HOST_FLOATS = (torch.float32, torch.float64)
 
 
-def compiled_here(a: torch.Tensor, compile: Optional[bool] = None) -> bool:
+def compiled_here(a: torch.Tensor, compile: Optional[bool] = None, floats: bool = True) -> bool:
     """Whether the fused passes of :mod:`~hvd_compress.kernels.torch_compiled` run on ``a`` compiled: where
     compiling is on for its device (``compile``, a compressor's option, else ``HVD_COMPRESS_COMPILE``), on the
     CPU outside :func:`accelerator_path` (whose trace shows what a GPU launches, by default uncompiled), and
-    for the float dtypes the host's kernels take."""
+    (``floats``) for the float dtypes the host's kernels take."""
     return ((on_host(a) or a.device.type != "cpu") and compiled.enabled(a.device, compile)
-            and a.dtype in HOST_FLOATS)
+            and (a.dtype in HOST_FLOATS or not floats))
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -443,16 +443,24 @@ def _shifts(bits: int, per_word: int, dtype: torch.dtype, device: torch.device) 
 _SHIFTS: dict = {}
 
 
-def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype) -> torch.Tensor:
+def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtype,
+                 compile: Optional[bool] = None) -> torch.Tensor:
     """Fields ``codes + 1`` (in {0, 1, 2}), ``per_word`` of ``bits`` bits to a ``word``:
     ``w = sum_i (t_i + 1) << bits i``.
 
     The shifted fields' bits are disjoint, so their sum is the reference's (no carry).
     torch shifts signed integers as unsigned, so a field reaching bit 31 of an int32
     word sets the sign bit, as the reference's cast to uint32 then view as int32; only
-    the last field can, so the int32 sum of the shifted fields never overflows.
+    the last field can, so the int32 sum of the shifted fields never overflows. Where passes run
+    compiled (:func:`compiled_here`), the whole words in one pass
+    (:func:`~hvd_compress.kernels.torch_compiled.packed_fields`), a last partial word as below.
     """
     numel = codes.shape[0]
+    whole = numel // per_word
+    if whole and compiled_here(codes, compile, floats=False):
+        main = compiled.packed_fields(codes[: whole * per_word].view(whole, per_word), bits, per_word, word,
+                                      compile=True)
+        return torch.cat([main, _pack_fields(codes[whole * per_word :], bits, per_word, word, False)])
     words = -(-numel // per_word)
     fields = _empty(words * per_word, word, codes.device)
     if words * per_word > numel:  # padding: fields 0
@@ -473,9 +481,9 @@ def _unpack_fields(words: torch.Tensor, bits: int, per_word: int, numel: int) ->
     return fields.bitwise_and_((1 << bits) - 1).view(-1)[:numel]
 
 
-def pack_ternary(codes: torch.Tensor, world_size: int) -> torch.Tensor:
+def pack_ternary(codes: torch.Tensor, world_size: int, compile: Optional[bool] = None) -> torch.Tensor:
     bits = ternary_field_bits(world_size)
-    return _pack_fields(codes, bits, 32 // bits, torch.int32)
+    return _pack_fields(codes, bits, 32 // bits, torch.int32, compile)
 
 
 def unpack_ternary_sum(lanes: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
@@ -483,8 +491,8 @@ def unpack_ternary_sum(lanes: torch.Tensor, numel: int, world_size: int) -> torc
     return _unpack_fields(lanes.to(torch.int32), bits, 32 // bits, numel).sub_(world_size)
 
 
-def pack_two_bit(codes: torch.Tensor) -> torch.Tensor:
-    return _pack_fields(codes, 2, 4, torch.uint8).view(torch.int8)
+def pack_two_bit(codes: torch.Tensor, compile: Optional[bool] = None) -> torch.Tensor:
+    return _pack_fields(codes, 2, 4, torch.uint8, compile).view(torch.int8)
 
 
 def unpack_two_bit(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -610,7 +618,20 @@ def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tens
     return scores.index_copy_(0, idx, damped.abs_())
 
 
+def draws_dtype(a: torch.Tensor, dtype: torch.dtype, compile: Optional[bool] = None) -> torch.dtype:
+    """The dtype of the draws :func:`uniform_into` writes for TernGrad's codes of ``a``, whose uniforms are
+    ``dtype``'s: int32, the generator's raw draws, which the codes' pass makes uniforms
+    (:func:`~hvd_compress.kernels.torch_compiled.uniforms`), where that pass runs compiled
+    (:func:`compiled_here`; ``compile``: the compressor's option) and ``a`` is of ``dtype``; else float32."""
+    return torch.int32 if compiled_here(a, compile) and a.dtype == dtype else torch.float32
+
+
 def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
+    """Draws into ``out``: float32 uniforms on [0, 1) (``torch.rand``), or for an int32 ``out`` the generator's
+    raw 32-bit draws (``random_``: one draw an entry, as ``torch.rand``'s, whose float32 is ``(d mod 2^24)
+    2^-24``), the same values for :func:`~hvd_compress.kernels.torch_compiled.uniforms`, a third of the time."""
+    if out.dtype == torch.int32:
+        return out.random_(generator=rng)
     return torch.rand(out.shape[0], generator=rng, dtype=torch.float32, device=out.device, out=out)
 
 
@@ -637,7 +658,8 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compi
 
 def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
                           uniform: torch.Tensor, compile: Optional[bool] = None) -> torch.Tensor:
-    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``; ``|clip(g)| = min(|g|, b)`` and ``clip``
+    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``, ``u`` the uniforms ``uniform`` (or the raw draws
+    of :func:`draws_dtype`, :func:`~hvd_compress.kernels.torch_compiled.uniforms`); ``|clip(g)| = min(|g|, b)`` and ``clip``
     keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
     ``minimum`` (NaN included), in place without an ``out`` argument. Where passes are compiled
     (:func:`compiled_here`; ``compile``: the compressor's option), one
@@ -646,9 +668,11 @@ def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor]
         codes = _empty(a.shape[0], torch.int8, a.device)
         for grp in groups:
             limit = grp.column(bound) if bound is not None else torch.full((grp.rows, 1), torch.inf, dtype=a.dtype)
-            grp.view(codes).copy_(compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale),
-                                                         compile=True))
+            compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale), grp.view(codes),
+                                   compile=True)
         return codes
+    if uniform.dtype == torch.int32:  # raw draws (a compilation that failed since they were drawn)
+        uniform = compiled.uniforms(uniform, a.dtype)
     ratio = torch.abs(a)
     for grp in groups:
         view = grp.view(ratio)
@@ -714,14 +738,19 @@ def keep_finite_rows(groups, total: torch.Tensor, old: torch.Tensor, new: torch.
     return old
 
 
-def scale_rows(groups, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+def scale_rows(groups, values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, numel: int,
+               compile: Optional[bool] = None) -> torch.Tensor:
     """``values * S`` per row in ``dtype``; on the host into a kept buffer (a fresh one costs its page faults),
     converted first and multiplied in place: a product that promotes integer codes runs unvectorised there,
-    ten times slower (the same floats: the integers convert exactly)."""
+    ten times slower (the same floats: the integers convert exactly); where passes run compiled
+    (:func:`compiled_here`), one :func:`~hvd_compress.kernels.torch_compiled.scaled_rows` per group."""
     total = empty(numel, dtype, values)
     host = on_host(values)
+    fused = compiled_here(total, compile)
     for grp in groups:
-        if host:
+        if fused:
+            compiled.scaled_rows(grp.view(values), grp.column(scale), grp.view(total), compile=True)
+        elif host:
             grp.view(total).copy_(grp.view(values)).mul_(grp.column(scale))
         else:
             torch.mul(grp.view(values), grp.column(scale), out=grp.view(total))

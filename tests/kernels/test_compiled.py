@@ -50,7 +50,7 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
     age = torch.from_numpy(np.random.default_rng(5).integers(0, 40, (rows, 1000)).astype(dtype))
     aged = [torch.full_like(age, -1.0) for _ in range(3)]
     for p, args in [(C.marks_and_largest, (a, limit)), (C.marks_above, (a, limit)), (C.counts_above, (a, limits)),
-                    (C.ternary_codes, (a, uniform, bound, scale)), (C.largest_magnitudes, (a,)),
+                    (C.largest_magnitudes, (a,)),
                     (C.aged_marks, (a, rate, age, aged, limit * 10))]:
         calls = [args[:3] + (aged[i],) + args[4:] if p is C.aged_marks else args for i in range(3)]
         got, source, eager = (p(*calls[0]), p.fn(*calls[1]), p.eager(*calls[2]))  # compiled; its source, eager
@@ -61,6 +61,61 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
             assert g.dtype == s.dtype == e.dtype
             np.testing.assert_array_equal(g.numpy(), s.numpy())
             np.testing.assert_array_equal(g.numpy(), e.numpy())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_compiled_ternary_codes_equal_eager_from_uniforms_and_raw_draws(compiling, dtype):
+    """The codes written into ``out`` from float uniforms, and from a generator's raw int32 draws (the
+    uniforms ``torch.rand`` makes of the same draws), compiled, eagerly, and by the torch kernel's eager path."""
+    rows, n = 3, 1001
+    a = rows_with_specials(rows, n, 5, np.float32 if dtype == np.float16 else dtype)
+    raw = torch.empty((rows, n), dtype=torch.int32).random_(generator=torch.Generator().manual_seed(3))
+    uniform = torch.rand((rows, n), generator=torch.Generator().manual_seed(3)).to(getattr(torch, np.dtype(dtype).name))
+    np.testing.assert_array_equal(C.uniforms(raw, uniform.dtype).numpy(), uniform.numpy())
+    bound = torch.full((rows, 1), 1.7, dtype=a.dtype)
+    scale = torch.from_numpy(np.array([[2.3], [0.0], [np.inf]], a.numpy().dtype))
+    outs = [torch.full((rows, n), 7, dtype=torch.int8) for _ in range(3)]
+    C.ternary_codes(a, uniform, bound, scale, outs[0])
+    C.ternary_codes.eager(a, uniform, bound, scale, outs[1])
+    if dtype != np.float16:  # raw draws: the uniforms of a's own dtype
+        C.ternary_codes(a, raw, bound, scale, outs[2])
+    else:
+        outs[2] = outs[0]
+    keep = uniform < torch.minimum(a.abs(), bound) / scale  # NaN entries: never kept
+    expected = torch.where(keep, torch.sign(a), 0).to(torch.int8)
+    for out in outs[:3]:
+        np.testing.assert_array_equal(out.numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 16])
+@pytest.mark.parametrize("numel", [1, 32, 45, 1003])
+def test_compiled_packing_equals_eager_and_the_reference(compiling, world_size, numel):
+    """TernGrad's lanes and 2-bit bytes packed in one compiled pass, a last partial word included, equal the
+    eager kernels' and the reference's (and unpack to the codes); the code sums times each row's scale too."""
+    from hvd_compress.kernels import reference as R
+    from hvd_compress.kernels import torch_ops as T
+    from hvd_compress.kernels.groups import Group
+
+    codes = np.random.default_rng(numel).integers(-1, 2, numel).astype(np.int8)
+    t = torch.from_numpy(codes)
+    for compile in (True, False):
+        lanes = T.pack_ternary(t, world_size, compile)
+        two_bit = T.pack_two_bit(t, compile)
+        np.testing.assert_array_equal(lanes.numpy(), R.pack_ternary(codes, world_size))
+        np.testing.assert_array_equal(two_bit.numpy(), R.pack_two_bit(codes))
+        summed = T.unpack_ternary_sum(lanes, numel, world_size)
+        assert summed.dtype == torch.int32
+        np.testing.assert_array_equal(summed.numpy(), R.unpack_ternary_sum(lanes.numpy(), numel, world_size))
+        unpacked = T.unpack_two_bit(two_bit, numel)
+        assert unpacked.dtype == torch.int8
+        np.testing.assert_array_equal(unpacked.numpy(), codes)
+        quarter = numel // 4  # two rows of a quarter, then one of the rest
+        groups = ([Group(0, 0, [0], numel)] if not quarter
+                  else [Group(0, 0, [0, 1], quarter), Group(2 * quarter, 2, [2], numel - 2 * quarter)])
+        scale = torch.tensor([0.37, -1.9, 3.3][: 1 if not quarter else 3], dtype=torch.float32)
+        got = T.scale_rows(groups, summed, scale, torch.float32, numel, compile)
+        want = R.scale_rows(groups, summed.numpy(), scale.numpy(), np.float32, numel)
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
 @pytest.mark.parametrize("dtype, g_dtype", [(np.float32, np.float32), (np.float64, np.float64),
