@@ -122,15 +122,18 @@ def param_group_momenta(param_groups: Any) -> list:
 
 
 def as_configured(compressor: Any) -> str:
-    """``repr(compressor)`` with the ratio the user configured: under a density schedule
+    """``repr(compressor)`` with the ratio (or traffic budget) the user configured: under a density schedule
     (:class:`~hvd_compress.algorithms.schedule.DensityWarmup`, which records its target as
-    ``compressor.target_ratio``) the ``ratio`` set now is the ramp's, not the one written."""
+    ``compressor.target_ratio``) the ``ratio`` set now is the ramp's, not the one written, and so is a
+    budget's ``traffic``."""
     text = repr(compressor)
     target, now = getattr(compressor, "target_ratio", None), getattr(compressor, "ratio", None)
     if target is None or now is None or target == now:
         return text
-    return (text.replace(f"ratio={now!r}", f"ratio={target!r}", 1)
-            + f" (its density warm-up is at {now:g} now)")
+    text = text.replace(f"ratio={now!r}", f"ratio={target!r}", 1)
+    if getattr(compressor, "traffic", None) == now:
+        text = text.replace(f"traffic={now!r}", f"traffic={target!r}", 1)
+    return text + f" (its density warm-up is at {now:g} now)"
 
 
 def check_single_momentum(compressor: Any, momenta: Any, where: str) -> None:

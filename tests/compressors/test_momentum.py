@@ -236,6 +236,22 @@ def test_double_momentum_error_shows_the_configured_ratio_under_a_warmup():
     assert "(its density warm-up is at 0.25 now)" in str(error.value)
 
 
+def test_the_configured_traffic_budget_is_shown_under_a_warmup():
+    """A traffic budget ramps like a density (``traffic`` follows the ramp): the error names the budget
+    written, 0.04, not the ramp's 0.25."""
+    from hvd_compress import DensityWarmup
+    from hvd_compress.algorithms.validation import check_single_momentum
+
+    compressor = TopK(traffic=0.04, momentum=0.9)
+    DensityWarmup(compressor, warmup_steps=3, start=0.25)
+    assert compressor.ratio == compressor.traffic == 0.25
+    with pytest.raises(ValueError) as raised:
+        check_single_momentum(compressor, [("param_group 0", 0.9)], "here")
+    shown = str(raised.value)
+    assert "ratio=0.04, " in shown and "traffic=0.04)" in shown and "=0.25," not in shown and "=0.25)" not in shown
+    assert "(its density warm-up is at 0.25 now)" in shown
+
+
 def test_adam_betas_count_as_a_momentum_and_the_error_shows_the_configured_ratio():
     """torch's Adam-family ``betas[0]`` is a momentum of its own; a warm-up made first has the compressor
     at its start density, and the error names the ratio the user wrote."""
