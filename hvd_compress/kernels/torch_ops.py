@@ -621,15 +621,17 @@ def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tens
 def draws_dtype(a: torch.Tensor, dtype: torch.dtype, compile: Optional[bool] = None) -> torch.dtype:
     """The dtype of the draws :func:`uniform_into` writes for TernGrad's codes of ``a``, whose uniforms are
     ``dtype``'s: int32, the generator's raw draws, which the codes' pass makes uniforms
-    (:func:`~hvd_compress.kernels.torch_compiled.uniforms`), where that pass runs compiled
-    (:func:`compiled_here`; ``compile``: the compressor's option) and ``a`` is of ``dtype``; else float32."""
-    return torch.int32 if compiled_here(a, compile) and a.dtype == dtype else torch.float32
+    (:func:`~hvd_compress.kernels.torch_compiled.uniforms`), where that pass runs compiled on the host
+    (:func:`compiled_here`; ``compile``: the compressor's option) and ``a`` is of ``dtype``; else float32 (an
+    accelerator's generator makes its uniforms of its draws another way)."""
+    return torch.int32 if on_host(a) and compiled_here(a, compile) and a.dtype == dtype else torch.float32
 
 
 def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
     """Draws into ``out``: float32 uniforms on [0, 1) (``torch.rand``), or for an int32 ``out`` the generator's
-    raw 32-bit draws (``random_``: one draw an entry, as ``torch.rand``'s, whose float32 is ``(d mod 2^24)
-    2^-24``), the same values for :func:`~hvd_compress.kernels.torch_compiled.uniforms`, a third of the time."""
+    raw 32-bit draws (``random_``: on the CPU one draw an entry, as ``torch.rand``'s, whose float32 is ``(d mod
+    2^24) 2^-24``): the same uniforms once :func:`~hvd_compress.kernels.torch_compiled.uniforms` makes them, in
+    0.6x ``torch.rand``'s time."""
     if out.dtype == torch.int32:
         return out.random_(generator=rng)
     return torch.rand(out.shape[0], generator=rng, dtype=torch.float32, device=out.device, out=out)
@@ -658,9 +660,9 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compi
 
 def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
                           uniform: torch.Tensor, compile: Optional[bool] = None) -> torch.Tensor:
-    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``, ``u`` the uniforms ``uniform`` (or the raw draws
-    of :func:`draws_dtype`, :func:`~hvd_compress.kernels.torch_compiled.uniforms`); ``|clip(g)| = min(|g|, b)`` and ``clip``
-    keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
+    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``, ``u`` the uniforms ``uniform`` (or those of the raw
+    draws of :func:`draws_dtype`, :func:`~hvd_compress.kernels.torch_compiled.uniforms`); ``|clip(g)| = min(|g|,
+    b)`` and ``clip`` keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
     ``minimum`` (NaN included), in place without an ``out`` argument. Where passes are compiled
     (:func:`compiled_here`; ``compile``: the compressor's option), one
     :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
