@@ -22,8 +22,8 @@ python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ra
                                       [--ratio 0.01] [--variant mc+warmup] [--aggregate-ratio 0.08]
                                       [--traffic 0.04] [--train-size N] [--epochs E] [--out results] [--name STEM]
 python -m benchmarks select [--device cuda|cpu] [--sizes 11.7M,25.6M] [--ratios 0.01,0.001] [--repeats 20]
-                           [--rows topk/eager,topk/compiled,...] [--code-path route|accelerator] [--out results]
-                           [--name select]
+                           [--rows topk/eager,topk/compiled,...] [--code-path route|accelerator]
+                           [--bucket one|resnet50] [--out results] [--name select]
 python -m benchmarks trace [--model resnet50|gpt2|mlp] [--device cpu|cuda] [--warmup 3] [--compressors none,fp16,...]
                           [--ratio 0.01] [--routes ...] [--json FILE] [--plot FILE]
 python -m benchmarks compress [--sizes 1M 11.7M 25M] [--ratio 0.01] [--repeats 5] [--device all] [--out results]
@@ -385,12 +385,13 @@ def _bench_select(args: argparse.Namespace) -> int:
     from benchmarks.compress import format_size
 
     print(
-        f"Selection microbenchmark: {', '.join(args.rows)} at {', '.join(map(format_size, args.sizes))} "
-        f"elements, densities {', '.join(f'{r:g}' for r in args.ratios)}, median of {args.repeats}, "
+        f"Selection microbenchmark: {', '.join(args.rows)} at "
+        f"{', '.join(map(format_size, args.sizes)) if args.bucket == 'one' else 'a ResNet-50 bucket of'} elements, "
+        f"densities {', '.join(f'{r:g}' for r in args.ratios)}, median of {args.repeats}, "
         f"device {args.device or 'cuda when available'}"
     )
     select.run(device=args.device, sizes=args.sizes, ratios=args.ratios, repeats=args.repeats, rows=args.rows,
-               code_path=args.code_path, seed=args.seed, out=args.out, name=args.name)
+               code_path=args.code_path, seed=args.seed, out=args.out, name=args.name, bucket=args.bucket)
     return _wrote(args.out, args.name)
 
 
@@ -409,6 +410,9 @@ def _add_select(commands: Any) -> None:
                    help=f"default all: {','.join(select.ROWS)} (copy, clone and torch.topk always run)")
     p.add_argument("--code-path", choices=select.CODE_PATHS, default="route",
                    help="accelerator: on the CPU, the kernels a GPU runs (default: the routes' own way)")
+    p.add_argument("--bucket", choices=tuple(select.BUCKETS), default="one",
+                   help="what each exchange's bucket holds: the one gradient (default), or resnet50: ResNet-50's "
+                   "161 parameter tensors (25.6M elements; --sizes left aside)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="select", help="stem of the written files (select)")
     _add_out(p, "<name>", _bench_select)

@@ -25,6 +25,10 @@ after a few untimed calls:
   ``first_step_ms`` is the row's first call (a compiled row's compilation, whatever the earlier rows
   left compiled, included).
 
+``bucket="resnet50"`` (``--bucket``): each exchange's bucket holds ResNet-50's 161 parameter tensors instead,
+views of one 25.6M-element gradient (the baselines time that gradient), the small ones dense by the
+compressors' default: what a model's bucket costs beyond one tensor's (a copy per tensor into the bucket).
+
 ``vs_copy``, ``vs_clone`` and ``vs_topk`` are each row's time over the ``copy``, ``clone`` and
 ``torch.topk`` rows of the same size and density. Timing: CUDA events around each call on a GPU (the
 host launches, the events time the device), ``time.perf_counter`` on the CPU. ``code_path="accelerator"``
@@ -39,14 +43,16 @@ returning the call to time (set-up outside the call). Outputs: ``select.json`` a
 from __future__ import annotations
 
 import contextlib
-import os
 import functools
+import math
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks.compress import format_size, gradient
+from benchmarks.shapes import resnet50_shapes
 from benchmarks.output import publish
 from benchmarks.report import machine, progress_bar, pyplot, ratio_bars, require, save_figure
 
@@ -54,6 +60,8 @@ from benchmarks.report import machine, progress_bar, pyplot, ratio_bars, require
 DEFAULT_SIZES = (11_700_000, 25_600_000)
 DEFAULT_RATIOS = (0.01, 0.001)
 DEFAULT_REPEATS = 20
+#: what a compressor row's bucket holds (:class:`Case`): its tensors' ``(name, shape)``, none for the one gradient
+BUCKETS: Dict[str, Callable[[], List[Tuple[str, Tuple[int, ...]]]]] = {"one": list, "resnet50": resnet50_shapes}
 WARMUP_CALLS = 3
 CODE_PATHS = ("route", "accelerator")
 #: The residual's scale relative to the gradient (a residual holds what earlier steps left).
@@ -62,15 +70,24 @@ RESIDUAL_SCALE = 0.3
 
 class Case:
     """One measurement's inputs: ``g`` and ``r`` (float32, ``n`` elements, on ``device``), ``k`` of
-    ``ratio``; ``torch`` the module."""
+    ``ratio``; ``torch`` the module. ``tensors``: what a compressor row's bucket holds, ``(name, tensor)``:
+    ``g`` itself (``bucket="one"``), or with ``bucket="resnet50"`` ResNet-50's 161 parameter tensors as
+    views of ``g`` (``n`` is then their 25,557,032 elements)."""
 
-    def __init__(self, torch: Any, device: str, n: int, ratio: float, seed: int) -> None:
+    def __init__(self, torch: Any, device: str, n: int, ratio: float, seed: int, bucket: str = "one") -> None:
         from hvd_compress.kernels.reference import num_selected
 
-        self.torch, self.device, self.n, self.ratio = torch, device, n, ratio
+        shapes = BUCKETS[bucket]()
+        n = sum(math.prod(shape) for _, shape in shapes) if shapes else n
+        self.torch, self.device, self.n, self.ratio, self.bucket = torch, device, n, ratio, bucket
         self.k = num_selected(n, ratio)
         self.g = torch.from_numpy(gradient(n, seed)).to(device)
         self.r = torch.from_numpy(gradient(n, seed + 1)).mul_(RESIDUAL_SCALE).to(device)
+        views, start = [], 0
+        for name, shape in shapes:
+            views.append((name, self.g[start : start + math.prod(shape)].view(shape)))
+            start += math.prod(shape)
+        self.tensors: List[Tuple[str, Any]] = views or [("g", self.g)]
         #: a compressor row's first call (ms), set by its set-up
         self.first_ms: Optional[float] = None
 
@@ -115,14 +132,16 @@ def engine(name: str, compiled: bool = False, **options: Any) -> Callable[[Case]
         from hvd_compress.algorithms import Compression
         from hvd_compress.algorithms.state import CompressorState
 
-        every_tensor = {} if name == "none" else {"dense_below": 0}  # the gradient is compressed whatever its size
+        # one gradient is compressed whatever its size; a model's bucket keeps the default (small tensors dense)
+        every_tensor = {} if name == "none" or case.bucket != "one" else {"dense_below": 0}
         compressor = Compression.by_name(name, case.ratio, **every_tensor, **options)
         comm, run = SingleProcessCommunicator(), CompressorState()
 
         def step() -> Any:
             with compiling(compiled):
                 exchange = open_exchange(compressor, comm, f"select.{name}", run)
-                exchange.add("g", case.g)
+                for tensor_name, tensor in case.tensors:
+                    exchange.add(tensor_name, tensor)
                 exchange.launch()
                 return exchange.finish()
 
@@ -227,17 +246,23 @@ def run(
     seed: int = 0,
     out: Optional[str] = "results",
     name: str = "select",
+    bucket: str = "one",
     plot: bool = True,
     progress: bool = True,
     stdout: Any = None,
 ) -> Dict[str, Any]:
     """Time every row at every (size, density), write ``<name>.json`` and ``<name>.png`` to ``out``,
-    print the table; returns the results. ``device`` None: CUDA when available, else the CPU."""
+    print the table; returns the results. ``device`` None: CUDA when available, else the CPU. ``bucket``:
+    what a compressor row's bucket holds (:data:`BUCKETS`; ``resnet50``: ResNet-50's tensors, ``sizes``
+    left aside)."""
     torch = require("torch", "torch")
     if plot and out:
         require("matplotlib", "bench")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     names = list(dict.fromkeys([*BASELINES, *rows]))  # the baselines always: the ratios need them
+    if bucket not in BUCKETS:
+        raise ValueError(f"hvd_compress: bucket must be one of {', '.join(BUCKETS)}, got {bucket!r}")
+    sizes = sizes if bucket == "one" else [sum(math.prod(shape) for _, shape in BUCKETS[bucket]())]
     _check(device, sizes, ratios, repeats, names, code_path, torch)
     ms = timer(torch, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -252,7 +277,7 @@ def run(
     try:
         with torch.no_grad(), path():
             for n, ratio in cases:
-                case = Case(torch, device, n, ratio, seed)
+                case = Case(torch, device, n, ratio, seed, bucket)
                 for row in names:
                     bar.set_postfix_str(f"{format_size(n)} {ratio:g} {row}")
                     case.first_ms = None
@@ -277,6 +302,8 @@ def run(
             "repeats": int(repeats),
             "warmup_calls": WARMUP_CALLS,
             "code_path": code_path,
+            "bucket": bucket if bucket == "one" else f"{bucket}: its {len(BUCKETS[bucket]())} parameter tensors, "
+            "small ones dense (the compressors' default dense_below)",
             "timing": "CUDA events around each call" if device == "cuda" else "time.perf_counter around each call",
             "statistic": "median ms of one call",
             "gradient": "float32, benchmarks.compress.gradient (normal, 1e-3 heavy tail); "

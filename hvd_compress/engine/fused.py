@@ -40,7 +40,9 @@ layout hash]``, read on the host); afterwards a step reads nothing back. Per ste
                                                   a tensor whose sum holds NaN/Inf keeps
                                                   its u from before the step: per size group
                                                   one flag pass and one where)
-    compressed part: g = one cat;  the codec's rounds (:mod:`hvd_compress.algorithms.rounds`),
+    compressed part: g = one cat (with error feedback, no momentum correction and a residual of the
+                     gradients' dtype: a = g + r, each tensor added into its slice, one pass on the host);
+                     the codec's rounds (:mod:`hvd_compress.algorithms.rounds`),
                      each started here, waited for by the next round or by ``finish``;
                      the decode: (total, per-tensor flag)
     result = total / N;  flagged tensors: residual (and velocity) as before the step,
@@ -360,7 +362,10 @@ class FusedBucket(PicklesOpsByName):
                 dense = self.ops.concat([dense])
             out.handles["dense"] = comm.allreduce_donated_async(dense, comm.SUM, f"{self.key}.dense")
         if self.compressed:
-            g = self.ops.concat([self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero])
+            parts = [self.ops.reshape(tensors[i], (-1,)) for i in self.compressed] + [self.spare_zero]
+            # a = g + r made as the parts are copied in (one pass), where the residual's dtype is the gradients'
+            out.compensated = self.residual is not None and not self.momentum and self.dtype == self.acc
+            g = self.ops.added_concat(parts, self.residual) if out.compensated else self.ops.concat(parts)
             out.rounds.begin(self.codec.exchange(self.layout, g, out), self.codec.rounds)
         run.stats.add(*self.step_stats)
         self.exchanges += 1
@@ -401,7 +406,8 @@ class FusedBucket(PicklesOpsByName):
                                                         self.compile)
 
     def compensated(self, g: Array) -> Array:
-        """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32."""
+        """``a = g + r`` (``g`` is the bucket's own copy); in the residual's dtype, at least float32. (Where
+        that is the gradients' dtype, ``launch`` adds the residual as it copies the gradients in.)"""
         if self.residual is None:
             return g
         if g.dtype != self.acc:
@@ -424,16 +430,19 @@ class Launched:
         #: what a codec reads of the step: the run's step count (before this step), whether error feedback
         #: keeps a residual (the codec hands the step's in ``residual``), momentum correction's decay
         self.exchanges, self.feedback, self.momentum = bucket.exchanges, bucket.residual is not None, bucket.momentum
+        #: whether the compressed part handed to the codec already holds ``a = g + r`` (``launch``)
+        self.compensated = False
 
     def accumulated(self, g: Array) -> Array:
         """What error feedback compresses: ``a = g + r`` (``g``: the step's own copy of the compressed part),
         or under momentum correction ``u = m u + g`` (this step's velocity, in :attr:`velocity`) and
-        ``a = r + u``; in the residual's dtype, at least float32."""
+        ``a = r + u``; in the residual's dtype, at least float32. ``g`` as ``launch`` hands it to the codec:
+        where that already holds ``g + r`` (:attr:`compensated`), ``g`` itself."""
         b = self.bucket
         if b.momentum:
             self.velocity = u = b.ops.momentum_update(b.velocity, g, b.momentum, b.compile)
             return u if b.residual is None else b.ops.add(u, b.residual)
-        return b.compensated(g)
+        return g if self.compensated else b.compensated(g)
 
     @float_errors_ignored
     def complete(self, comm: Any) -> None:

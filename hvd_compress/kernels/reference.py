@@ -466,6 +466,17 @@ def concat(arrays: Sequence[np.ndarray], out=None) -> np.ndarray:
 
 
 
+def added_concat(parts: Sequence[np.ndarray], addend: np.ndarray) -> np.ndarray:
+    """``concat(parts) + addend`` (``addend``: the parts' dtype and total length), each part added into its
+    slice of one new buffer: one pass, no concatenated copy first."""
+    out, start = np.empty(addend.shape[0], dtype=addend.dtype), 0
+    for part in parts:
+        stop = start + part.shape[0]
+        np.add(part, addend[start:stop], out=out[start:stop])
+        start = stop
+    return out
+
+
 def sum_int32_wrapping(arrays: Sequence[np.ndarray]) -> np.ndarray:
     """Elementwise int32 sum with two's-complement wrap-around, as an int32 allreduce does."""
     total = np.zeros_like(arrays[0], dtype=np.uint32)
@@ -502,10 +513,9 @@ BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 #: (into ``out=``, a slice, or the first argument), TensorFlow's tensors are immutable and its
 #: functions return new ones (``joined`` then concatenates the parts written "into" a buffer).
 BUCKET_FUNCTIONS = (
-    "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "take", "zero_at",
-    "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply", "where",
-    "gaussiank_from",
-    "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
+    "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "added_concat", "take",
+    "zero_at", "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply",
+    "where", "gaussiank_from", "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
 )

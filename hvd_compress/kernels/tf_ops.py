@@ -457,6 +457,11 @@ def concat(arrays: Sequence, out=None) -> tf.Tensor:
 
 
 
+def added_concat(parts: Sequence, addend) -> tf.Tensor:
+    """``concat(parts) + addend`` (:func:`reference.added_concat`)."""
+    return tf.concat(list(parts), axis=0) + addend
+
+
 def sum_int32_wrapping(arrays: Sequence) -> tf.Tensor:
     return _wrap_int32(tf.add_n([tf.cast(a, tf.int64) for a in arrays]))
 

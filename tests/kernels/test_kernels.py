@@ -270,6 +270,26 @@ def test_keep_finite_rows_keeps_the_old_rows_where_the_total_is_not_finite(K, dt
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
+def test_added_concat_is_the_concatenation_plus_the_addend(K, dtype):
+    """``a = g + r`` made as a bucket's parts are copied in: parts of several sizes (an empty one and a
+    one-entry spare among them), NaN and Inf carried, the sums of the concatenation's, bit for bit."""
+    rng = np.random.default_rng(5)
+    parts = [(rng.standard_normal(n) * 3.7).astype(dtype) for n in (7, 0, 1000, 1)]
+    parts[2][[3, 9]] = [np.nan, np.inf]
+    addend = (rng.standard_normal(1008) * 0.37).astype(dtype)
+    addend[11] = -np.inf
+    want = np.concatenate(parts) + addend
+
+    def added(a, *ps):
+        return K.ops.added_concat(list(ps), a)
+
+    K.check(added, [K.tensor(addend)] + [K.tensor(p) for p in parts], want)
+    if K.name == "torch-cpu":
+        with K.ops.accelerator_path():
+            K.check(added, [K.tensor(addend)] + [K.tensor(p) for p in parts], want, "accelerator path")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
 @given("few", data=st.data(), factor=st.sampled_from([1.0, 1.0, 1.37, 3.1e1, 1 + 2**-30]))
 def test_terngrad_codes_match_reference_given_the_same_uniforms(K, dtype, data, factor):
     """The scale as a Python float."""

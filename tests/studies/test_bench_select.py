@@ -60,6 +60,33 @@ def test_the_engine_rows_run_what_the_route_runs(monkeypatch):
     assert launched == [("TopK", True, 5000, True)] * (1 + select.WARMUP_CALLS + 1)
 
 
+def test_a_model_bucket_holds_its_tensors_as_views_of_the_gradient(monkeypatch):
+    """``--bucket resnet50``: every step adds ResNet-50's 161 tensors (their shapes, views of the one
+    gradient the baselines time), the sizes given left aside."""
+    from benchmarks.shapes import PARAMETERS, TENSORS, resnet50_shapes
+    from hvd_compress.engine import fused
+
+    launched = []
+    original = fused.FusedBucket.launch
+
+    def spy(bucket, tensors, comm, run, complete=True):
+        launched.append([tuple(t.shape) for t in tensors])
+        return original(bucket, tensors, comm, run, complete)
+
+    monkeypatch.setattr(fused.FusedBucket, "launch", spy)
+    results = select.run(device="cpu", sizes=[100], ratios=[0.01], repeats=1, rows=["none/eager"], out=None,
+                         progress=False, bucket="resnet50")
+    assert results["settings"]["sizes"] == [PARAMETERS["resnet50"]]
+    assert results["settings"]["bucket"].startswith("resnet50: its 161 parameter tensors")
+    assert {r["size"] for r in results["rows"]} == {PARAMETERS["resnet50"]}
+    assert launched == [[shape for _, shape in resnet50_shapes()]] * (1 + select.WARMUP_CALLS + 1)
+    assert len(launched[0]) == TENSORS["resnet50"]
+    case = select.Case(torch, "cpu", 0, 0.01, 0, "resnet50")
+    storage = case.g.untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for _, t in case.tensors)
+    assert torch.equal(torch.cat([t.reshape(-1) for _, t in case.tensors]), case.g)
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="unknown row"):
         select.run(device="cpu", sizes=[100], rows=["nope"], out=None, progress=False)
@@ -67,6 +94,8 @@ def test_bad_options_are_refused():
         select.run(device="cpu", sizes=[0], out=None, progress=False)
     with pytest.raises(ValueError, match="repeats"):
         select.run(device="cpu", sizes=[100], repeats=0, out=None, progress=False)
+    with pytest.raises(ValueError, match="bucket must be one of one, resnet50"):
+        select.run(device="cpu", sizes=[100], out=None, progress=False, bucket="vgg")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="is_available"):
             select.run(device="cuda", sizes=[100], out=None, progress=False)
