@@ -113,8 +113,8 @@ class SparseBucketCodec:
         if self.thresholds is None or step.exchanges % self.reuse == 0:
             idx, probe = comp.bucket_select(a, scores, self.rows, ops)
             return idx, probe, self.rows.kth(scores, idx)
-        idx, kept = self.rows.reused(scores, self.thresholds)
-        return idx, self.rows.largest(scores), kept
+        idx, kept, probe = self.rows.reused(scores, self.thresholds)
+        return idx, probe, kept
 
     def adopt(self, layout: Any, memory: Any) -> None:
         """Reused thresholds from each tensor's memory (``threshold``, kept for ``threshold_k`` slots: a

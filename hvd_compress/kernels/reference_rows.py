@@ -130,16 +130,16 @@ class Rows:
             positions[slot : slot + chosen.shape[0]] = chosen + first
         return positions, np.array(first_thresholds, dtype=np.float64)
 
-    def reused(self, scores: np.ndarray, kept: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def reused(self, scores: np.ndarray, kept: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64, work
-        order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
-        first slots, the others ``spare``."""
+        order): ``(positions, the thresholds to keep, each row's largest score)``, each row's selection in
+        index order in its first slots, the others ``spare``."""
         positions = np.full(self.width, self.spare, dtype=np.int64)
         chosen = np.empty(len(kept), dtype=np.float64)
         for row, (first, values, k, slot) in enumerate(self._rows(scores)):
             selected, chosen[row] = reference.reused_threshold_select(values, float(kept[row]), k)
             positions[slot : slot + selected.shape[0]] = selected + first
-        return positions, chosen
+        return positions, chosen, self.largest(scores)
 
     def kth(self, scores: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""

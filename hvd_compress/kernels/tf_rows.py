@@ -87,16 +87,16 @@ class Rows(reference_rows.Rows):
                 parts.append(ops.gaussiank_positions(size, first_thresholds[-1], k, width, self.spare, first))
             return _joined(parts, tf.int64), _joined(first_thresholds, tf.float64, tf.stack)
 
-    def reused(self, scores: tf.Tensor, kept: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    def reused(self, scores: tf.Tensor, kept: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
         """:func:`tf_ops.reused_positions` of every row from its ``kept`` threshold (float64, work order):
-        ``(positions, the thresholds to keep)``."""
+        ``(positions, the thresholds to keep, each row's largest score)``."""
         with ops.on_device(self.device):
             parts, chosen = [], []
             for row, (first, values, k, _) in enumerate(self._rows(scores)):
                 positions, threshold = ops.reused_positions(values, kept[row], k, self.spare, first)
                 parts.append(positions)
                 chosen.append(threshold)
-            return _joined(parts, tf.int64), _joined(chosen, tf.float64, tf.stack)
+            return _joined(parts, tf.int64), _joined(chosen, tf.float64, tf.stack), self.largest(scores)
 
     def kth(self, scores: tf.Tensor, positions: tf.Tensor) -> tf.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64:

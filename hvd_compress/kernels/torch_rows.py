@@ -397,14 +397,17 @@ class Rows:
         return tables
 
     # ---------------------------------------------------------- reused thresholds
-    def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def reused(self, scores: torch.Tensor, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`reference.reused_threshold_select` of every row from its ``kept`` threshold (float64,
-        work order): ``(positions, the thresholds to keep)``, each row's selection in index order in its
-        first slots, the others ``spare``: a counting pass over every ``sample_stride(k)``-th entry and a
-        marking pass per size group, no top-k (on the host: :meth:`_threshold_host`)."""
+        work order): ``(positions, the thresholds to keep, each row's largest score)``, each row's selection
+        in index order in its first slots, the others ``spare``: a counting pass over every
+        ``sample_stride(k)``-th entry and a marking pass per size group, no top-k (on the host:
+        :meth:`_threshold_host`, whose marking pass finds the largest too)."""
         if ops.on_host(scores) and scores.dtype in ops.HOST_FLOATS:
-            return self._threshold_host(scores, kept, reference.reuse_bounds, reference.sample_stride)
-        return self._by_threshold(scores, kept, reference.reuse_bounds, keep=True, stride_of=reference.sample_stride)
+            return self._threshold_host(scores, kept, reference.reuse_bounds, reference.sample_stride, largest=True)
+        positions, chosen = self._by_threshold(scores, kept, reference.reuse_bounds, keep=True,
+                                               stride_of=reference.sample_stride)
+        return positions, chosen, self.largest(scores)
 
     def kth(self, scores: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each row's smallest score at its ``k`` positions (after :meth:`topk`: its k-th largest), float64."""
@@ -413,15 +416,17 @@ class Rows:
         return torch.cat(parts).to(torch.float64)
 
     def _threshold_host(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
-                        stride_of: Any = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        stride_of: Any = None, largest: bool = False) -> Tuple[torch.Tensor, ...]:
         """The CPU's :meth:`_by_threshold` (same results): per group one pass counts every row's six
         candidate thresholds (:func:`~hvd_compress.kernels.torch_compiled.counts_above`, on every
         ``stride_of(k)``-th entry), the host applies :func:`reference.threshold_choice` to the counts, one
         pass marks each row's chosen threshold (:func:`~hvd_compress.kernels.torch_compiled.marks_above`);
         a row whose first threshold is not finite runs :func:`torch_ops.threshold_select` alone.
-        ``(positions, the thresholds chosen, float64)``."""
+        ``(positions, the thresholds chosen, float64)``, and with ``largest`` each row's largest ``magnitude``
+        (found by the marking pass: :func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`)."""
         out = torch.full((self.width,), self.spare, dtype=torch.int64)
         chosen = first.numpy().copy()
+        tops = []
         for start, view, k, width, (r0, r1), (lo, _) in self._views(magnitude):
             stride, bounds, n = stride_of(k) if stride_of else 1, bounds_of(k), view.shape[1]
             limits = _limits(chosen[r0:r1, None] * np.asarray(reference.GAUSSIANK_FACTORS), view.dtype)
@@ -434,7 +439,12 @@ class Rows:
                     at = {first_i * f: c for f, c in zip(reference.GAUSSIANK_FACTORS, counts[i])}
                     chosen[r0 + i], cut = reference.threshold_choice(at.__getitem__, first_i, *bounds)
                     take[i], limit[i] = k if cut else width, chosen[r0 + i]
-            marks = compiled.marks_above(view, _limits(limit[:, None], view.dtype), compile=self.compile)
+            limit_of = _limits(limit[:, None], view.dtype)
+            if largest:
+                marks, top = compiled.marks_and_largest(view, limit_of, compile=self.compile)
+                tops.append(top)
+            else:
+                marks = compiled.marks_above(view, limit_of, compile=self.compile)
             marks = marks.view(torch.bool).numpy()
             marked = np.flatnonzero(marks)
             edges = np.searchsorted(marked, np.arange(r1 - r0 + 1) * n)
@@ -445,7 +455,7 @@ class Rows:
                     mine, chosen[r0 + i] = ops.threshold_select(view[i], float(first[r0 + i]), k, bounds, width,
                                                                 stride)
                 out[lo + i * width : lo + i * width + mine.shape[0]] = mine.long() + (start + i * n)
-        return out, torch.from_numpy(chosen)
+        return (out, torch.from_numpy(chosen)) + ((torch.cat(tops),) if largest else ())
 
 
 def _limits(thresholds: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
