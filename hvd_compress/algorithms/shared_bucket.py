@@ -116,7 +116,7 @@ class SharedIndexCodec(SparseBucketCodec):
             idx, probe = self.compressor.bucket_select(a, scores, self.rows, ops)
             chosen = ops.cast(idx, self.index_dtype)
         else:
-            probe, chosen = self.rows.largest(ops.magnitude(a)), ops.zeros(self.k_total, self.index_dtype, layout.like)
+            probe, chosen = self.rows.largest_magnitude(a), ops.zeros(self.k_total, self.index_dtype, layout.like)
         received = yield [Send("leader", "sum", chosen)]
         return ops.cast(received["leader"], ops.int64), probe
 
@@ -127,7 +127,7 @@ class SharedIndexCodec(SparseBucketCodec):
         if self.rate is None:
             unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
-            probe = self.rows.largest(ops.magnitude(a))
+            probe = self.rows.largest_magnitude(a)
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
         return self.rows.aged_topk(self.rate, self.age, a, self.one)
 

@@ -92,6 +92,11 @@ class Rows:
         """Each row's largest entry (NaN where the row holds NaN), in work order."""
         return np.array([np.max(row) for _, row, _, _ in self._rows(flat)], dtype=flat.dtype)
 
+    def largest_magnitude(self, a: Any) -> Any:
+        """Each row's largest ``|a|`` (NaN where the row holds NaN), in work order: :meth:`largest` of
+        ``|a|``; arrays of the framework of the subclass (numpy here)."""
+        return self.largest(ops_for(a).magnitude(a))
+
     def _rows(self, flat: np.ndarray) -> Iterator[Tuple[int, np.ndarray, int, int]]:
         """Per row in work order: its first work position, its entries of ``flat``, its ``k`` and its first slot."""
         for first, n, k, slot, _ in row_order(self.groups):
@@ -116,7 +121,7 @@ class Rows:
         arrays of the framework of the subclass (numpy here)."""
         ops = ops_for(a)
         aged = ops.add(age, one)
-        return self.topk(ops.multiply(rate, aged))[0], self.largest(ops.magnitude(a)), aged
+        return self.topk(ops.multiply(rate, aged))[0], self.largest_magnitude(a), aged
 
     def gaussiank(self, a: np.ndarray, magnitude: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
         """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, first)``:

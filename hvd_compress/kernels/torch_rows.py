@@ -190,6 +190,14 @@ class Rows:
         """Each row's largest entry (NaN where the row holds NaN), in work order: one ``amax`` per group."""
         return torch.cat([view.amax(dim=1) for _, view, *_ in self._views(flat)])
 
+    def largest_magnitude(self, a: torch.Tensor) -> torch.Tensor:
+        """Each row's largest ``|a|`` (NaN where the row holds NaN), in work order; where the passes run
+        compiled, one pass per group that forms no ``|a|``
+        (:func:`~hvd_compress.kernels.torch_compiled.largest_magnitudes`: ``max(-min a, max a)``, exactly)."""
+        if not ops.compiled_here(a, self.compile):
+            return self.largest(ops.magnitude(a))
+        return torch.cat([compiled.largest_magnitudes(view, compile=self.compile) for _, view, *_ in self._views(a)])
+
     # ------------------------------------------------------------------- Top-k
     def topk(self, scores: torch.Tensor, host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` largest ``scores`` of every row, ties to the lower index: ``(positions, top)``.
@@ -260,7 +268,7 @@ class Rows:
         the scores above the limit of their strided sample, no score formed: the same selection."""
         if not (ops.on_host(a) and a.dtype in ops.HOST_FLOATS and rate.dtype in ops.HOST_FLOATS):
             aged = ops.add(age, one)
-            return self.topk(ops.multiply(rate, aged))[0], self.largest(ops.magnitude(a)), aged
+            return self.topk(ops.multiply(rate, aged))[0], self.largest_magnitude(a), aged
         aged = ops.empty(age.shape[0], age.dtype, age)
         parts, probe = [], []
         views = zip(self._views(a), *(self._views(x) for x in (rate, age, aged)))

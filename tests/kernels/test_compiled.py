@@ -165,6 +165,7 @@ ENGINE_CASES = {
     "regtopk": lambda: RegTopK(0.02, dense_below=100),
     "topk-reuse": lambda: TopK(0.02, dense_below=100, exact_every=2),
     "topk-aggregate": lambda: TopK(0.05, dense_below=100, indices="aggregate"),
+    "topk-leader": lambda: TopK(0.05, dense_below=100, indices="leader"),
     "topk-momentum": lambda: TopK(0.02, dense_below=100, momentum=0.9),
     "gaussiank": lambda: GaussianK(0.02, dense_below=100),
     "terngrad": lambda: TernGrad(clip=None, dense_below=100, error_feedback=True),
