@@ -136,10 +136,12 @@ class HostBuffers:
     Each buffer is a numpy array kept here; a tensor made from it (``torch.from_numpy``) or a view of
     it holds a reference, so a buffer whose only reference is this pool's is free. At most ``per_size``
     are kept per byte size and ``budget`` bytes in all; beyond, buffers are plain ``np.empty``.
-    Thread-safe (thread ranks share the process).
+    A bucket's state lives in buffers of its size for good (its residual, velocity, the aggregate
+    rule's rates and ages) beside a step's own (the bucket's copy, the sums, the average), so a size
+    takes up to 16. Thread-safe (thread ranks share the process).
     """
 
-    def __init__(self, smallest: int = 1 << 20, per_size: int = 4, budget: int = 1 << 30) -> None:
+    def __init__(self, smallest: int = 1 << 20, per_size: int = 16, budget: int = 1 << 30) -> None:
         self.smallest, self.per_size, self.budget = smallest, per_size, budget
         self.kept: dict = {}
         self.held = 0
