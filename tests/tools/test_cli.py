@@ -59,3 +59,21 @@ def test_python_m_benchmarks_lists_the_studies():
     studies = ("linreg", "cnn", "gaussian", "terngrad", "convergence", "compress", "wire", "step", "scaling")
     for study in studies + ("train-step", "trace", "select"):
         assert study in done.stdout
+
+
+def test_every_subcommand_renders_its_help():
+    """``--help`` of every subcommand of both command lines prints and exits 0 (a ``%`` in a help string
+    that argparse cannot format fails only here)."""
+    import argparse
+
+    from benchmarks.cli import build_parser as benchmarks_parser
+    from hvd_compress.cli import build_parser
+
+    for parser in (build_parser(), benchmarks_parser()):
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        names = [(name, sub) for action in subparsers for name, sub in action.choices.items()]
+        assert names, parser.prog
+        for name, sub in names:
+            for nested in [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]:
+                names += [(f"{name} {n}", s) for n, s in nested.choices.items()]
+            assert sub.format_help(), name
