@@ -10,7 +10,8 @@ python -m benchmarks terngrad [--ranks 4] [--epochs 5] [--clip 2.5] [--plot DIR]
 python -m benchmarks convergence [--data digits|fashion-mnist] [--data-dir DIR] [--models cnn,mlp]
                                  [--compressors none,topk,gaussiank,regtopk,terngrad] [--ratios 0.01,0.001]
                                  [--variants plain,mc+warmup] [--indices gather,leader,aggregate]
-                                 [--exact-every 1,32] [--powersgd-ranks 1,2,4] [--powersgd-start STEPS]
+                                 [--exact-every 1,32] [--dense-below N] [--powersgd-ranks 1,2,4]
+                                 [--powersgd-start STEPS]
                                  [--traffic 0.04]
                                  [--warmup-epochs E] [--seeds 0,1,2] [--epochs E]
                                  [--batch-size PER_RANK | --global-batch B]
@@ -183,6 +184,7 @@ def _convergence(args: argparse.Namespace) -> int:
         powersgd_ranks=args.powersgd_ranks,
         figure=args.figure,
         traffic=args.traffic,
+        dense_below=args.dense_below,
     )
     return _wrote(args.out, args.name or convergence.file_stem(data.name))
 
@@ -307,6 +309,8 @@ def _add_convergence(commands: Any) -> None:
     p.add_argument("--exact-every", type=_ints, default=[1],
                    help="steps between exact selections of Top-k and RegTop-k, e.g. 1,32 (default 1: every step; "
                         "above 1 the steps between reuse each tensor's threshold)")
+    p.add_argument("--dense-below", type=int,
+                   help="the sparsifiers' dense_below: tensors of fewer entries travel dense (default: theirs, 1024)")
     p.add_argument("--powersgd-ranks", type=_ints, default=[1, 2, 4],
                    help="PowerSGD's matrix approximation ranks, one row each (default 1,2,4)")
     p.add_argument("--powersgd-start", type=int,

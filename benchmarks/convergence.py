@@ -172,6 +172,8 @@ class Run:
     indices: str = "gather"
     #: steps between exact selections (``exact_every=``; 1: every step exact)
     exact_every: int = 1
+    #: a sparsifier's ``dense_below=`` when given (tensors of fewer entries sent dense; None: its default)
+    dense_below: Optional[int] = None
     #: PowerSGD's matrix approximation rank (``powersgd`` only)
     rank: Optional[int] = None
     #: PowerSGD's start_powerSGD_iter when given (``--powersgd-start``; None: the warm-up's steps)
@@ -199,7 +201,8 @@ class Run:
         label = cnn.label(self.name, self.ratio) + (f" traffic {self.traffic:g}" if self.traffic is not None else "")
         label += " +mc" * self.momentum_correction + " +warm-up" * self.warmup
         label += f" [{self.indices}]" if self.indices != "gather" else ""
-        return label + (f" [exact every {self.exact_every}]" if self.exact_every > 1 else "")
+        label += f" [exact every {self.exact_every}]" if self.exact_every > 1 else ""
+        return label + (f" [dense below {self.dense_below}]" if self.dense_below is not None else "")
 
     def compressor(self, momentum: float) -> Any:
         """A new compressor; with momentum correction it owns ``momentum`` (the optimizer then has none)."""
@@ -210,6 +213,7 @@ class Run:
         return Compression.by_name(self.name, self.ratio, momentum=momentum if self.momentum_correction else 0.0,
                                    indices=self.indices,
                                    **({"exact_every": self.exact_every} if self.exact_every > 1 else {}),
+                                   **({"dense_below": self.dense_below} if self.dense_below is not None else {}),
                                    **({"traffic": self.traffic} if self.traffic is not None else {}))
 
 
@@ -217,7 +221,7 @@ def plan(
     models: Sequence[str], compressors: Sequence[str], ratios: Sequence[float],
     variants: Sequence[str] = DEFAULT_VARIANTS, indices: Sequence[str] = ("gather",),
     exact_every: Sequence[int] = (1,), powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
-    powersgd_start: Optional[int] = None, traffic: Sequence[float] = (),
+    powersgd_start: Optional[int] = None, traffic: Sequence[float] = (), dense_below: Optional[int] = None,
 ) -> List[Run]:
     """Every run, model by model: dense, fp16, the sparsifiers per density (each variant, then each index mode,
     then each spacing of exact selections, in the order given; a spacing applies to Top-k and RegTop-k
@@ -236,7 +240,8 @@ def plan(
     for model in dict.fromkeys(models):
         runs += [Run(model, name) for name in ("none", "fp16") if name in compressors]
         for ratio in dict.fromkeys(float(r) for r in ratios):
-            runs += [Run(model, n, ratio, v, mode, every) for n in cnn.SPARSE if n in compressors
+            runs += [Run(model, n, ratio, v, mode, every, dense_below=dense_below)
+                     for n in cnn.SPARSE if n in compressors
                      for v in dict.fromkeys(variants) for mode in dict.fromkeys(indices)
                      for every in dict.fromkeys(exact_every)
                      if every == 1 or (n != "gaussiank" and mode == "gather")]
@@ -474,13 +479,14 @@ def study(
     powersgd_ranks: Sequence[int] = DEFAULT_POWERSGD_RANKS,
     figure: str = "curves",
     traffic: Sequence[float] = (),
+    dense_below: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Train every run of :func:`plan` for every seed on ``data``; write ``<name>.json/.png``
     (default :func:`file_stem`; ``figure``: a key of :data:`FIGURES`) to ``out`` when given, print the
     table; returns the results."""
     require_packages(torch=True, plots=plot and out is not None)
     runs = plan(models, compressors, ratios, variants, indices, exact_every, powersgd_ranks, setup.powersgd_start,
-                traffic)
+                traffic, dense_below)
     seeds = list(dict.fromkeys(int(s) for s in seeds))
     if not runs or not seeds:
         raise ValueError("nothing to run: give at least one model, compressor and seed")
@@ -494,6 +500,7 @@ def study(
             "ratios": list(ratios), "variants": list(dict.fromkeys(variants)), "target_gap_points": target_gap,
             "indices": list(dict.fromkeys(indices)),
             "exact_every": list(dict.fromkeys(exact_every)),
+            "dense_below": dense_below,
             "data": data.describe(), "models": {m: describe_model(m, data.shape) for m in dict.fromkeys(models)},
             "optimizer": f"SGD, lr {setup.lr} ({setup.lr_schedule}), with momentum {setup.momentum} on the averaged gradient; "
                          f"with momentum correction (mc) the compressor owns momentum {setup.momentum} "

@@ -173,6 +173,14 @@ def test_plan_orders_runs_and_rejects_unknown_names():
             convergence.plan(**options)
 
 
+def test_dense_below_reaches_the_sparsifiers_and_their_labels():
+    runs = convergence.plan(["cnn"], ["none", "topk", "terngrad"], [0.04], ["mc+warmup"], ["aggregate"],
+                            dense_below=5000)
+    assert [r.label for r in runs] == ["dense", "top-k 4% +mc +warm-up [aggregate] [dense below 5000]", "terngrad"]
+    assert runs[1].compressor(0.9).dense_below == 5000
+    assert convergence.plan(["cnn"], ["topk"], [0.04], ["plain"])[0].compressor(0.9).dense_below == 1024
+
+
 def test_options_precedence():
     given = {"epochs": 7, "batch_size": None, "warmup_epochs": None, "train_size": None, "test_size": 50}
     options = convergence.options_for("fashion-mnist", True, given)
