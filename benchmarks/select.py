@@ -62,6 +62,12 @@ DEFAULT_RATIOS = (0.01, 0.001)
 DEFAULT_REPEATS = 20
 #: what a compressor row's bucket holds (:class:`Case`): its tensors' ``(name, shape)``, none for the one gradient
 BUCKETS: Dict[str, Callable[[], List[Tuple[str, Tuple[int, ...]]]]] = {"one": list, "resnet50": resnet50_shapes}
+
+
+def bucket_size(bucket: str, n: int) -> int:
+    """Elements a compressor row's bucket holds: ``n`` for the one gradient, else its tensors' total."""
+    shapes = BUCKETS[bucket]()
+    return sum(math.prod(shape) for _, shape in shapes) if shapes else n
 WARMUP_CALLS = 3
 CODE_PATHS = ("route", "accelerator")
 #: The residual's scale relative to the gradient (a residual holds what earlier steps left).
@@ -77,8 +83,7 @@ class Case:
     def __init__(self, torch: Any, device: str, n: int, ratio: float, seed: int, bucket: str = "one") -> None:
         from hvd_compress.kernels.reference import num_selected
 
-        shapes = BUCKETS[bucket]()
-        n = sum(math.prod(shape) for _, shape in shapes) if shapes else n
+        shapes, n = BUCKETS[bucket](), bucket_size(bucket, n)
         self.torch, self.device, self.n, self.ratio, self.bucket = torch, device, n, ratio, bucket
         self.k = num_selected(n, ratio)
         self.g = torch.from_numpy(gradient(n, seed)).to(device)
@@ -262,7 +267,7 @@ def run(
     names = list(dict.fromkeys([*BASELINES, *rows]))  # the baselines always: the ratios need them
     if bucket not in BUCKETS:
         raise ValueError(f"hvd_compress: bucket must be one of {', '.join(BUCKETS)}, got {bucket!r}")
-    sizes = sizes if bucket == "one" else [sum(math.prod(shape) for _, shape in BUCKETS[bucket]())]
+    sizes = sorted({bucket_size(bucket, n) for n in sizes})
     _check(device, sizes, ratios, repeats, names, code_path, torch)
     ms = timer(torch, device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

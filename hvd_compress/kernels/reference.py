@@ -515,7 +515,8 @@ BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "added_concat", "take",
     "zero_at", "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply",
-    "where", "gaussiank_from", "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales", "terngrad_bucket_codes",
+    "where", "gaussiank_from", "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales",
+    "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
 )

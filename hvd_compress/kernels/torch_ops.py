@@ -462,6 +462,8 @@ def _pack_fields(codes: torch.Tensor, bits: int, per_word: int, word: torch.dtyp
     if whole and compiled_here(codes, compile, floats=False):
         main = compiled.packed_fields(codes[: whole * per_word].view(whole, per_word), bits, per_word, word,
                                       compile=True)
+        if whole * per_word == numel:
+            return main
         return torch.cat([main, _pack_fields(codes[whole * per_word :], bits, per_word, word, False)])
     words = -(-numel // per_word)
     fields = _empty(words * per_word, word, codes.device)
