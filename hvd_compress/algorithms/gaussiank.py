@@ -52,8 +52,12 @@ class GaussianK(Sparsifier):
     def slots(self, numel: int) -> int:
         return reference.gaussiank_slots(self.k(numel))
 
+    def bucket_scores(self, a: Any, posterior: Any, ops: Any) -> Any:
+        """None: the selection counts and marks ``|a|`` itself (on the host, from ``a``, no ``|a|`` formed)."""
+        return None
+
     def bucket_select(self, a: Any, scores: Any, rows: Any, ops: Any) -> Any:
         """Every row's Gaussian-k selection in its ``floor(4k/3)`` slots
         (:meth:`~hvd_compress.kernels.torch_rows.Rows.gaussiank`); the probe is each row's mean
         (numpy, TensorFlow: its first threshold), not finite where the row holds NaN/Inf."""
-        return rows.gaussiank(a, scores, self.ratio)
+        return rows.gaussiank(a, self.ratio)

@@ -123,13 +123,13 @@ class Rows:
         aged = ops.add(age, one)
         return self.topk(ops.multiply(rate, aged))[0], self.largest_magnitude(a), aged
 
-    def gaussiank(self, a: np.ndarray, magnitude: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
-        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, first)``:
+    def gaussiank(self, a: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
+        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row: ``(positions, first)``:
         each row's selection in index order in its first slots, the others ``spare``, and each
         row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
         positions = np.full(self.width, self.spare, dtype=np.int64)
         first_thresholds = []
-        for (first, row, k, slot), (_, size, _, _) in zip(self._rows(a), self._rows(magnitude)):
+        for (first, row, k, slot), (_, size, _, _) in zip(self._rows(a), self._rows(reference.magnitude(a))):
             first_thresholds.append(reference.gaussiank_threshold(row, ratio))
             chosen = reference.gaussiank_from(size, first_thresholds[-1], k)
             positions[slot : slot + chosen.shape[0]] = chosen + first

@@ -75,13 +75,13 @@ class Rows(reference_rows.Rows):
                 parts.append(tf.reshape(chosen, [-1]))
             return _joined(parts, tf.int64), _joined(top, scores.dtype)
 
-    def gaussiank(self, a: tf.Tensor, magnitude: tf.Tensor, ratio: float) -> Tuple[tf.Tensor, tf.Tensor]:
-        """:func:`tf_ops.gaussiank_from` (from its own first threshold) of every row (``magnitude = |a|``): ``(positions, first)``:
+    def gaussiank(self, a: tf.Tensor, ratio: float) -> Tuple[tf.Tensor, tf.Tensor]:
+        """:func:`tf_ops.gaussiank_from` (from its own first threshold) of every row: ``(positions, first)``:
         each row's selection in index order in its first slots, the others ``spare``, and each
         row's first threshold (float64; NaN or Inf where the row holds NaN or Inf)."""
         with ops.on_device(self.device):
             parts, first_thresholds = [], []
-            for (first, row, k, _), (_, size, _, _), width in zip(self._rows(a), self._rows(magnitude),
+            for (first, row, k, _), (_, size, _, _), width in zip(self._rows(a), self._rows(ops.magnitude(a)),
                                                                  self.row_width):
                 first_thresholds.append(ops.gaussiank_first_threshold(row, ratio))
                 parts.append(ops.gaussiank_positions(size, first_thresholds[-1], k, width, self.spare, first))

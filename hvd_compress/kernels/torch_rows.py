@@ -317,9 +317,8 @@ class Rows:
         std, mean = torch.cat([m[0] for m in moments] + [m[1] for m in moments], out=both).view(2, -1)
         return mean.abs().add_(std.mul(reference.normal_tail_quantile(ratio))), mean
 
-    def gaussiank(self, a: torch.Tensor, magnitude: torch.Tensor, ratio: float,
-                  host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row (``magnitude = |a|``): ``(positions, mean)``.
+    def gaussiank(self, a: torch.Tensor, ratio: float, host: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row: ``(positions, mean)``.
 
         ``positions``: int64 work positions, each row's selection in index order in its
         first slots, the other slots ``spare``; ``mean``: each row's mean (float64, NaN or
@@ -327,13 +326,17 @@ class Rows:
         counted in one pass per group, the rule is applied to the counts, and one pass
         marks what the chosen threshold selects (cut to ``k`` where the rule cuts). On the
         host (``host``, default on the CPU outside ``accelerator_path``) the host applies the rule
-        to the same counts (:meth:`_threshold_host`).
+        to the same counts (:meth:`_threshold_host`), whose passes, where they compile, read ``a`` and
+        form no ``|a|``; elsewhere ``|a|`` is formed once.
         """
         first, mean = self.thresholds(a, ratio)
-        if (ops.on_host(a) if host is None else host) and magnitude.dtype in ops.HOST_FLOATS:
-            positions = self._threshold_host(magnitude.cpu(), first.cpu(), reference.gaussiank_bounds)[0]
+        if (ops.on_host(a) if host is None else host) and a.dtype in ops.HOST_FLOATS:
+            on_host = a.cpu()
+            of_a = ops.compiled_here(on_host, self.compile)
+            magnitude = on_host if of_a else ops.magnitude(on_host)
+            positions = self._threshold_host(magnitude, first.cpu(), reference.gaussiank_bounds, of_a=of_a)[0]
             return positions.to(a.device), mean
-        return self._by_threshold(magnitude, first, reference.gaussiank_bounds)[0], mean
+        return self._by_threshold(ops.magnitude(a), first, reference.gaussiank_bounds)[0], mean
 
     def _by_threshold(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
                       keep: bool = False, stride_of: Any = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -424,21 +427,23 @@ class Rows:
         return torch.cat(parts).to(torch.float64)
 
     def _threshold_host(self, magnitude: torch.Tensor, first: torch.Tensor, bounds_of: Any,
-                        stride_of: Any = None, largest: bool = False) -> Tuple[torch.Tensor, ...]:
+                        stride_of: Any = None, largest: bool = False, of_a: bool = False) -> Tuple[torch.Tensor, ...]:
         """The CPU's :meth:`_by_threshold` (same results): per group one pass counts every row's six
         candidate thresholds (:func:`~hvd_compress.kernels.torch_compiled.counts_above`, on every
         ``stride_of(k)``-th entry), the host applies :func:`reference.threshold_choice` to the counts, one
         pass marks each row's chosen threshold (:func:`~hvd_compress.kernels.torch_compiled.marks_above`);
         a row whose first threshold is not finite runs :func:`torch_ops.threshold_select` alone.
         ``(positions, the thresholds chosen, float64)``, and with ``largest`` each row's largest ``magnitude``
-        (found by the marking pass: :func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`)."""
+        (found by the marking pass: :func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`). ``of_a``:
+        ``magnitude`` is ``a`` itself, counted and marked by its ``|a|`` (the ``magnitude_`` passes)."""
         out = torch.full((self.width,), self.spare, dtype=torch.int64)
         chosen = first.numpy().copy()
         tops = []
         for start, view, k, width, (r0, r1), (lo, _) in self._views(magnitude):
             stride, bounds, n = stride_of(k) if stride_of else 1, bounds_of(k), view.shape[1]
             limits = _limits(chosen[r0:r1, None] * np.asarray(reference.GAUSSIANK_FACTORS), view.dtype)
-            counts = compiled.counts_above(view[:, ::stride] if stride > 1 else view, limits, compile=self.compile)
+            count = compiled.magnitude_counts_above if of_a else compiled.counts_above
+            counts = count(view[:, ::stride] if stride > 1 else view, limits, compile=self.compile)
             counts = counts.numpy() * stride
             take, limit = np.full(r1 - r0, width), np.full(r1 - r0, np.inf)
             for i in range(r1 - r0):
@@ -452,7 +457,8 @@ class Rows:
                 marks, top = compiled.marks_and_largest(view, limit_of, compile=self.compile)
                 tops.append(top)
             else:
-                marks = compiled.marks_above(view, limit_of, compile=self.compile)
+                mark = compiled.magnitude_marks_above if of_a else compiled.marks_above
+                marks = mark(view, limit_of, compile=self.compile)
             marks = marks.view(torch.bool).numpy()
             marked = np.flatnonzero(marks)
             edges = np.searchsorted(marked, np.arange(r1 - r0 + 1) * n)
@@ -460,8 +466,8 @@ class Rows:
                 if math.isfinite(float(first[r0 + i])):
                     mine = torch.from_numpy(marked[edges[i] : min(edges[i] + take[i], edges[i + 1])] - i * n)
                 else:  # NaN or Inf (a row holding NaN/Inf): the row alone, as the kernels select it
-                    mine, chosen[r0 + i] = ops.threshold_select(view[i], float(first[r0 + i]), k, bounds, width,
-                                                                stride)
+                    mine, chosen[r0 + i] = ops.threshold_select(view[i].abs() if of_a else view[i],
+                                                                float(first[r0 + i]), k, bounds, width, stride)
                 out[lo + i * width : lo + i * width + mine.shape[0]] = mine.long() + (start + i * n)
         return (out, torch.from_numpy(chosen)) + ((torch.cat(tops),) if largest else ())
 

@@ -50,6 +50,7 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
     age = torch.from_numpy(np.random.default_rng(5).integers(0, 40, (rows, 1000)).astype(dtype))
     aged = [torch.full_like(age, -1.0) for _ in range(3)]
     for p, args in [(C.marks_and_largest, (a, limit)), (C.marks_above, (a, limit)), (C.counts_above, (a, limits)),
+                    (C.magnitude_marks_above, (a, limit)), (C.magnitude_counts_above, (a, limits)),
                     (C.largest_magnitudes, (a,)),
                     (C.aged_marks, (a, rate, age, aged, limit * 10))]:
         calls = [args[:3] + (aged[i],) + args[4:] if p is C.aged_marks else args for i in range(3)]
@@ -61,6 +62,9 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
             assert g.dtype == s.dtype == e.dtype
             np.testing.assert_array_equal(g.numpy(), s.numpy())
             np.testing.assert_array_equal(g.numpy(), e.numpy())
+    for of_magnitude, plain, args in [(C.magnitude_marks_above, C.marks_above, (limit,)),
+                                      (C.magnitude_counts_above, C.counts_above, (limits,))]:
+        np.testing.assert_array_equal(of_magnitude(a, *args).numpy(), plain(a.abs(), *args).numpy())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])

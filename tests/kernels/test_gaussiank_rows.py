@@ -29,13 +29,13 @@ from tests.kernels.frameworks import given_per_framework as given  # noqa: E402
 pytestmark = pytest.mark.parametrize("K", ["torch-cpu", "torch-cuda"], indirect=True)
 
 
-def gaussiank_rows(a, magnitude, ratio, k, read_back=None):
-    """:func:`torch_ops.gaussiank_select` of every row of a 2-D ``a`` (``magnitude = |a|``), in
+def gaussiank_rows(a, ratio, k, read_back=None):
+    """:func:`torch_ops.gaussiank_select` of every row of a 2-D ``a``, in
     ``gaussiank_slots(k)`` columns: int64 ``(rows, slots)``, ascending, unused slots holding ``n``."""
     rows, n = a.shape
     slots = R.gaussiank_slots(k)
     plan = Rows([(0, rows, n, k, slots)], a.device, spare=rows * n)
-    positions = plan.gaussiank(a.reshape(-1), magnitude.reshape(-1), ratio, read_back)[0].view(rows, slots)
+    positions = plan.gaussiank(a.reshape(-1), ratio, read_back)[0].view(rows, slots)
     return torch.where(positions == rows * n, n, positions - plan.slot_start.view(rows, slots))
 
 
@@ -64,7 +64,7 @@ def test_gaussiank_rows_follow_the_reference_row_by_row(K, dtype, read_back, dat
     rows, n = a.shape
     k = R.num_selected(n, ratio)
     tensor = K.tensor(a)
-    got = K.numpy(gaussiank_rows(tensor, tensor.abs(), ratio, k, read_back=read_back))
+    got = K.numpy(gaussiank_rows(tensor, ratio, k, read_back=read_back))
     slots = R.gaussiank_slots(k)
     assert got.dtype == np.int64 and got.shape == (rows, slots)
     thresholds = K.numpy(K.ops.gaussiank_thresholds(tensor, ratio))
@@ -113,7 +113,7 @@ def test_rows_of_several_groups_cut_an_overshooting_superset_to_its_first_k(K, d
     thresholds = rows.thresholds
     rows.thresholds = lambda a, r: (first, thresholds(a, r)[1])
     with torch_ops.accelerator_path():
-        positions = K.numpy(rows.gaussiank(tensor, tensor.abs(), ratio)[0])
+        positions = K.numpy(rows.gaussiank(tensor, ratio)[0])
     slot = row = 0
     for start, count, n, k in layout:
         for i in range(count):
@@ -141,7 +141,7 @@ def test_rows_count_every_entry_where_a_sample_would_mislead(K, read_back):
     first = torch.tensor([1.0, 1.0], dtype=torch.float64, device=flat.device)
     thresholds = rows.thresholds
     rows.thresholds = lambda x, r: (first, thresholds(x, r)[1])
-    positions = K.numpy(rows.gaussiank(flat, flat.abs(), 0.01, read_back)[0]).reshape(2, -1)
+    positions = K.numpy(rows.gaussiank(flat, 0.01, read_back)[0]).reshape(2, -1)
     for row, (values, offset) in enumerate([(a, 0), (a / 2, n)]):
         want = R.gaussiank_from(np.abs(values), 1.0, k)
         np.testing.assert_array_equal(positions[row][: want.shape[0]] - offset, want)

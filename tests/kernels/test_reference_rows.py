@@ -75,7 +75,7 @@ def test_gaussiank_of_every_row_is_the_reference(bucket, ratio):
     spare = flat.shape[0]
     layout = [(g.start, g.rows, g.n, R.num_selected(g.n, ratio), R.gaussiank_slots(R.num_selected(g.n, ratio)))
               for g in groups]
-    positions, probe = Rows(layout, spare=spare).gaussiank(flat, np.abs(flat), ratio)
+    positions, probe = Rows(layout, spare=spare).gaussiank(flat, ratio)
     slot = 0
     for row, (first, entries) in enumerate(rows_of(flat, groups)):
         width = R.gaussiank_slots(R.num_selected(entries.shape[0], ratio))
@@ -96,7 +96,7 @@ def test_a_row_holding_nan_or_inf_has_a_probe_that_is_not_finite(bucket, ratio):
     slots = [(start, rows, n, k, R.gaussiank_slots(k)) for start, rows, n, k, _ in layout]
     with np.errstate(all="ignore"):
         positions, top = Rows(layout).topk(np.abs(flat))
-        _, first = Rows(slots, spare=flat.shape[0]).gaussiank(flat, np.abs(flat), ratio)
+        _, first = Rows(slots, spare=flat.shape[0]).gaussiank(flat, ratio)
     assert list(~np.isfinite(top)) == bad and list(~np.isfinite(first)) == bad
     assert np.all((positions >= 0) & (positions < flat.shape[0]))
 

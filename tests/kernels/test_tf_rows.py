@@ -92,10 +92,10 @@ def test_gaussiank_rows_are_the_kernels_and_numpys(bucket, ratio):
                            for first, row in rows_of(flat, groups)])
     handed = iter(thresholds)
     with mock.patch.object(R, "gaussiank_threshold", lambda _a, _r: next(handed)), np.errstate(all="ignore"):
-        want_positions, _ = reference_rows.Rows(slots, spare=flat.shape[0]).gaussiank(flat, np.abs(flat), ratio)
+        want_positions, _ = reference_rows.Rows(slots, spare=flat.shape[0]).gaussiank(flat, ratio)
     with np.errstate(all="ignore"):
-        _, reference_first = reference_rows.Rows(slots, spare=flat.shape[0]).gaussiank(flat, np.abs(flat), ratio)
-    for mode, (positions, first) in rows_run("gaussiank", slots, a, tf.abs(a), ratio).items():
+        _, reference_first = reference_rows.Rows(slots, spare=flat.shape[0]).gaussiank(flat, ratio)
+    for mode, (positions, first) in rows_run("gaussiank", slots, a, ratio).items():
         assert positions.dtype == np.int64 and first.dtype == np.float64, mode
         np.testing.assert_array_equal(positions, kernel, mode)
         np.testing.assert_array_equal(positions, want_positions, mode)
@@ -121,7 +121,7 @@ def test_bfloat16_rows_are_the_kernels(bucket, ratio):
     np.testing.assert_array_equal(positions, single_positions)
     assert top.dtype == tf.bfloat16 and np.array_equal(tf.cast(top, tf.float32), single_top)
     slots = layout(groups, ratio, R.gaussiank_slots)
-    positions, _ = tf_rows.Rows(slots, a.device, spare=flat.shape[0]).gaussiank(a, tf.abs(a), ratio)
+    positions, _ = tf_rows.Rows(slots, a.device, spare=flat.shape[0]).gaussiank(a, ratio)
     want = per_row(a, groups, ratio, lambda row: F.gaussiank_from(abs(row), F.gaussiank_first_threshold(row, ratio), R.num_selected(row.shape[0], ratio)), R.gaussiank_slots)
     np.testing.assert_array_equal(positions, want)
 
@@ -132,5 +132,5 @@ def test_rows_of_tf_tensors_live_on_their_device():
     rows = kernels.bucket_rows(F, [(0, 2, 10, 3, 4), (20, 1, 10, 3, 4)], a, spare=30)
     assert isinstance(rows, tf_rows.Rows) and rows.slot_row.device == a.device
     np.testing.assert_array_equal(rows.slot_row, np.repeat([0, 1, 2], 4))
-    for got in rows.topk(tf.abs(a)) + rows.gaussiank(a, tf.abs(a), 0.3):
+    for got in rows.topk(tf.abs(a)) + rows.gaussiank(a, 0.3):
         assert got.device == a.device
