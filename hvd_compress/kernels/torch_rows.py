@@ -434,8 +434,9 @@ class Rows:
         pass marks each row's chosen threshold (:func:`~hvd_compress.kernels.torch_compiled.marks_above`);
         a row whose first threshold is not finite runs :func:`torch_ops.threshold_select` alone.
         ``(positions, the thresholds chosen, float64)``, and with ``largest`` each row's largest ``magnitude``
-        (found by the marking pass: :func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`). ``of_a``:
-        ``magnitude`` is ``a`` itself, counted and marked by its ``|a|`` (the ``magnitude_`` passes)."""
+        (found by the marking pass: :func:`~hvd_compress.kernels.torch_compiled.marks_and_largest`). ``of_a``
+        (Gaussian-k's, without ``largest``): ``magnitude`` is ``a`` itself, counted and marked by its ``|a|`` (the
+        ``magnitude_`` passes)."""
         out = torch.full((self.width,), self.spare, dtype=torch.int64)
         chosen = first.numpy().copy()
         tops = []
