@@ -30,12 +30,13 @@ def test_resolution_by_hand(size):
     assert traffic.resolve(1.0, "leader", size)[1] == 0.5 and traffic.resolve(1.0, "aggregate", size)[1] == 1.0
 
 
-def ring_traffic(sim: Simulator) -> float:
-    """The last step's bytes per rank on the wire (mean over ranks) over a dense float32 ring allreduce's."""
+def ring_traffic(sim: Simulator, numel: int = D) -> float:
+    """The last step's bytes per rank on the wire (mean over ranks) over a dense float32 ring allreduce's of
+    ``numel`` entries."""
     n = sim.n_ranks
     factor = {"allreduce": 2 * (n - 1) / n, "allgather": n - 1}
     moved = np.mean([sum(factor[kind] * size for _, kind, size in rank) for rank in sim.collectives_per_rank])
-    return moved / (2 * (n - 1) / n * 4 * D)
+    return moved / (2 * (n - 1) / n * 4 * numel)
 
 
 @pytest.mark.parametrize("make", [lambda: TopK(traffic=0.05), lambda: RegTopK(traffic=0.05),
@@ -48,6 +49,21 @@ def test_the_simulator_moves_the_budget_at_every_size(make, size):
         sim.step({"w": [rng.standard_normal(D).astype(np.float32) for _ in range(size)]})
     assert ring_traffic(sim) == pytest.approx(0.05, rel=0.02)
     assert len({repr(c.config()) for c in sim.compressors}) == 1  # every rank resolved alike
+
+
+@pytest.mark.parametrize("size", [4, 16, 64])
+def test_tensors_under_dense_below_travel_dense_beside_the_budget(size):
+    """The recommended setting, ``TopK(traffic=0.03, dense_below=2000)``, on a model with a classifier head
+    (1,280 entries) and a bias: those go dense, the rest at the budget, so a step moves ``(1,280 + 128 + 0.03
+    D) / (D + 1,408)`` of a dense allreduce's ring traffic, the same at every N."""
+    shapes = {"w": D, "head": 1280, "b": 128}
+    sim = Simulator(size, TopK(traffic=0.03, dense_below=2000))
+    rng = np.random.default_rng(size)
+    for _ in range(3):
+        sim.step({name: [rng.standard_normal(n).astype(np.float32) for _ in range(size)]
+                  for name, n in shapes.items()})
+    numel = sum(shapes.values())
+    assert ring_traffic(sim, numel) == pytest.approx((1280 + 128 + 0.03 * D) / numel, rel=0.02)
 
 
 def test_a_budget_is_flat_in_n_where_a_density_is_not():
