@@ -254,7 +254,7 @@ def _add_time_to_accuracy(commands: Any) -> None:
                         "momentum; compressor: --compressor at --ratio in --variant; aggregate: the same with "
                         "indices='aggregate' at --aggregate-ratio; traffic: TopK(traffic=--traffic, momentum="
                         f"--momentum) with a warm-up from {TRAFFIC_WARMUP_START:.0%}% of dense's traffic, SGD without "
-                        "momentum (the README's recommended setting); auto: Auto of the compressor run")
+                        "momentum (a budget in traffic, README); auto: Auto of the compressor run")
     p.add_argument("--compressor", default=d.compressor, help=f"topk, gaussiank or regtopk ({d.compressor})")
     _add_ratio(p)
     p.add_argument("--variant", choices=tuple(VARIANTS), default=d.variant,

@@ -25,7 +25,7 @@ same process group and link, in the order given; each compressor is built by
 - ``aggregate``: the same sparsifier and variant with ``indices="aggregate"`` (one index set
   that every rank derives alike, its values allreduced) at density ``aggregate_ratio``
   (``--aggregate-ratio``, default 0.08);
-- ``traffic``: the README's recommended setting, ``TopK(traffic=T, momentum=m)`` (``T``:
+- ``traffic``: a traffic budget (the README's "A budget in traffic"), ``TopK(traffic=T, momentum=m)`` (``T``:
   ``--traffic``, default 0.04 of a dense fp32 allreduce's bytes per rank; from 2 ranks on the
   ``aggregate`` rule at density ``T``) with ``DensityWarmup(compressor, warm-up steps,
   start=0.1)`` (:data:`TRAFFIC_WARMUP_START`) and SGD without momentum, whatever ``--variant``;
@@ -80,7 +80,7 @@ MODULE = "benchmarks.time_to_accuracy"
 #: ``--runs`` names (module docstring)
 RUNS = ("dense", "fp16", "compressor", "aggregate", "traffic", "auto")
 DEFAULT_RUNS = ("dense", "compressor", "auto")
-#: the ``traffic`` run's warm-up start, a fraction of a dense allreduce's bytes (README's recommended setting)
+#: the ``traffic`` run's warm-up start, a fraction of a dense allreduce's bytes (as the README recommends)
 TRAFFIC_WARMUP_START = 0.1
 #: (rate, bound, "speedup" >= bound or "time ratio" <= bound), read on the best run other than dense:
 #: printed, never asserted.
