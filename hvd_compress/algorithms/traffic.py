@@ -19,6 +19,13 @@ and _n16): at ``t = 0.04``, ``aggregate`` at 4% ended 0.02 (N = 4) and 0.15 poin
 dense, ``gather`` at ``0.04 / N`` 0.88 and 0.55 points behind. The resolution is a function of
 ``(t, rule, N)`` alone, so every rank resolves alike; it happens at ``bind`` (every route binds
 before its first exchange, and again after an elastic reset or a resume at another ``N``).
+
+The budget covers the compressed tensors: those under ``dense_below`` travel dense besides it, each a full
+allreduce (a model's total is ``(dense entries + t x the others) / all entries``). The README's recommended
+setting, ``TopK(traffic=0.03, dense_below=2000)``, sends the studies' classifier layers (128 x 10) dense too
+and trained within 0.3 points of dense or above it on the MLP and the CNN from 4 to 64 ranks, at
+0.045-0.046 of dense's traffic with the warm-up, where ``TopK(traffic=0.04)`` ended 1.12 points behind on
+the CNN at 16 ranks (README, "When sparse stops paying").
 """
 
 from __future__ import annotations

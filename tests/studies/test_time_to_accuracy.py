@@ -146,7 +146,7 @@ def test_each_run_builds_its_compressor_through_the_convergence_run():
     built = {c: tta.make_compressor(c, training) for c in training.runs()}
     assert isinstance(built["fp16"], FP16)
     assert (built["aggregate"].ratio, built["aggregate"].indices, built["aggregate"].momentum) == (0.08, "aggregate", 0.9)
-    assert (built["traffic"].traffic, built["traffic"].momentum) == (0.04, 0.9)  # the README's TopK(traffic=...)
+    assert (built["traffic"].traffic, built["traffic"].momentum) == (0.04, 0.9)  # the README's budget in traffic
     assert training.spec("traffic").label == "top-k traffic 0.04 +mc +warm-up [auto]"
     assert built["auto"].inner.ratio == 0.01
     assert [training.warmup_from(c) for c in ("compressor", "aggregate", "traffic")] == [0.25, 0.25, 0.1]
