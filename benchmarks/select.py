@@ -62,16 +62,16 @@ DEFAULT_RATIOS = (0.01, 0.001)
 DEFAULT_REPEATS = 20
 #: what a compressor row's bucket holds (:class:`Case`): its tensors' ``(name, shape)``, none for the one gradient
 BUCKETS: Dict[str, Callable[[], List[Tuple[str, Tuple[int, ...]]]]] = {"one": list, "resnet50": resnet50_shapes}
+WARMUP_CALLS = 3
+CODE_PATHS = ("route", "accelerator")
+#: The residual's scale relative to the gradient (a residual holds what earlier steps left).
+RESIDUAL_SCALE = 0.3
 
 
 def bucket_size(bucket: str, n: int) -> int:
     """Elements a compressor row's bucket holds: ``n`` for the one gradient, else its tensors' total."""
     shapes = BUCKETS[bucket]()
     return sum(math.prod(shape) for _, shape in shapes) if shapes else n
-WARMUP_CALLS = 3
-CODE_PATHS = ("route", "accelerator")
-#: The residual's scale relative to the gradient (a residual holds what earlier steps left).
-RESIDUAL_SCALE = 0.3
 
 
 class Case:

@@ -331,9 +331,9 @@ class Rows:
         """
         first, mean = self.thresholds(a, ratio)
         if (ops.on_host(a) if host is None else host) and a.dtype in ops.HOST_FLOATS:
-            on_host = a.cpu()
-            of_a = ops.compiled_here(on_host, self.compile)
-            magnitude = on_host if of_a else ops.magnitude(on_host)
+            host_a = a.cpu()  # (another device: the host's way, for tests)
+            of_a = ops.compiled_here(host_a, self.compile)
+            magnitude = host_a if of_a else ops.magnitude(host_a)
             positions = self._threshold_host(magnitude, first.cpu(), reference.gaussiank_bounds, of_a=of_a)[0]
             return positions.to(a.device), mean
         return self._by_threshold(ops.magnitude(a), first, reference.gaussiank_bounds)[0], mean
