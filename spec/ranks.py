@@ -37,6 +37,36 @@ def numpy_draws(seed: int, rank: int) -> Callable[[int], np.ndarray]:
     return lambda n: stream.random(n, dtype=np.float32)
 
 
+def counter_draws(seed: int, rank: int) -> Callable[[int], np.ndarray]:
+    """Rank ``rank``'s counter stream (torch's on the host): its 64-bit seed ``s`` is
+    ``SeedSequence([seed, rank])``'s first two 32-bit words; a call for ``n`` draws at position ``p`` keys
+    ``(k0, k1)`` = the low and high words of ``splitmix64(s + p)``, then ``d_j = h(h(j 0x9E3779B9 + k0) ^ k1)``
+    mod 2^32 with ``h`` = lowbias32, and ``u_j = (d_j mod 2^24) 2^-24`` in float32."""
+    words = np.random.SeedSequence([seed, rank]).generate_state(2, dtype=np.uint32)
+    stream = {"seed": int(words[0]) << 32 | int(words[1]), "position": 0}
+    mask = (1 << 64) - 1
+
+    def lowbias32(x: np.ndarray) -> np.ndarray:
+        x = x ^ (x >> np.uint32(16))
+        x = x * np.uint32(0x7FEB352D)
+        x = x ^ (x >> np.uint32(15))
+        x = x * np.uint32(0x846CA68B)
+        return x ^ (x >> np.uint32(16))
+
+    def draw(n: int) -> np.ndarray:
+        z = (stream["seed"] + stream["position"] + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z ^= z >> 31
+        stream["position"] += n
+        with np.errstate(over="ignore"):
+            j = np.arange(n, dtype=np.uint32) * np.uint32(0x9E3779B9) + np.uint32(z & 0xFFFFFFFF)
+            d = lowbias32(lowbias32(j) ^ np.uint32(z >> 32))
+        return (d & np.uint32(0xFFFFFF)).astype(np.float32) * np.float32(2.0**-24)
+
+    return draw
+
+
 class Ranks:
     """``n_ranks`` ranks running ``option`` (or a list of each rank's: a rule of a user's that draws from
     each rank's own stream); ``draws[r](n)``: rank ``r``'s next ``n`` uniforms (default:

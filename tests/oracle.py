@@ -24,7 +24,7 @@ from hvd_compress.algorithms import as_compressor
 from hvd_compress.algorithms.sparse import Sparsifier
 from hvd_compress.kernels import computed_form, ops_for, reference
 from spec import Ranks, sparse, terngrad
-from spec.ranks import Dense, numpy_draws
+from spec.ranks import Dense, counter_draws, numpy_draws
 
 RULES = {TopK: sparse.topk_select, GaussianK: sparse.gaussiank_select, RegTopK: sparse.regtopk_select}
 
@@ -57,6 +57,10 @@ def framework_draws(like: Any, seed: int, rank: int) -> Callable[[int], np.ndarr
     if name.endswith("torch_ops"):
         import torch
 
+        from hvd_compress.kernels import torch_ops
+
+        if torch_ops.on_host(like):  # a counter stream; an accelerator's torch.Generator elsewhere
+            return counter_draws(seed, rank)
         state = np.random.SeedSequence([seed, rank]).generate_state(2, dtype=np.uint32)
         stream = torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
         return lambda n: torch.rand(n, generator=stream, dtype=torch.float32).numpy()

@@ -69,18 +69,21 @@ class TernaryBucketCodec:
 
     def _uniform(self, layout: Any, a: Array, run: Any) -> Array:
         """Every compressed tensor's uniforms from this rank's stream in the run state ``run``, drawn in the
-        order the tensors were added, in the gradients' dtype; or the raw draws that the codes' pass makes
-        those uniforms (``ops.draws_dtype``: torch's, compiled on the host)."""
+        order the tensors were added, in the gradients' dtype; or the stream keys from which the codes' pass
+        makes those uniforms itself (``ops.draws_in_pass``: torch's counter stream, compiled on the host)."""
         ops, comp = layout.ops, self.compressor
-        dtype = ops.draws_dtype(a, layout.dtype, comp.compile)
-        uniform = ops.empty(layout.n_compressed, dtype, layout.like)
         generator = run.generator(ops, comp.seed, comp.rank, a)
+        order = sorted(layout.compressed)
+        if ops.draws_in_pass(generator, a, layout.dtype, comp.compile):
+            drawn = {i: position for position, i in enumerate(order)}
+            return ops.stream_keys(generator, [layout.numels[i] for i in order],
+                                   [drawn[i] for i in layout.compressed], layout.like)
+        uniform = ops.empty(layout.n_compressed, ops.float32, layout.like)
         parts = {}
-        for i in sorted(layout.compressed):
+        for i in order:
             start = layout.offsets[i]
             parts[i] = ops.uniform_into(generator, uniform[start : start + layout.numels[i]])
-        draws = ops.joined(uniform, [parts[i] for i in layout.compressed])
-        return ops.cast(draws, layout.dtype) if dtype == ops.float32 else draws
+        return ops.cast(ops.joined(uniform, [parts[i] for i in layout.compressed]), layout.dtype)
 
     def _codes_send(self, layout: Any, a: Array, bound: Optional[Array], uniform: Array, scale: Array,
                     step: Any) -> Send:

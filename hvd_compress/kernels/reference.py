@@ -27,10 +27,6 @@ from hvd_compress.wire import ternary_field_bits
 #: Wire dtype of ``FP16``; dtypes of the fused bucket path's buffers.
 float16, float32, float64, int16, int64 = np.float16, np.float32, np.float64, np.int16, np.int64
 
-#: Bytes of a saved random stream's state that only an accelerator's stream takes (``None``: every
-#: state of this module's streams can be set on a host stream, which is how checkpoints check it).
-DEVICE_STREAM_STATE_BYTES = None
-
 #: RegTop-k's "no information" distortion (plain Top-k score), as in the reference code.
 NO_DISTORTION = 1e8
 
@@ -515,7 +511,7 @@ BUCKET_ROWS = "hvd_compress.kernels.reference_rows"
 BUCKET_FUNCTIONS = (
     "fusable", "float_errors_ignored", "empty", "zeros", "scalar", "clone", "to_device", "added_concat", "take",
     "zero_at", "put", "fill_zero", "index_add", "isnan", "magnitude", "quotient", "nonfinite_to_zero", "multiply",
-    "where", "gaussiank_from", "regtopk_sparse_scores", "draws_dtype", "uniform_into", "terngrad_bucket_scales",
+    "where", "gaussiank_from", "regtopk_sparse_scores", "draws_in_pass", "uniform_into", "terngrad_bucket_scales",
     "terngrad_bucket_codes",
     "terngrad_bucket_residual", "add", "add_into", "copy_into", "joined", "sum_along", "any_along", "masked",
     "keep_rows", "keep_finite_rows", "scale_rows", "placed",
@@ -618,10 +614,11 @@ def where(condition: np.ndarray, a, b, out=None) -> np.ndarray:
     return out
 
 
-def draws_dtype(a: np.ndarray, dtype, compile=None):
-    """The dtype of the draws :func:`uniform_into` writes for TernGrad's codes: float32 (uniforms; torch
-    draws raw integers where its codes' pass is compiled; ``compile``: torch's option)."""
-    return np.float32
+def draws_in_pass(rng, a: np.ndarray, dtype, compile=None) -> bool:
+    """Whether TernGrad's codes pass makes its uniforms itself from stream keys: never here, the uniforms
+    are drawn first (:func:`uniform_into`; torch's counter stream makes them in its compiled pass;
+    ``compile``: torch's option)."""
+    return False
 
 
 def uniform_into(rng: np.random.Generator, out: np.ndarray) -> np.ndarray:

@@ -55,9 +55,6 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 #: the row selections of a fused bucket of TensorFlow tensors
 BUCKET_ROWS = "hvd_compress.kernels.tf_rows"
 
-#: every stream state (Philox key and counter) can be set on a host stream
-DEVICE_STREAM_STATE_BYTES = None
-
 _WORD = 1 << 32
 
 
@@ -610,9 +607,9 @@ def regtopk_sparse_scores(a, idx, values, mu: float) -> tf.Tensor:
     return tf.tensor_scatter_nd_update(tf.cast(tf.abs(a), dtype), tf.reshape(idx, [-1, 1]), damped)
 
 
-def draws_dtype(a, dtype, compile=None) -> tf.DType:
-    """float32: TernGrad's draws are uniforms (:func:`reference.draws_dtype`)."""
-    return tf.float32
+def draws_in_pass(rng, a, dtype, compile=None) -> bool:
+    """False: TernGrad's uniforms are drawn first (:func:`reference.draws_in_pass`)."""
+    return False
 
 
 def uniform_into(rng: tf.random.Generator, out) -> tf.Tensor:

@@ -18,9 +18,10 @@ velocity into a buffer it is given:
 * :func:`moments`: each row's std and mean (Gaussian-k's first threshold);
 * :func:`momentum_update`: momentum correction's velocity ``u = m u + g`` (one pass instead of two);
 * :func:`largest_magnitudes`: each row's largest ``|x|`` (TernGrad's scales without clipping);
-* :func:`ternary_scales` and :func:`ternary_codes`: TernGrad's per-row scales (extremes and the clipping
-  bound's std in one pass) and its codes (in one pass instead of six, the uniforms made of the generator's
-  raw draws in it: :func:`uniforms`);
+* :func:`ternary_scales`, :func:`keyed_ternary_codes` and :func:`ternary_codes`: TernGrad's per-row scales
+  (extremes and the clipping bound's std in one pass) and its codes (in one pass instead of six), their
+  uniforms made in the pass from each row's stream keys (:func:`counter_draws`,
+  :mod:`~hvd_compress.kernels.counter_stream`) or read from drawn uniforms (an accelerator's generator);
 * :func:`packed_fields` and :func:`scaled_rows`: TernGrad's codes packed into words, and the code sums times
   each row's scale (one pass each instead of three; unpacking compiles to slower code than torch's eager
   shifts, so it stays eager).
@@ -214,23 +215,54 @@ def ternary_scales(rows: torch.Tensor, clip: float) -> Tuple[torch.Tensor, torch
     return torch.minimum(local, bound), bound
 
 
+#: :mod:`~hvd_compress.kernels.counter_stream`'s constants as int32 (mod 2^32): the index step and
+#: ``lowbias32``'s two multipliers
+COUNTER_STEP, MIX_1, MIX_2 = 0x9E3779B9 - (1 << 32), 0x7FEB352D, 0x846CA68B - (1 << 32)
+
+
+def _mixed(x: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` of int32 words (multiplications wrap mod 2^32; each shift masked to be logical)."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * MIX_1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * MIX_2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def counter_draws(key0: torch.Tensor, key1: torch.Tensor, n: int) -> torch.Tensor:
+    """Draws ``0..n-1`` of each row's call of a counter stream, its keys ``key0`` and ``key1`` (int32, ``(R, 1)``):
+    ``d_j = h(h(j * 0x9E3779B9 + k0) xor k1)`` (int32 ``(R, n)``; :mod:`~hvd_compress.kernels.counter_stream`)."""
+    j = torch.arange(n, dtype=torch.int32, device=key0.device)
+    return _mixed(_mixed(j * COUNTER_STEP + key0) ^ key1)
+
+
 def uniforms(draws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``draws`` as uniforms on [0, 1) in ``dtype``: float draws rounded to it, int32 draws (a generator's raw
-    32-bit draws, :func:`~hvd_compress.kernels.torch_ops.uniform_into` on the host) as ``(d mod 2^24) 2^-24``
-    in float32 first, exactly the float32 that ``torch.rand`` makes of the same draw."""
-    if draws.dtype == torch.int32:
-        draws = torch.bitwise_and(draws, 0xFFFFFF).to(torch.float32) * 2.0**-24
-    return draws.to(dtype)
+    """Raw 32-bit draws as uniforms on [0, 1) in ``dtype``: ``(d mod 2^24) 2^-24`` in float32 (exact), then
+    rounded to ``dtype``."""
+    return (torch.bitwise_and(draws, 0xFFFFFF).to(torch.float32) * 2.0**-24).to(dtype)
+
+
+def _codes(rows: torch.Tensor, uniform: torch.Tensor, bound: torch.Tensor, scale: torch.Tensor,
+           out: torch.Tensor) -> None:
+    keep = uniform < torch.minimum(rows.abs(), bound) / scale
+    out.copy_(torch.where(keep, torch.where(rows < 0, -1, 1), 0).to(torch.int8))
 
 
 @Pass
-def ternary_codes(rows: torch.Tensor, draws: torch.Tensor, bound: torch.Tensor, scale: torch.Tensor,
-                  out: torch.Tensor) -> None:
+def keyed_ternary_codes(rows: torch.Tensor, key0: torch.Tensor, key1: torch.Tensor, bound: torch.Tensor,
+                        scale: torch.Tensor, out: torch.Tensor) -> None:
     """TernGrad's codes of each row (:func:`~hvd_compress.kernels.torch_ops.terngrad_bucket_codes`) written
-    into ``out`` (int8, ``rows``' shape): ``sign(g) [u < min(|g|, b) / S]``, ``u`` the :func:`uniforms` of
-    ``draws`` in ``rows``' dtype; ``bound`` and ``scale`` ``(R, 1)``."""
-    keep = uniforms(draws, rows.dtype) < torch.minimum(rows.abs(), bound) / scale
-    out.copy_(torch.where(keep, torch.where(rows < 0, -1, 1), 0).to(torch.int8))
+    into ``out`` (int8, ``rows``' shape): ``sign(g) [u < min(|g|, b) / S]``, ``u`` the :func:`uniforms` in
+    ``rows``' dtype of the :func:`counter_draws` of each row's keys; ``key0``, ``key1``, ``bound`` and ``scale``
+    ``(R, 1)``."""
+    _codes(rows, uniforms(counter_draws(key0, key1, rows.shape[1]), rows.dtype), bound, scale, out)
+
+
+@Pass
+def ternary_codes(rows: torch.Tensor, uniform: torch.Tensor, bound: torch.Tensor, scale: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """:func:`keyed_ternary_codes` from drawn uniforms ``uniform`` (``rows``' shape), rounded to ``rows``' dtype."""
+    _codes(rows, uniform.to(rows.dtype), bound, scale, out)
 
 
 @Pass

@@ -21,6 +21,7 @@ import torch
 
 from hvd_compress.wire import ternary_field_bits
 from hvd_compress.kernels import torch_compiled as compiled
+from hvd_compress.kernels.counter_stream import CounterStream
 from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framework-free)
     GAUSSIANK_FACTORS,
     GAUSSIANK_GROW,
@@ -45,10 +46,6 @@ from hvd_compress.kernels.reference import (  # noqa: F401  (re-exported: framew
 
 #: the module of the fused path's row selections (:func:`hvd_compress.kernels.bucket_rows`)
 BUCKET_ROWS = "hvd_compress.kernels.torch_rows"
-
-#: a CUDA generator's state (seed and offset) is 16 bytes, which a CPU stream cannot take: checkpoints
-#: check such a state when it is set on the device
-DEVICE_STREAM_STATE_BYTES = 16
 
 _WORD = 1 << 32
 
@@ -250,19 +247,22 @@ def split(a: torch.Tensor, sizes) -> list:
     return list(torch.split(a, list(sizes)))
 
 
-def generator(seed: int, rank: int, like: torch.Tensor) -> torch.Generator:
-    """The random stream of ``rank`` on ``like``'s device, seeded from ``SeedSequence([seed, rank])``."""
+def generator(seed: int, rank: int, like: torch.Tensor):
+    """The random stream of ``rank`` for ``like``, seeded from ``SeedSequence([seed, rank])``'s first 64 bits: on
+    the host a :class:`~hvd_compress.kernels.counter_stream.CounterStream`, on an accelerator (and in
+    :func:`accelerator_path`) its device's ``torch.Generator``."""
     state = np.random.SeedSequence([seed, rank]).generate_state(2, dtype=np.uint32)
+    seed64 = int(state[0]) << 32 | int(state[1])
+    if on_host(like):
+        return CounterStream(seed64)
     stream = torch.Generator(device=like.device)
-    stream.manual_seed(int(state[0]) << 32 | int(state[1]))
+    stream.manual_seed(seed64)
     return stream
 
 
-
-def uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+def uniform(rng, like: torch.Tensor) -> torch.Tensor:
     """``len(like)`` draws uniform on [0, 1), drawn in float32, in ``like``'s dtype and device."""
-    draws = torch.rand(like.shape[0], generator=rng, dtype=torch.float32, device=like.device)
-    return draws.to(like.dtype)
+    return uniform_into(rng, torch.empty(like.shape[0], dtype=torch.float32, device=like.device)).to(like.dtype)
 
 
 def host_empty() -> torch.Tensor:
@@ -270,12 +270,18 @@ def host_empty() -> torch.Tensor:
     return torch.empty(0)
 
 
-def generator_state(rng: torch.Generator):
+def generator_state(rng):
+    """A stream's state as a uint8 tensor (a counter stream's 16 bytes, a ``torch.Generator``'s own)."""
+    if isinstance(rng, CounterStream):
+        return torch.frombuffer(bytearray(rng.state()), dtype=torch.uint8)
     return rng.get_state()
 
 
-def set_generator_state(rng: torch.Generator, state) -> None:
-    rng.set_state(state)
+def set_generator_state(rng, state) -> None:
+    if isinstance(rng, CounterStream):
+        rng.set_state(np.ascontiguousarray(state.cpu().numpy() if torch.is_tensor(state) else state).tobytes())
+    else:
+        rng.set_state(state)
 
 
 def where(condition: torch.Tensor, a, b, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -636,23 +642,46 @@ def regtopk_sparse_scores(a: torch.Tensor, idx: torch.Tensor, values: torch.Tens
     return scores.index_copy_(0, idx, damped.abs_())
 
 
-def draws_dtype(a: torch.Tensor, dtype: torch.dtype, compile: Optional[bool] = None) -> torch.dtype:
-    """The dtype of the draws :func:`uniform_into` writes for TernGrad's codes of ``a``, whose uniforms are
-    ``dtype``'s: int32, the generator's raw draws, which the codes' pass makes uniforms
-    (:func:`~hvd_compress.kernels.torch_compiled.uniforms`), where that pass runs compiled on the host
-    (:func:`compiled_here`; ``compile``: the compressor's option) and ``a`` is of ``dtype``; else float32 (an
-    accelerator's generator makes its uniforms of its draws another way)."""
-    return torch.int32 if on_host(a) and compiled_here(a, compile) and a.dtype == dtype else torch.float32
+def draws_in_pass(rng, a: torch.Tensor, dtype: torch.dtype, compile: Optional[bool] = None) -> bool:
+    """Whether TernGrad's codes pass makes its uniforms itself from each tensor's :func:`stream_keys`: for a
+    counter stream where that pass runs compiled (:func:`compiled_here`; ``compile``: the compressor's option)
+    and ``a`` is of the gradients' ``dtype``; else the uniforms are drawn first (:func:`uniform_into`)."""
+    return isinstance(rng, CounterStream) and compiled_here(a, compile) and a.dtype == dtype
 
 
-def uniform_into(rng: torch.Generator, out: torch.Tensor) -> torch.Tensor:
-    """Draws into ``out``: float32 uniforms on [0, 1) (``torch.rand``), or for an int32 ``out`` the generator's
-    raw 32-bit draws (``random_``: on the CPU one draw an entry, as ``torch.rand``'s, whose float32 is ``(d mod
-    2^24) 2^-24``): the same uniforms once :func:`~hvd_compress.kernels.torch_compiled.uniforms` makes them, in
-    0.6x ``torch.rand``'s time."""
-    if out.dtype == torch.int32:
-        return out.random_(generator=rng)
+def stream_keys(rng: CounterStream, numels: Sequence[int], order: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """The keys of calls for ``numels[i]`` draws, taken for ``i = 0, 1, ...``, as an int32 ``(2, len(numels))``
+    tensor (``k0`` and ``k1`` rows) whose columns follow ``order``."""
+    keys = [rng.take(n) for n in numels]
+    return torch.tensor([[keys[i][0] for i in order], [keys[i][1] for i in order]], dtype=torch.int32,
+                        device=like.device)
+
+
+def uniform_into(rng, out: torch.Tensor) -> torch.Tensor:
+    """``len(out)`` float32 uniforms on [0, 1) written into ``out``: a counter stream's
+    (:func:`_counter_uniforms_into`), or ``torch.rand``'s."""
+    if isinstance(rng, CounterStream):
+        return _counter_uniforms_into(out, *rng.take(out.shape[0]))
     return torch.rand(out.shape[0], generator=rng, dtype=torch.float32, device=out.device, out=out)
+
+
+def _counter_uniforms_into(out: torch.Tensor, key0: int, key1: int) -> torch.Tensor:
+    """The float32 uniforms of one call of a counter stream, its keys ``key0`` and ``key1``, written into the
+    float32 ``out`` (its length: the call's draws): :func:`~hvd_compress.kernels.torch_compiled.counter_draws`
+    and :func:`~hvd_compress.kernels.torch_compiled.uniforms` computed eagerly in place, in one int32 buffer
+    and one temporary (each operation of theirs would make a new buffer)."""
+    numel = out.shape[0]
+    x = torch.arange(numel, dtype=torch.int32, out=_empty(numel, torch.int32, out.device))
+    x.mul_(compiled.COUNTER_STEP).add_(key0)
+    shifted = _empty(numel, torch.int32, out.device)
+    for key in (None, key1):
+        if key is not None:
+            x.bitwise_xor_(key)
+        for shift, mask, factor in ((16, 0xFFFF, compiled.MIX_1), (15, 0x1FFFF, compiled.MIX_2), (16, 0xFFFF, None)):
+            x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=shifted).bitwise_and_(mask))
+            if factor is not None:
+                x.mul_(factor)
+    return out.copy_(x.bitwise_and_(0xFFFFFF)).mul_(2.0**-24)  # below 2^24: exact in float32
 
 
 def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compile: Optional[bool] = None):
@@ -678,21 +707,24 @@ def terngrad_bucket_scales(a: torch.Tensor, groups, clip: Optional[float], compi
 
 def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor], scale: torch.Tensor,
                           uniform: torch.Tensor, compile: Optional[bool] = None) -> torch.Tensor:
-    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``, ``u`` the uniforms ``uniform`` (or those of the raw
-    draws of :func:`draws_dtype`, :func:`~hvd_compress.kernels.torch_compiled.uniforms`); ``|clip(g)| = min(|g|,
-    b)`` and ``clip`` keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
-    ``minimum`` (NaN included), in place without an ``out`` argument. Where passes are compiled
+    """``sign(g) [u < |clip(g)| / S]`` with each row's ``S``, ``u`` the uniforms ``uniform``, or those each row's
+    keys make (``uniform`` int32: the :func:`stream_keys` of :func:`draws_in_pass`); ``|clip(g)| = min(|g|, b)``
+    and ``clip`` keeps the sign, so ``clip(g)`` is never formed. ``clamp_(max=b)`` with a tensor bound is torch's
+    ``minimum`` (NaN included), in place without an ``out`` argument. From keys, or where passes are compiled
     (:func:`compiled_here`; ``compile``: the compressor's option), one
+    :func:`~hvd_compress.kernels.torch_compiled.keyed_ternary_codes` or
     :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
-    if compiled_here(a, compile):
+    if compiled_here(a, compile) or uniform.dtype == torch.int32:  # int32: the stream keys of draws_in_pass
         codes = _empty(a.shape[0], torch.int8, a.device)
         for grp in groups:
             limit = grp.column(bound) if bound is not None else torch.full((grp.rows, 1), torch.inf, dtype=a.dtype)
-            compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale), grp.view(codes),
-                                   compile=True)
+            if uniform.dtype == torch.int32:
+                compiled.keyed_ternary_codes(grp.view(a), grp.column(uniform[0]), grp.column(uniform[1]), limit,
+                                             grp.column(scale), grp.view(codes), compile=compiled_here(a, compile))
+            else:
+                compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale), grp.view(codes),
+                                       compile=True)
         return codes
-    if uniform.dtype == torch.int32:  # raw draws (a compilation that failed since they were drawn)
-        uniform = compiled.uniforms(uniform, a.dtype)
     ratio = torch.abs(a)
     for grp in groups:
         view = grp.view(ratio)

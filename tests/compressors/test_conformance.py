@@ -53,7 +53,10 @@ def test_conserves_mass(kind):
 @pytest.mark.parametrize("kind", sorted(BUILT_IN))
 def test_thread_ranks_equal_the_per_tensor_spec(kind, framework):
     rtol = 1e-3 if kind == "fp16" else 1e-6  # the float16 wire rounds the sum, the Simulator sums in float32
-    conformance.check_thread_ranks_equal_per_tensor_spec(BUILT_IN[kind], framework=framework, rtol=rtol)
+    # Each rank's own scale S = c std (clipped): torch's std may round an ulp from the spec's float64 one, and
+    # the ranks' S t (|S| near 2) cancel in the sum, so that ulp (1.2e-7 each) stays whole in a small average.
+    atol = 1e-6 if kind == "terngrad_ef_unshared" and framework == "torch" else 1e-7
+    conformance.check_thread_ranks_equal_per_tensor_spec(BUILT_IN[kind], framework=framework, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("kind", sorted(BUILT_IN))

@@ -140,24 +140,32 @@ def test_truncated_generator_state_is_refused_at_load():
     torch = pytest.importorskip("torch")
     state = torch_terngrad_state(torch)
     module = "hvd_compress.kernels.torch_ops"
-    state["generators"][module] = state["generators"][module][:100]
+    state["generators"][module] = state["generators"][module][:10]
     with pytest.raises(ValueError, match="random stream state for torch_ops is damaged"):
         TernGrad(dense_below=0).load_state_dict(state)
 
 
-def test_a_stream_state_only_an_accelerator_takes_is_left_to_the_device():
-    """A kernel module declares the size of stream states only its accelerator's streams take
-    (``DEVICE_STREAM_STATE_BYTES``: a CUDA generator's seed and offset, 16 bytes, for torch): such a
-    state passes the host check at load; in a module that declares none, it is refused as damaged."""
+def test_a_cuda_or_mersenne_twister_stream_state_resumes_on_the_host_stream():
+    """A CUDA generator's state (seed and offset, 16 bytes) and torch's CPU generator's (a Mersenne Twister's)
+    load into the host's counter stream: the first continues from its seed and position, the second on a
+    stream seeded from its digest; a 16-byte state is damaged for numpy's stream."""
     torch = pytest.importorskip("torch")
-    from hvd_compress.kernels import reference, torch_ops
+    from hvd_compress.kernels import torch_ops
 
-    assert torch_ops.DEVICE_STREAM_STATE_BYTES == 16 and reference.DEVICE_STREAM_STATE_BYTES is None
-    state = torch_terngrad_state(torch)
     module = "hvd_compress.kernels.torch_ops"
-    state["generators"][module] = torch.zeros(16, dtype=torch.uint8)  # a CUDA stream's state
-    state.pop("checksum")
-    TernGrad(dense_below=0).load_state_dict(state)
+    cuda_state = torch.tensor([2**62 + 12345, 4096], dtype=torch.int64).view(torch.uint8)
+    twister_state = torch.Generator().manual_seed(3).get_state()
+    drawn = {}
+    for name, saved in (("cuda", cuda_state), ("twister", twister_state)):
+        state = torch_terngrad_state(torch)
+        state["generators"][module] = saved
+        state.pop("checksum")
+        compressor = TernGrad(dense_below=0)
+        compressor.load_state_dict(state)
+        stream = compressor.generator(torch_ops, torch.empty(0))
+        drawn[name] = (stream.seed, stream.position)
+    assert drawn["cuda"] == (2**62 + 12345, 4096)
+    assert drawn["twister"][1] == 0 and drawn["twister"][0] != drawn["cuda"][0]
     state["generators"] = {"hvd_compress.kernels.reference": np.zeros(16, dtype=np.uint8)}
     with pytest.raises(ValueError, match="random stream state for reference is damaged"):
         TernGrad(dense_below=0).load_state_dict(state)

@@ -165,7 +165,9 @@ class TorchFramework(Framework):
         return isinstance(x, self.torch.Tensor)
 
     def device_of(self, x):
-        return x.device.type
+        from hvd_compress.kernels.counter_stream import CounterStream
+
+        return "cpu" if isinstance(x, CounterStream) else x.device.type  # a counter stream: the host's
 
     def native_cast(self, t, dtype):
         return t.to(self.dtype(dtype))

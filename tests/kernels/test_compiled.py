@@ -68,26 +68,38 @@ def test_compiled_passes_equal_eager_bit_for_bit(compiling, rows, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
-def test_compiled_ternary_codes_equal_eager_from_uniforms_and_raw_draws(compiling, dtype):
-    """The codes written into ``out`` from float uniforms, and from a generator's raw int32 draws (the
-    uniforms ``torch.rand`` makes of the same draws), compiled, eagerly, and by the torch kernel's eager path."""
+def test_compiled_ternary_codes_equal_eager_from_uniforms_and_from_stream_keys(compiling, dtype):
+    """The codes written into ``out`` from drawn uniforms, and from each row's counter-stream keys (the pass
+    makes the uniforms), compiled and eagerly, equal ``sign(g) [u < min(|g|, b) / S]`` with the uniforms of
+    the spec's counter stream; the torch kernels' eager draws of the same calls are those uniforms."""
+    from hvd_compress.kernels import torch_ops as T
+    from spec.ranks import counter_draws
+
     rows, n = 3, 1001
     a = rows_with_specials(rows, n, 5, np.float32 if dtype == np.float16 else dtype)
-    raw = torch.empty((rows, n), dtype=torch.int32).random_(generator=torch.Generator().manual_seed(3))
-    uniform = torch.rand((rows, n), generator=torch.Generator().manual_seed(3)).to(getattr(torch, np.dtype(dtype).name))
-    np.testing.assert_array_equal(C.uniforms(raw, uniform.dtype).numpy(), uniform.numpy())
+    stream, spec_stream = T.generator(7, 2, a), counter_draws(7, 2)
+    stream.take(12345)
+    spec_stream(12345)
+    keys = torch.tensor([stream.take(n) for _ in range(rows)], dtype=torch.int32)  # (rows, 2)
+    drawn = np.stack([spec_stream(n) for _ in range(rows)])
+    uniform = torch.from_numpy(drawn).to(getattr(torch, np.dtype(dtype).name))
+    eager_draws = T.generator(7, 2, a)
+    eager_draws.take(12345)
+    np.testing.assert_array_equal(np.stack([T.uniform_into(eager_draws, torch.empty(n)).numpy() for _ in range(rows)]),
+                                  drawn)
     bound = torch.full((rows, 1), 1.7, dtype=a.dtype)
     scale = torch.from_numpy(np.array([[2.3], [0.0], [np.inf]], a.numpy().dtype))
-    outs = [torch.full((rows, n), 7, dtype=torch.int8) for _ in range(3)]
+    outs = [torch.full((rows, n), 7, dtype=torch.int8) for _ in range(4)]
     C.ternary_codes(a, uniform, bound, scale, outs[0])
     C.ternary_codes.eager(a, uniform, bound, scale, outs[1])
-    if dtype != np.float16:  # raw draws: the uniforms of a's own dtype
-        C.ternary_codes(a, raw, bound, scale, outs[2])
+    if dtype != np.float16:  # from keys: the uniforms of a's own dtype
+        C.keyed_ternary_codes(a, keys[:, :1], keys[:, 1:], bound, scale, outs[2])
+        C.keyed_ternary_codes.eager(a, keys[:, :1], keys[:, 1:], bound, scale, outs[3])
     else:
-        outs[2] = outs[0]
+        outs[2:] = outs[:2]
     keep = uniform < torch.minimum(a.abs(), bound) / scale  # NaN entries: never kept
     expected = torch.where(keep, torch.sign(a), 0).to(torch.int8)
-    for out in outs[:3]:
+    for out in outs:
         np.testing.assert_array_equal(out.numpy(), expected.numpy())
 
 
@@ -261,7 +273,7 @@ def test_the_compressor_option_overrides_the_switch(monkeypatch, switch, option)
 
     monkeypatch.setattr(torch, "compile", recorded)
     for p in (C.marks_and_largest, C.aged_marks, C.counts_above, C.marks_above, C.moments, C.ternary_scales,
-              C.ternary_codes, C.largest_magnitudes):
+              C.ternary_codes, C.keyed_ternary_codes, C.largest_magnitudes):
         monkeypatch.setattr(p, "compiled", None)  # compiled again, through ``recorded``
     for kind in ("topk", "topk-aggregate", "terngrad", "topk-reuse"):
         with_option = ENGINE_CASES[kind]

@@ -181,3 +181,21 @@ def test_compressors_keep_torch_tensors_on_their_device(K, kind, dtype):
 def test_simulator_on_torch_equals_numpy_for_float16(K, compressor):
     grads = np.random.default_rng(0).standard_normal((3, 4, 700)).astype(np.float16)
     assert_simulators_agree(K, *run_both(K, compressor, grads))
+
+
+def test_host_counter_stream_draws_uniforms_independent_across_calls_and_ranks(K):
+    """The host's counter stream: successive calls of one size (a tensor's steps) and two ranks' calls are
+    uncorrelated entry by entry and fill 64 bins evenly (chi-square), and no call repeats another shifted."""
+    like = K.tensor(np.zeros(200_000, dtype=np.float32))
+    if not K.ops.on_host(like):
+        pytest.skip("the counter stream is the host's")
+    streams = [K.ops.generator(11, rank, like) for rank in (0, 1)]
+    calls = [K.numpy(K.ops.uniform(streams[0], like)) for _ in range(3)] + [K.numpy(K.ops.uniform(streams[1], like))]
+    n, sigma = like.shape[0], 1 / np.sqrt(like.shape[0])
+    for u in calls:
+        counts = np.bincount((u * 64).astype(np.int64), minlength=64)
+        chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+        assert chi2 < 63 + 6 * np.sqrt(2 * 63)  # 63 degrees of freedom, 6 sigma
+    for x, y in [(calls[0], calls[1]), (calls[1], calls[2]), (calls[0], calls[3])]:
+        assert abs(np.corrcoef(x, y)[0, 1]) < 6 * sigma
+        assert len(np.intersect1d(x[:1000], y)) < 30  # 2^24 values: about 12 coincide by chance
