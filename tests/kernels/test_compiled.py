@@ -253,6 +253,31 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(compiling, monkeypatch):
     assert second.shape == (2, 3) and not C.enabled(torch.device("cpu"))
 
 
+def test_ternary_codes_failing_to_compile_after_their_keys_give_the_eager_results(compiling, monkeypatch):
+    """TernGrad's keys are taken for the compiled codes pass; where that pass's compilation then fails, the
+    same pass runs eagerly from the keys (and later steps draw their uniforms first): the eager run's results."""
+    compile_now = torch.compile
+
+    def failing_for_the_codes(fn, **options):
+        if fn.__name__ == "keyed_ternary_codes":
+            raise RuntimeError("no C++ compiler")
+        return compile_now(fn, **options)
+
+    want = simulate(ENGINE_CASES["terngrad"], False, monkeypatch)
+    monkeypatch.setattr(C, "_broken", False)
+    monkeypatch.setattr(C.keyed_ternary_codes, "compiled", None)
+    monkeypatch.setattr(torch, "compile", failing_for_the_codes)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed"):
+        got = simulate(ENGINE_CASES["terngrad"], True, monkeypatch)
+    assert C._broken
+    for step, ((g_avg, g_res, g_bytes), (w_avg, w_res, w_bytes)) in enumerate(zip(got, want)):
+        assert g_bytes == w_bytes
+        for name in w_avg:
+            np.testing.assert_array_equal(g_avg[name], w_avg[name], err_msg=f"step {step} {name}")
+            for g, w in zip(g_res[name], w_res[name]):
+                np.testing.assert_array_equal(g, w, err_msg=f"step {step} {name} residual")
+
+
 @pytest.mark.parametrize("value, cpu, cuda", [("", True, False), ("auto", True, False), ("1", True, True),
                                                ("on", True, True), ("0", False, False), ("off", False, False)])
 def test_the_switch(monkeypatch, value, cpu, cuda):
