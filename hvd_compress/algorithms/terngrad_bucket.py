@@ -75,9 +75,9 @@ class TernaryBucketCodec:
         generator = run.generator(ops, comp.seed, comp.rank, a)
         order = sorted(layout.compressed)
         if ops.draws_in_pass(generator, a, layout.dtype, comp.compile):
-            drawn = {i: position for position, i in enumerate(order)}
+            turn = {i: t for t, i in enumerate(order)}  # each tensor's turn to draw
             return ops.stream_keys(generator, [layout.numels[i] for i in order],
-                                   [drawn[i] for i in layout.compressed], layout.like)
+                                   [turn[i] for i in layout.compressed], layout.like)
         uniform = ops.empty(layout.n_compressed, ops.float32, layout.like)
         parts = {}
         for i in order:
