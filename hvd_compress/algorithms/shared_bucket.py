@@ -100,12 +100,12 @@ class SharedIndexCodec(SparseBucketCodec):
         a = step.accumulated(g)
         if self.rule == "leader":
             idx, probe = yield from self._leader_set(layout, a, step)
-            age = None
+            aged = None
         else:
-            idx, probe, age = self._aggregate_set(layout, a, step.run)
+            idx, probe, aged = self._aggregate_set(layout, a, step.run)
         message, values = self.framed(layout, a, idx, probe, step)
         received = yield [Send("values", "sum", message)]
-        return self._decoded(layout, received["values"], idx, values, age)
+        return self._decoded(layout, received["values"], idx, values, aged)
 
     def _leader_set(self, layout: Any, a: Array,
                     step: Any) -> Generator[List[Send], Dict[str, Any], Tuple[Array, Array]]:
@@ -121,17 +121,18 @@ class SharedIndexCodec(SparseBucketCodec):
         return ops.cast(received["leader"], ops.int64), probe
 
     def _aggregate_set(self, layout: Any, a: Array, run: Any) -> Tuple[Array, Array, Any]:
-        """``(S, probe, age + 1)``: per row the ``k`` largest ``rate * (age + 1)``; at the first step every
-        position (and ``None`` for the age; counted in the statistics of the run state ``run``)."""
+        """``(S, probe, (age + 1, rate[S], (age + 1)[S]))``: per row the ``k`` largest ``rate * (age + 1)``; at the
+        first step every position (and ``None``; counted in the statistics of the run state ``run``)."""
         ops = layout.ops
         if self.rate is None:
             unsent = layout.n_compressed - self.k_total  # beyond a steady step's statistics
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
             probe = self.rows.largest_magnitude(a)
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
-        return self.rows.aged_topk(self.rate, self.age, a, self.one)
+        idx, probe, aged, at_idx = self.rows.aged_topk(self.rate, self.age, a, self.one)
+        return idx, probe, (aged,) + tuple(at_idx)
 
-    def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, age: Any) -> Tuple[Array, Array]:
+    def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, aged: Any) -> Tuple[Array, Array]:
         ops, count = layout.ops, idx.shape[0]
         summed = ops.cast(summed, layout.acc)
         total = ops.index_add(ops.zeros(layout.n_compressed + self.spare, layout.acc, layout.like), idx, summed[:count])
@@ -139,24 +140,25 @@ class SharedIndexCodec(SparseBucketCodec):
         total = ops.index_add(total, self.flag_positions, flags)
         bad = ops.isnan(flags)
         if self.rule == "aggregate":
-            self._learn(layout, total, idx, summed[:count], age, bad)
+            self._learn(layout, total, idx, summed[:count], aged, bad)
             return total, bad
         posterior = self.compressor.bucket_observe(total, (idx, values), bad, self.rows.slot_row, ops)
         if posterior is not None:  # RegTop-k's, for this rank's turns as the leader
             self.posterior = kept_in_place(ops, self.posterior, posterior)
         return total, bad
 
-    def _learn(self, layout: Any, total: Array, idx: Array, sums: Array, age: Any, bad: Array) -> None:
+    def _learn(self, layout: Any, total: Array, idx: Array, sums: Array, aged: Any, bad: Array) -> None:
         """``rate[S] = |total[S]| / age[S]`` and ``age[S] = 0``, every other entry one step older; a flagged
         tensor keeps its rates and its entries count the step. ``sums``: ``total[S]`` as received (the flags
-        added at a tensor's first entry are 0 where its rates change). Work of size K, two gathers and two
-        scatters: the plan's rates and ages change where they lie (:meth:`flush` hands out copies)."""
+        added at a tensor's first entry are 0 where its rates change); ``aged``: the step's ages, and the rates
+        and ages at ``S`` (the selection's). Work of size K, two scatters: the plan's rates and ages change where
+        they lie (:meth:`flush` hands out copies)."""
         ops = layout.ops
-        if age is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
+        if aged is None:  # the whole part was sent, each entry's one step (a non-finite tensor's rates: 0)
             self.rate = ops.nonfinite_to_zero(abs(total[: layout.n_compressed]))
             self.age = ops.zeros(layout.n_compressed, layout.acc, layout.like)
             return
+        age, rate_at, waited = aged
         kept = ops.take(bad, self.rows.slot_row)  # per slot: its tensor's flag
-        waited = ops.take(age, idx)
-        self.rate = ops.put(self.rate, idx, ops.where(kept, ops.take(self.rate, idx), abs(sums) / waited))
+        self.rate = ops.put(self.rate, idx, ops.where(kept, rate_at, abs(sums) / waited))
         self.age = ops.put(age, idx, ops.where(kept, waited, 0))

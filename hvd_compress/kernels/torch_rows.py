@@ -261,28 +261,44 @@ class Rows:
         return torch.cat(parts), torch.cat(top)
 
     def aged_topk(self, rate: torch.Tensor, age: torch.Tensor, a: torch.Tensor,
-                  one: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The aggregate rule's selection: ``(positions, probe, aged)``, ``aged = age + one``, ``positions`` each
-        row's ``k`` largest ``rate * aged`` (:meth:`topk`'s), ``probe`` each row's largest ``|a|``. On the host
-        one pass per group (:func:`~hvd_compress.kernels.torch_compiled.aged_marks`) writes ``aged`` and marks
-        the scores above the limit of their strided sample, no score formed: the same selection."""
+                  one: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """The aggregate rule's selection: ``(positions, probe, aged, (rate[positions], aged[positions]))``,
+        ``aged = age + one``, ``positions`` each row's ``k`` largest ``rate * aged`` (:meth:`topk`'s), ``probe`` each
+        row's largest ``|a|``. On the host one pass per group
+        (:func:`~hvd_compress.kernels.torch_compiled.aged_marks`) writes ``aged`` and marks the scores above the
+        limit of their strided sample, no score formed: the same selection, and the rates and ages at the
+        positions come from the marked entries' (gathered once, to score them)."""
         if not (ops.on_host(a) and a.dtype in ops.HOST_FLOATS and rate.dtype in ops.HOST_FLOATS):
             aged = ops.add(age, one)
-            return self.topk(ops.multiply(rate, aged))[0], self.largest_magnitude(a), aged
+            positions = self.topk(ops.multiply(rate, aged))[0]
+            return positions, self.largest_magnitude(a), aged, (ops.take(rate, positions), ops.take(aged, positions))
         aged = ops.empty(age.shape[0], age.dtype, age)
-        parts, probe = [], []
+        parts, probe, rates_at, aged_at = [], [], [], []
         views = zip(self._views(a), *(self._views(x) for x in (rate, age, aged)))
         for (start, view, k, _, _, _), (_, rates, *_), (_, ages, *_), (_, grown, *_) in views:
-            step = sample_step(view.shape[1])
+            step, n = sample_step(view.shape[1]), view.shape[1]
             sample = rates[:, ::step] * (ages[:, ::step] + one)
             marks, largest = compiled.aged_marks(view, rates, ages, grown, sampled_limit(rates, k, sample),
                                                   compile=self.compile)
             probe.append(largest)
-            parts += self._marked_topk(marks, k, start,
-                                       lambda i, at, rates=rates, grown=grown: (rates[i].index_select(0, at)
-                                                                                * grown[i].index_select(0, at)),
-                                       lambda i, rates=rates, grown=grown: rates[i] * grown[i])
-        return torch.cat(parts), torch.cat(probe), aged
+            for i, mine in self._marked_rows(marks):
+                if mine.shape[0] < k:  # the sample's limit was too high (or few scores above 0): the whole row
+                    mine = torch.arange(n)
+                row_rates, row_aged = rates[i].index_select(0, mine), grown[i].index_select(0, mine)
+                best = ops.topk_indices(row_rates * row_aged, k).long()
+                parts.append(mine.index_select(0, best) + (start + i * n))
+                rates_at.append(row_rates.index_select(0, best))
+                aged_at.append(row_aged.index_select(0, best))
+        return torch.cat(parts), torch.cat(probe), aged, (torch.cat(rates_at), torch.cat(aged_at))
+
+    def _marked_rows(self, marks: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+        """Per row ``i`` of a group's ``marks`` (int8 ``(R, n)``): ``(i, its marked positions)``, int64, in index
+        order."""
+        n = marks.shape[1]
+        marked = np.flatnonzero(marks.view(torch.bool).numpy())
+        edges = np.searchsorted(marked, np.arange(marks.shape[0] + 1) * n)
+        for i in range(marks.shape[0]):
+            yield i, torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
 
     def _marked_topk(self, marks: torch.Tensor, k: int, start: int, scores_at: Any, row_scores: Any,
                      alone: Any = None) -> List[torch.Tensor]:
@@ -293,12 +309,9 @@ class Rows:
         was too high, or fewer than ``k`` entries lie above 0); ``alone(i)``, where given and not ``None``,
         selects row ``i`` itself."""
         n, chosen = marks.shape[1], []
-        marked = np.flatnonzero(marks.view(torch.bool).numpy())
-        edges = np.searchsorted(marked, np.arange(marks.shape[0] + 1) * n)
-        for i in range(marks.shape[0]):
+        for i, mine in self._marked_rows(marks):
             rows = alone(i) if alone is not None else None
             if rows is None:
-                mine = torch.from_numpy(marked[edges[i] : edges[i + 1]] - i * n)
                 rows = (mine.index_select(0, ops.topk_indices(scores_at(i, mine), k).long()) if mine.shape[0] >= k
                         else ops.topk_indices(row_scores(i), k))
             chosen.append(rows.long() + (start + i * n))
