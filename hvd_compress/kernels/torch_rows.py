@@ -261,7 +261,7 @@ class Rows:
         return torch.cat(parts), torch.cat(top)
 
     def aged_topk(self, rate: torch.Tensor, age: torch.Tensor, a: torch.Tensor,
-                  one: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+                  one: torch.Tensor) -> Tuple[Any, ...]:
         """The aggregate rule's selection: ``(positions, probe, aged, (rate[positions], aged[positions]))``,
         ``aged = age + one``, ``positions`` each row's ``k`` largest ``rate * aged`` (:meth:`topk`'s), ``probe`` each
         row's largest ``|a|``. On the host one pass per group
