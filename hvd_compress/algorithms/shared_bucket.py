@@ -129,8 +129,7 @@ class SharedIndexCodec(SparseBucketCodec):
             run.stats.add(unsent * ops.itemsize(ops.empty(0, layout.dtype, layout.like)), 0, unsent, 0)
             probe = self.rows.largest_magnitude(a)
             return ops.as_int64(np.arange(layout.n_compressed), layout.like), probe, None
-        idx, probe, aged, at_idx = self.rows.aged_topk(self.rate, self.age, a, self.one)
-        return idx, probe, (aged,) + tuple(at_idx)
+        return self.rows.aged_topk(self.rate, self.age, a, self.one)
 
     def _decoded(self, layout: Any, summed: Array, idx: Array, values: Array, aged: Any) -> Tuple[Array, Array]:
         ops, count = layout.ops, idx.shape[0]

@@ -115,14 +115,14 @@ class Rows:
             positions[slot : slot + k] = chosen + first
         return positions, np.array(top, dtype=scores.dtype)
 
-    def aged_topk(self, rate: Any, age: Any, a: Any, one: Any) -> Tuple[Any, Any, Any, Tuple[Any, Any]]:
-        """The aggregate rule's selection: ``(positions, probe, aged, (rate[positions], aged[positions]))``,
+    def aged_topk(self, rate: Any, age: Any, a: Any, one: Any) -> Tuple[Any, Any, Tuple[Any, Any, Any]]:
+        """The aggregate rule's selection: ``(positions, probe, (aged, rate[positions], aged[positions]))``,
         ``aged = age + one``, ``positions`` each row's ``k`` largest ``rate * aged`` (:meth:`topk`), ``probe`` each
         row's largest ``|a|`` (:meth:`largest`); arrays of the framework of the subclass (numpy here)."""
         ops = ops_for(a)
         aged = ops.add(age, one)
         positions = self.topk(ops.multiply(rate, aged))[0]
-        return positions, self.largest_magnitude(a), aged, (ops.take(rate, positions), ops.take(aged, positions))
+        return positions, self.largest_magnitude(a), (aged, ops.take(rate, positions), ops.take(aged, positions))
 
     def gaussiank(self, a: np.ndarray, ratio: float) -> Tuple[np.ndarray, np.ndarray]:
         """:func:`reference.gaussiank_from` (from :func:`reference.gaussiank_threshold`) of every row: ``(positions, first)``:

@@ -714,13 +714,14 @@ def terngrad_bucket_codes(a: torch.Tensor, groups, bound: Optional[torch.Tensor]
     (:func:`compiled_here`; ``compile``: the compressor's option), one
     :func:`~hvd_compress.kernels.torch_compiled.keyed_ternary_codes` or
     :func:`~hvd_compress.kernels.torch_compiled.ternary_codes` per group."""
-    if compiled_here(a, compile) or uniform.dtype == torch.int32:  # int32: the stream keys of draws_in_pass
+    compiling, keyed = compiled_here(a, compile), uniform.dtype == torch.int32  # keyed: draws_in_pass's keys
+    if compiling or keyed:
         codes = _empty(a.shape[0], torch.int8, a.device)
         for grp in groups:
             limit = grp.column(bound) if bound is not None else torch.full((grp.rows, 1), torch.inf, dtype=a.dtype)
-            if uniform.dtype == torch.int32:
+            if keyed:
                 compiled.keyed_ternary_codes(grp.view(a), grp.column(uniform[0]), grp.column(uniform[1]), limit,
-                                             grp.column(scale), grp.view(codes), compile=compiled_here(a, compile))
+                                             grp.column(scale), grp.view(codes), compile=compiling)
             else:
                 compiled.ternary_codes(grp.view(a), grp.view(uniform), limit, grp.column(scale), grp.view(codes),
                                        compile=True)

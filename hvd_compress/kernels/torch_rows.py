@@ -262,7 +262,7 @@ class Rows:
 
     def aged_topk(self, rate: torch.Tensor, age: torch.Tensor, a: torch.Tensor,
                   one: torch.Tensor) -> Tuple[Any, ...]:
-        """The aggregate rule's selection: ``(positions, probe, aged, (rate[positions], aged[positions]))``,
+        """The aggregate rule's selection: ``(positions, probe, (aged, rate[positions], aged[positions]))``,
         ``aged = age + one``, ``positions`` each row's ``k`` largest ``rate * aged`` (:meth:`topk`'s), ``probe`` each
         row's largest ``|a|``. On the host one pass per group
         (:func:`~hvd_compress.kernels.torch_compiled.aged_marks`) writes ``aged`` and marks the scores above the
@@ -271,7 +271,7 @@ class Rows:
         if not (ops.on_host(a) and a.dtype in ops.HOST_FLOATS and rate.dtype in ops.HOST_FLOATS):
             aged = ops.add(age, one)
             positions = self.topk(ops.multiply(rate, aged))[0]
-            return positions, self.largest_magnitude(a), aged, (ops.take(rate, positions), ops.take(aged, positions))
+            return positions, self.largest_magnitude(a), (aged, ops.take(rate, positions), ops.take(aged, positions))
         aged = ops.empty(age.shape[0], age.dtype, age)
         parts, probe, rates_at, aged_at = [], [], [], []
         views = zip(self._views(a), *(self._views(x) for x in (rate, age, aged)))
@@ -289,7 +289,7 @@ class Rows:
                 parts.append(mine.index_select(0, best) + (start + i * n))
                 rates_at.append(row_rates.index_select(0, best))
                 aged_at.append(row_aged.index_select(0, best))
-        return torch.cat(parts), torch.cat(probe), aged, (torch.cat(rates_at), torch.cat(aged_at))
+        return torch.cat(parts), torch.cat(probe), (aged, torch.cat(rates_at), torch.cat(aged_at))
 
     def _marked_rows(self, marks: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
         """Per row ``i`` of a group's ``marks`` (int8 ``(R, n)``): ``(i, its marked positions)``, int64, in index
