@@ -12,7 +12,7 @@ algorithm, the yardstick the engine is tested against, is the numpy spec outside
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -75,6 +75,9 @@ class Compressor:
     payload_kind = "dense"
     fused = False
     dense_wire_dtype: Optional[str] = None
+    #: the keys of :meth:`config` a density schedule changes step by step (:class:`~hvd_compress.DensityWarmup`);
+    #: a fused bucket whose configuration changes in these alone keeps its state where it is
+    density_settings: Tuple[str, ...] = ()
     nonfinite = checked(
         "nonfinite", check_nonfinite,
         "What a NaN/Inf gradient does: 'propagate' (default: non-finite result on every rank, as a dense "
@@ -154,14 +157,18 @@ class Compressor:
         """Type and parameters; ranks must agree on it."""
         return {"type": type(self).__name__, **({"nonfinite": "raise"} if self.nonfinite == "raise" else {})}
 
-    def config_hash(self, run: Optional[CompressorState] = None) -> int:
+    def config_hash(self, run: Optional[CompressorState] = None, density: bool = True) -> int:
         """A 31-bit fingerprint of :meth:`config`: equal on ranks configured alike.
 
         A rank holding state that another rank saved (rank 0's checkpoint loaded on
         every rank) hashes differently, so the cross-rank check stops every rank.
-        ``run``: the state the steps run on (default: the compressor's own).
+        ``run``: the state the steps run on (default: the compressor's own). ``density=False``:
+        without :attr:`density_settings` (equal before and after a warm-up's step).
         """
-        return fingerprint(self.config(), self.own_state if run is None else run, self.rank)
+        config = self.config()
+        if not density:
+            config = {key: value for key, value in config.items() if key not in self.density_settings}
+        return fingerprint(config, self.own_state if run is None else run, self.rank)
 
     def config_repr(self, config: Optional[Dict[str, Any]] = None) -> str:
         """``Type(key=value, ...)`` of :meth:`config` (or of ``config``): what ranks agree on, without this

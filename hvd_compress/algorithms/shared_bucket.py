@@ -61,6 +61,14 @@ class SharedIndexCodec(SparseBucketCodec):
         #: 1 as a 0-d array of the accumulation dtype, made once: each step's ``age + 1``
         self.one = layout.ops.scalar(1, layout.acc, layout.like)
 
+    def take_over(self, previous: Any) -> bool:
+        """The state of ``previous``, this layout's codec before a density change (:meth:`SparseBucketCodec.take_over`)
+        and, of the same rule, the ``aggregate`` rule's rates and ages; ``False`` for another rule."""
+        if type(previous) is not type(self) or previous.rule != self.rule:
+            return False
+        self.rate, self.age = previous.rate, previous.age
+        return super().take_over(previous)
+
     def adopt(self, layout: Any, memory: Any) -> None:
         """The ``aggregate`` rule's rates and ages from each tensor's memory (``index_rate``, ``index_age``:
         another plan's, after a density change, or a checkpoint's); a tensor without them makes the next

@@ -64,6 +64,7 @@ class Sparsifier(Compressor):
         "DGC's momentum correction: decay m of the velocity u = m u + g that error feedback accumulates, "
         "in [0, 1) (0: off). The optimizer then runs without momentum.",
     )
+    density_settings = ("ratio", "traffic")
     #: whether ``exact_every > 1`` applies (a selection of the ``k`` largest scores: Top-k, RegTop-k)
     reuses_thresholds = False
     #: whether :meth:`bucket_observe` reads the sums over ranks at the bucket's work positions (RegTop-k's

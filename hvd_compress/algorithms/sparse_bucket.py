@@ -116,6 +116,17 @@ class SparseBucketCodec:
         idx, kept, probe = self.rows.reused(scores, self.thresholds)
         return idx, probe, kept
 
+    def take_over(self, previous: Any) -> bool:
+        """The state of ``previous``, this layout's codec before a density change: RegTop-k's posterior, and
+        the kept thresholds where every tensor keeps its ``k`` (else the next step selects exactly), as
+        :meth:`flush` then :meth:`adopt` would carry them. ``False`` for another kind of codec."""
+        if type(previous) is not type(self):
+            return False
+        self.posterior = previous.posterior
+        if self.reuse and previous.reuse and previous.k_of == self.k_of:
+            self.thresholds = previous.thresholds
+        return True
+
     def adopt(self, layout: Any, memory: Any) -> None:
         """Reused thresholds from each tensor's memory (``threshold``, kept for ``threshold_k`` slots: a
         checkpoint's, another plan's of the same ``k``); any missing or made for another ``k``: the next

@@ -187,14 +187,14 @@ class DenseView:
         self.inner.bind(rank, size)
         return self
 
-    def config_hash(self, run: Any) -> int:
+    def config_hash(self, run: Any, density: bool = True) -> int:
         """The inner compressor's configuration (:meth:`~hvd_compress.algorithms.base.Compressor.config_repr`,
-        without the machine's ``compile``), its density and traffic left out while a warm-up ramps them
-        (:func:`~hvd_compress.algorithms.schedule.ramping`): a dense bucket sends the same whatever they are,
-        so its plan is not rebuilt at every step of the ramp."""
+        without the machine's ``compile``), its density settings left out while a warm-up ramps them
+        (:func:`~hvd_compress.algorithms.schedule.ramping`) and with ``density=False``: a dense bucket sends
+        the same whatever they are, so its plan is not rebuilt at every step of the ramp."""
         config = self.inner.config()
-        if ramping(self.inner):
-            config = {key: value for key, value in config.items() if key not in ("ratio", "traffic")}
+        if ramping(self.inner) or not density:
+            config = {key: value for key, value in config.items() if key not in self.inner.density_settings}
         return fingerprint({"type": "Dense", "of": self.inner.config_repr(config)}, run, self.rank)
 
     def __repr__(self) -> str:

@@ -12,7 +12,8 @@ immutable), so torch launches the kernels a GPU runs, numpy runs the same steps 
 and TensorFlow on its own kernels; nothing here imports a framework.
 What a step of a bucket needs to know in advance is known in advance: a
 :class:`FusedBucket` is built once per layout (names, shapes, dtype, device,
-compressor configuration, world size) and holds
+compressor configuration, world size; a density change alone, a warm-up's step, makes
+a new plan that takes the old one's state as it is) and holds
 
 - the split of the bucket into a *dense* part (None, FP16, tensors under
   ``dense_below``, tensors where ``N k >= d``) and a *compressed* part, each
@@ -173,6 +174,8 @@ class FusedBucket(PicklesOpsByName):
         #: an empty array of the bucket's dtype and device: where new buffers go
         self.like = ops.zeros(0, self.dtype, like)
         self.config_hash = compressor.config_hash(run)
+        #: the configuration but its density: a plan of another density with this one's keeps its state
+        self.state_hash = compressor.config_hash(run, density=False)
         self.numels = [math.prod(s) for s in self.shapes]
         self.kinds = [compressor.fused_kind(n) for n in self.numels]
         self.groups = self._by_size([i for i, kind in enumerate(self.kinds) if kind != "dense"])
@@ -280,6 +283,22 @@ class FusedBucket(PicklesOpsByName):
         return self.placements[key]
 
     # ------------------------------------------------------------------- state
+    def take_over(self, previous: "FusedBucket") -> bool:
+        """Take the state of ``previous``, this bucket's plan before a density change (a warm-up's step),
+        where only the density changed: the same tensors in the same parts (``kinds``), the compressor's
+        configuration the same but for its :attr:`density_settings`. The buffers move as they are, not
+        through the per-name memory (no copies); the codec takes its own (``codec.take_over``). ``False``,
+        nothing taken, otherwise (:meth:`adopt` then builds the state)."""
+        same = (previous.names == self.names and previous.shapes == self.shapes and previous.kinds == self.kinds
+                and previous.dtype == self.dtype and previous.device == self.device and previous.world == self.world
+                and previous.padded == self.padded and previous.state_hash == self.state_hash)
+        if not same or not (self.codec is None or getattr(self.codec, "take_over", lambda _: False)(previous.codec)):
+            return False
+        self.residual, self.velocity, self.dense_velocity = previous.residual, previous.velocity, previous.dense_velocity
+        self.flush_into_dense = previous.flush_into_dense
+        self.exchanges = max(self.exchanges, previous.exchanges)
+        return True
+
     def adopt(self, memory: Any) -> None:
         """Take each tensor's state from the compressor's per-name memory (checkpoints, other layouts)."""
         comp, ops = self.compressor, self.ops
@@ -525,8 +544,9 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
     """The :class:`FusedBucket` of ``key`` for this layout, kept in the run state ``run.buckets`` (the
     route's :class:`~hvd_compress.algorithms.state.CompressorState`).
 
-    Built when the layout or configuration is new; state of the tensors it
-    holds moves over from other buckets through the run state's per-name memory.
+    Built when the layout or configuration is new. After a density change alone the new plan takes the
+    old one's buffers (:meth:`FusedBucket.take_over`); otherwise the state of the tensors it holds moves
+    over from other buckets through the run state's per-name memory.
     """
     shapes = [tuple(t.shape) for t in tensors]
     bucket = run.buckets.get(key)
@@ -534,6 +554,9 @@ def bucket_for(compressor: Any, run: Any, key: str, names: List[str], tensors: L
         return bucket
     fresh = FusedBucket(compressor, run, key, names, shapes, tensors[0], world)  # built for ``run``, not holding it
     fresh.exchanges = run.exchanges  # where the run stands (a checkpoint's count, once loaded)
+    if bucket is not None and fresh.take_over(bucket):
+        run.buckets[key] = fresh
+        return fresh
     wanted = set(names)
     for other_key, other in list(run.buckets.items()):
         if other_key == key or wanted.intersection(other.names):

@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 from hvd_compress import Auto, GaussianK, RegTopK, TopK  # noqa: E402
 from benchmarks.host_reads import count_host_reads  # noqa: E402
 from hvd_compress.transport.communicator import SingleProcessCommunicator  # noqa: E402
+from hvd_compress.engine import fused  # noqa: E402
 from hvd_compress.engine.exchange import BucketExchange  # noqa: E402
 from hvd_compress.transport.threads import run_ranks  # noqa: E402
 from hvd_compress.kernels import torch_ops  # noqa: E402
@@ -83,9 +84,10 @@ def state_of_names(compressor, names):
     return {n: (compressor.residual(n), compressor.velocity(n)) for n in names}
 
 
-def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, way="host"):
+def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, way="host", seen=None):
     """This rank's results and state after each step; ``ratios[step]`` sets the density before the step.
-    ``way``: the gradients in that path's form (:func:`in_form`)."""
+    ``way``: the gradients in that path's form (:func:`in_form`); ``seen(compressor)`` after each step's
+    exchange, before its state is read."""
     out = []
     for step in range(steps):
         if ratios and step in ratios:
@@ -95,6 +97,8 @@ def exchange_steps(comm, compressor, dtype, steps, nan=None, ratios=None, way="h
             exchange.add(name, in_form(g, way))
         exchange.launch()
         results = {n: as_torch(t) for n, t in exchange.finish(average=True).items()}
+        if seen is not None:
+            seen(compressor)
         out.append((results, {n: tuple(None if x is None else as_torch(x) for x in pair)
                               for n, pair in state_of(compressor).items()}))
     return out
@@ -181,6 +185,37 @@ def test_density_change_moves_velocities_between_dense_and_compressed(way):
             for name in SHAPES:
                 assert torch.equal(got[name], expected[name]), (step, name)
             assert_state_equal(state, state_of(sim.compressors[rank]), f"step {step} rank {rank}")
+
+
+@pytest.mark.parametrize("kind, way", [(kind, "host") for kind in COMPRESSORS]
+                         + [("regtopk", "numpy"), ("regtopk", "tensorflow")])
+def test_a_density_change_alone_keeps_the_state_in_place(kind, way, monkeypatch):
+    """A warm-up's steps change ``k`` and nothing else (every tensor stays in its part): each new plan takes
+    the old one's state as it is, never through the per-name memory (the first plan adopts, no other), and
+    every step still equals the per-tensor spec's (RegTop-k's posterior and the residuals decide what the
+    next step selects)."""
+    ratios, steps = {1: 0.08, 2: 0.03, 4: 0.06}, 6
+    adopted, plans = [], []
+    adopt = fused.FusedBucket.adopt
+    monkeypatch.setattr(fused.FusedBucket, "adopt", lambda self, memory: adopted.append(1) or adopt(self, memory))
+
+    def seen(compressor):
+        plans.append(next(iter(compressor.own_state.buckets.values())).config_hash)
+
+    with way_of(way):
+        results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, steps,
+                                                               ratios=ratios, way=way, seen=seen))
+    sim = PerTensorRanks(RANKS, COMPRESSORS[kind]())
+    for step in range(steps):
+        for c in sim.compressors:
+            c.ratio = ratios.get(step, c.ratio)
+        expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in SHAPES})
+        for rank, (got, state) in enumerate(r[step] for r in results):
+            for name in SHAPES:
+                assert torch.equal(got[name], expected[name]), (step, name)
+            assert_state_equal(state, state_of(sim.compressors[rank]), f"step {step} rank {rank}")
+    assert len(set(plans)) == 4, "each density is a plan of its own"
+    assert len(adopted) == RANKS
 
 
 def test_checkpoint_mid_training_resumes_exactly():
