@@ -651,13 +651,14 @@ def _some_of(choices: Sequence[str]) -> Callable[[str], List[str]]:
 def _trace(args: argparse.Namespace) -> int:
     from benchmarks import trace_step
 
+    which = "A step of a density warm-up" if args.ramp else "One steady training step"
     print(
-        f"One steady training step traced at world size 1: {args.model} on {args.device} (the accelerator's "
+        f"{which} traced at world size 1: {args.model} on {args.device} (the accelerator's "
         f"code path), after {args.warmup} steps, {', '.join(args.compressors)} at ratio {args.ratio}"
     )
     trace_step.run(model=args.model, device=args.device, warmup=args.warmup, compressors=args.compressors,
                    ratio=args.ratio, routes=args.routes, dropin_comm=args.dropin_comm, seed=args.seed,
-                   top=args.top, json_path=args.json or None, plot_path=args.plot or None)
+                   top=args.top, json_path=args.json or None, plot_path=args.plot or None, ramp=args.ramp)
     for path in (args.json, args.plot):
         if path:
             print(f"Wrote {path}")
@@ -688,6 +689,8 @@ def _add_trace(commands: Any) -> None:
                    help="transport of ours-dropin: auto = Horovod when it initialises, else torch.distributed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=trace_step.TOP, help="operators listed per row in the JSON")
+    p.add_argument("--ramp", action="store_true",
+                   help="trace a step of a density warm-up (every step a new density) instead of a steady one")
     p.add_argument("--json", default="results/trace.json", help="results file (default %(default)s)")
     p.add_argument("--plot", default="results/trace.png", help="ratios to the hand-written hook (default %(default)s)")
     p.set_defaults(run=_trace)

@@ -140,6 +140,13 @@ class Environment:
 
     def __init__(self, workload: Any, ratio: float, hvd: Any, dropin_comm: str) -> None:
         self.workload, self.ratio, self.hvd, self.dropin_comm = workload, ratio, hvd, dropin_comm
+        #: the compressor of the last row built (:meth:`compressor`)
+        self.last_compressor: Any = None
+
+    def compressor(self, name: str) -> Any:
+        """A new compressor ``name`` at the shared density (:func:`make_compressor`), kept as :attr:`last_compressor`."""
+        self.last_compressor = make_compressor(name, self.ratio)
+        return self.last_compressor
 
     @property
     def cuda(self) -> bool:
@@ -216,7 +223,7 @@ def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable
         opt = DistributedOptimizer(
             sgd(model.parameters()),
             named_parameters=model.named_parameters(),
-            compression=make_compressor(compressor, env.ratio),
+            compression=env.compressor(compressor),
             communicator=communicator,
         )
         return step_fn(env, model, opt), info
@@ -227,7 +234,7 @@ def build_route(env: Environment, route: str, compressor: str) -> Tuple[Callable
             opt = hvd.DistributedOptimizer(
                 sgd(model.parameters()),
                 named_parameters=model.named_parameters(),
-                compression=make_compressor(compressor, env.ratio),
+                compression=env.compressor(compressor),
             )
         return step_fn(env, model, opt), info
     return _ddp_route(env, model, route, compressor, info)
@@ -249,7 +256,7 @@ def _ddp_route(
     elif route == "ours-ddp-hook":
         from hvd_compress.torch import CompressionState, ddp_hook
 
-        state = CompressionState(make_compressor(compressor, env.ratio))
+        state = CompressionState(env.compressor(compressor))
         if "named_parameters" in inspect.signature(CompressionState).parameters:  # names as ours-dropin's
             state = CompressionState(state.compressor, named_parameters=model.named_parameters())
         wrapped.register_comm_hook(state, ddp_hook)

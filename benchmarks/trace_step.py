@@ -18,6 +18,11 @@ Rows: ``local`` (no exchange: what every other row is compared with; ``added``
 ``ours-ddp-hook``, ``ours-dropin`` and ``ours-stock-horovod`` per compressor.
 ``local`` and the hand-written hook always run.
 
+With ``ramp`` the traced step is a step of a density warm-up instead: each row's compressor
+follows a :class:`~hvd_compress.DensityWarmup` from twice the ratio over :data:`RAMP_STEPS` steps,
+stepped before every step, so every step runs at a new density (what the first epochs of a DGC
+warm-up cost); rows without a density (None, FP16, TernGrad) trace a steady step.
+
 Models: ``resnet50`` and ``gpt2`` are :mod:`benchmarks.shapes` models
 (the real parameter shapes and order, a cheap loss touching every parameter;
 no torchvision or transformers), ``mlp`` is
@@ -50,6 +55,8 @@ ROUTES = tuple(r for r, _ in TORCH_ROUTES if r != LOCAL) + OUR_ROUTES
 ALWAYS = (LOCAL, PEER)
 DEFAULT_WARMUP = 3
 TOP = 8
+#: the warm-up of ``ramp``: this many steps from twice the ratio (far from its end: every step a new density)
+RAMP_STEPS = 1000
 
 
 def plan(routes: Sequence[str], compressors: Sequence[str]) -> List[Tuple[str, str]]:
@@ -67,8 +74,20 @@ def workload(model: str, device: Any, seed: int) -> Any:
     return ShapeWorkload(model, device, seed)
 
 
-def trace_row(env: Any, route: str, compressor: str, warmup: int) -> Dict[str, Any]:
-    """One row's counts over one steady step; a failure is the row's ``error``, never an exception."""
+def density_ramp(compressor: Any) -> Any:
+    """A :class:`~hvd_compress.DensityWarmup` of ``compressor`` from twice its ratio over :data:`RAMP_STEPS`
+    steps; ``None`` for a compressor without a density (or none: a torch hook's row)."""
+    from hvd_compress import DensityWarmup
+
+    try:
+        return DensityWarmup(compressor, RAMP_STEPS, start=min(1.0, 2 * compressor.ratio))
+    except (TypeError, AttributeError):
+        return None
+
+
+def trace_row(env: Any, route: str, compressor: str, warmup: int, ramp: bool = False) -> Dict[str, Any]:
+    """One row's counts over one steady step (``ramp``: a step of a density warm-up, :func:`density_ramp`);
+    a failure is the row's ``error``, never an exception."""
     from benchmarks.trace import count_ops
     from hvd_compress.kernels.torch_ops import accelerator_path
 
@@ -83,11 +102,19 @@ def trace_row(env: Any, route: str, compressor: str, warmup: int) -> Dict[str, A
     step = None
     try:
         with accelerator_path():
+            env.last_compressor = None
             step, info = step_routes.build_route(env, route, compressor)
             row["warmup"] = max(warmup, info.pop("min_warmup"), 1)
             row.update(info)
+            schedule = density_ramp(env.last_compressor) if ramp else None
+            row["ramp"] = schedule is not None
             for _ in range(row["warmup"]):
+                if schedule is not None:
+                    schedule.step()
                 step()
+            if schedule is not None:
+                schedule.step()
+                row["density"] = schedule.density
             with count_ops(host_reads=not env.cuda) as counts:
                 step()
         row.update(counts.as_dict())
@@ -146,13 +173,14 @@ def _check(model: str, device: str, warmup: int, routes: Sequence[str], compress
             )
 
 
-def _rows(env: Any, todo: List[Tuple[str, str]], warmup: int, progress: bool) -> List[Dict[str, Any]]:
+def _rows(env: Any, todo: List[Tuple[str, str]], warmup: int, progress: bool,
+          ramp: bool = False) -> List[Dict[str, Any]]:
     """Trace every row, one progress line each."""
     rows: List[Dict[str, Any]] = []
     bar = report.progress_bar(len(todo), "bench trace", "row", progress)
     try:
         for route, compressor in todo:
-            row = trace_row(env, route, compressor, warmup)
+            row = trace_row(env, route, compressor, warmup, ramp)
             rows.append(row)
             if row["error"]:
                 report.say(bar, f"bench trace: {route} {compressor} failed: {row['error']}")
@@ -182,8 +210,10 @@ def run(
     plot_path: Optional[str] = None,
     progress: bool = True,
     stdout: Any = None,
+    ramp: bool = False,
 ) -> Dict[str, Any]:
-    """Trace every row, write the JSON and the PNG (when given), print the table; returns the results."""
+    """Trace every row (``ramp``: a step of a density warm-up, see the module docstring), write the JSON and
+    the PNG (when given), print the table; returns the results."""
     from hvd_compress.algorithms.base import check_ratio
 
     report.require_packages(torch=True, plots=plot_path is not None)
@@ -196,7 +226,7 @@ def run(
 
     started = time.perf_counter()
     with step_routes.process_group(device == "cuda") as backend:
-        rows = _rows(step_routes.Environment(load, ratio, hvd, dropin_comm), todo, warmup, progress)
+        rows = _rows(step_routes.Environment(load, ratio, hvd, dropin_comm), todo, warmup, progress, ramp)
     compare(rows, top)
     machine = report.machine(torch, [device])
     results = {
@@ -204,7 +234,8 @@ def run(
         "machine": machine,
         "settings": _settings(
             dict(model=model, load=load, device=device, backend=backend, warmup=warmup, ratio=ratio,
-                 compressors=compressors, routes=routes, dropin_comm=dropin_comm, horovod_note=horovod_note),
+                 compressors=compressors, routes=routes, dropin_comm=dropin_comm, horovod_note=horovod_note,
+                 ramp=ramp),
             machine, torch, hvd,
         ),
         "wall_seconds": time.perf_counter() - started,
@@ -231,6 +262,8 @@ def _settings(v: Dict[str, Any], machine: Dict[str, Any], torch: Any, hvd: Any) 
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "warmup": v["warmup"],
         "ratio": v["ratio"],
+        "ramp": (f"DensityWarmup from {2 * v['ratio']:g} over {RAMP_STEPS} steps, stepped before every step: "
+                 "the traced step runs at a new density" if v["ramp"] else None),
         "compressors": list(v["compressors"]),
         "routes": list(dict.fromkeys(r for r, _ in plan(v["routes"], v["compressors"]))),
         "dropin_comm": v["dropin_comm"],

@@ -2,6 +2,7 @@
 hook it compares with, the shape models' sizes, and a tiny run of the command on the MLP (structure only,
 no thresholds)."""
 
+import io
 import json
 import math
 import threading
@@ -15,6 +16,7 @@ dist = pytest.importorskip("torch.distributed")
 from benchmarks import routes, shapes, trace_step  # noqa: E402
 from benchmarks.trace import count_ops, difference, top  # noqa: E402
 from benchmarks.cli import main  # noqa: E402
+from hvd_compress import DensityWarmup, TopK  # noqa: E402
 
 F32 = 4
 
@@ -273,6 +275,21 @@ def test_a_failing_row_is_reported_and_the_others_run(tmp_path, monkeypatch, cap
     assert dropin["error"] is None and dropin["added_ops"] >= 0
     assert dropin["ops_vs_handwritten"] is None  # no peer to compare with
     assert "error: RuntimeError: hook exploded" in capsys.readouterr().out
+
+
+def test_ramp_traces_a_step_of_a_density_warmup():
+    """``ramp``: every step a new density, so the traced step builds a plan (its header check reads the
+    host); rows without a density trace a steady step."""
+    results = trace_step.run(model="mlp", warmup=2, compressors=["none", "topk"], routes=["ours-dropin"],
+                             progress=False, stdout=io.StringIO(), ramp=True)
+    rows = {(r["route"], r["compressor"]): r for r in results["rows"]}
+    topk, none = rows["ours-dropin", "topk"], rows["ours-dropin", "none"]
+    assert topk["ramp"] and not none["ramp"] and "DensityWarmup" in results["settings"]["ramp"]
+    ratio = results["settings"]["ratio"]
+    ramp = DensityWarmup(TopK(ratio), trace_step.RAMP_STEPS, start=2 * ratio)
+    assert topk["density"] == ramp.density_at(3) and ratio < topk["density"] < 2 * ratio
+    assert topk["host_reads"].get("tolist", 0) >= 1, topk  # the new plan's check across ranks
+    assert none["device_waits"] == 0, none
 
 
 def test_bad_options_are_refused_before_any_work():
