@@ -103,6 +103,14 @@ def sampled_limit(rows: torch.Tensor, k: int, sample: Optional[torch.Tensor] = N
     return torch.from_numpy(limit_of_sample(sample.numpy(), k, rows.shape[1])).to(rows.dtype)
 
 
+def _uploaded(device: torch.device, arrays: Sequence[Any]) -> List[torch.Tensor]:
+    """``arrays`` (host integers) as int64 tensors on ``device``: slices of one buffer, copied there at once."""
+    host = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
+    flat = torch.from_numpy(np.concatenate(host) if host else np.zeros(0, np.int64)).to(device)
+    ends = np.cumsum([0] + [len(a) for a in host])
+    return [flat[start:stop] for start, stop in zip(ends[:-1], ends[1:])]
+
+
 class Rows:
     """A flat work buffer's rows, grouped by length, and the selections of all rows at once.
 
@@ -147,26 +155,25 @@ class Rows:
         last_slot = first_slot + np.asarray(row_width, dtype=np.int64) - 1
         starts = np.asarray(row_start, dtype=np.int64)
 
-        def tensor(values, dtype=torch.int64) -> torch.Tensor:
-            return torch.as_tensor(np.asarray(values, dtype=np.int64)).to(dtype).to(self.device)
-
-        self.slot_row = tensor(slot_row)
-        self.slot_start = tensor(starts[slot_row])
+        edge_start = np.asarray(edge_start, dtype=np.int64)
+        uploaded = _uploaded(self.device, [  # one upload for the layout's index tensors
+            slot_row, starts[slot_row], np.arange(self.width) - first_slot[slot_row],
+            np.concatenate([last_slot, first_slot, last_slot[slot_row]]), last_slot[slot_row] - np.arange(self.width) + 1,
+            row_k, np.concatenate([edge_start, edge_start + 1]), edge_start[slot_row]])
+        self.slot_row, self.slot_start = uploaded[0], uploaded[1]
         #: a slot's place in its row, from 0
-        self.slot_rank = tensor(np.arange(self.width) - first_slot[slot_row], self.scan)
+        self.slot_rank = uploaded[2].to(self.scan)
         #: each row's last slot, its first, and each slot's row's last (Top-k's sorted slots: each
         #: row's k-th value, its largest, and the k-th value of each slot's row)
-        self._ends = tensor(np.concatenate([last_slot, first_slot, last_slot[slot_row]]))
+        self._ends = uploaded[3]
         #: how far before its row's last slot a slot is, plus 1
-        self._from_end = tensor(last_slot[slot_row] - np.arange(self.width) + 1, self.scan)
-        self.k = tensor(row_k)
+        self._from_end = uploaded[4].to(self.scan)
+        self.k = uploaded[5]
         self._marks: Dict[int, torch.Tensor] = {}
         self._tables: Dict[Any, Tuple[torch.Tensor, ...]] = {}
         #: where each row starts and then where each ends in :meth:`_edges` (a group's row starts, then its
         #: end), and each slot's row's start
-        edge_start = np.asarray(edge_start, dtype=np.int64)
-        self._row_edges = tensor(np.concatenate([edge_start, edge_start + 1]))
-        self._edge_of_slot = tensor(edge_start[slot_row])
+        self._row_edges, self._edge_of_slot = uploaded[6], uploaded[7]
 
     def marks(self, size: int) -> torch.Tensor:
         """A bool scratch buffer of ``size`` whose first entry stays False (a count of 0 before the rows)."""
