@@ -176,8 +176,14 @@ def test_density_change_moves_velocities_between_dense_and_compressed(way):
     make = COMPRESSORS["topk"]
     with way_of(way):
         results = run_ranks(RANKS, lambda comm: exchange_steps(comm, make(), torch.float32, 6, ratios=ratios, way=way))
+    assert_ramp_equals_spec(results, make, ratios, 6)
+
+
+def assert_ramp_equals_spec(results, make, ratios, steps):
+    """Every rank's results and state of each step (:func:`exchange_steps` with ``ratios``) equal the per-tensor
+    spec's under the same densities, bit for bit."""
     sim = PerTensorRanks(RANKS, make())
-    for step in range(6):
+    for step in range(steps):
         for c in sim.compressors:
             c.ratio = ratios.get(step, c.ratio)
         expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in SHAPES})
@@ -205,15 +211,7 @@ def test_a_density_change_alone_keeps_the_state_in_place(kind, way, monkeypatch)
     with way_of(way):
         results = run_ranks(RANKS, lambda comm: exchange_steps(comm, COMPRESSORS[kind](), torch.float32, steps,
                                                                ratios=ratios, way=way, seen=seen))
-    sim = PerTensorRanks(RANKS, COMPRESSORS[kind]())
-    for step in range(steps):
-        for c in sim.compressors:
-            c.ratio = ratios.get(step, c.ratio)
-        expected = sim.step({n: [gradients(r, step, torch.float32)[n] for r in range(RANKS)] for n in SHAPES})
-        for rank, (got, state) in enumerate(r[step] for r in results):
-            for name in SHAPES:
-                assert torch.equal(got[name], expected[name]), (step, name)
-            assert_state_equal(state, state_of(sim.compressors[rank]), f"step {step} rank {rank}")
+    assert_ramp_equals_spec(results, COMPRESSORS[kind], ratios, steps)
     assert len(set(plans)) == 4, "each density is a plan of its own"
     assert len(adopted) == RANKS
 
