@@ -144,7 +144,8 @@ class Environment:
         self.last_compressor: Any = None
 
     def compressor(self, name: str) -> Any:
-        """A new compressor ``name`` at the shared density (:func:`make_compressor`), kept as :attr:`last_compressor`."""
+        """A new compressor ``name`` at the shared density (:func:`make_compressor`), kept as
+        :attr:`last_compressor`."""
         self.last_compressor = make_compressor(name, self.ratio)
         return self.last_compressor
 

@@ -292,9 +292,12 @@ class FusedBucket(PicklesOpsByName):
         same = (previous.names == self.names and previous.shapes == self.shapes and previous.kinds == self.kinds
                 and previous.dtype == self.dtype and previous.device == self.device and previous.world == self.world
                 and previous.padded == self.padded and previous.state_hash == self.state_hash)
-        if not same or not (self.codec is None or getattr(self.codec, "take_over", lambda _: False)(previous.codec)):
+        if not same:
             return False
-        self.residual, self.velocity, self.dense_velocity = previous.residual, previous.velocity, previous.dense_velocity
+        if self.codec is not None and not getattr(self.codec, "take_over", lambda _: False)(previous.codec):
+            return False  # a codec that returns False has taken nothing
+        self.residual, self.velocity = previous.residual, previous.velocity
+        self.dense_velocity = previous.dense_velocity
         self.flush_into_dense = previous.flush_into_dense
         self.exchanges = max(self.exchanges, previous.exchanges)
         return True

@@ -158,7 +158,8 @@ class Rows:
         edge_start = np.asarray(edge_start, dtype=np.int64)
         uploaded = _uploaded(self.device, [  # one upload for the layout's index tensors
             slot_row, starts[slot_row], np.arange(self.width) - first_slot[slot_row],
-            np.concatenate([last_slot, first_slot, last_slot[slot_row]]), last_slot[slot_row] - np.arange(self.width) + 1,
+            np.concatenate([last_slot, first_slot, last_slot[slot_row]]),
+            last_slot[slot_row] - np.arange(self.width) + 1,
             row_k, np.concatenate([edge_start, edge_start + 1]), edge_start[slot_row]])
         self.slot_row, self.slot_start = uploaded[0], uploaded[1]
         #: a slot's place in its row, from 0
