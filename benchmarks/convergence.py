@@ -677,7 +677,7 @@ def merge(parts: Sequence[Dict[str, Any]], sources: Optional[Sequence[str]] = No
     for key in ("ratios", "variants", "indices", "exact_every"):
         settings[key] = list(dict.fromkeys(v for part in parts for v in part["settings"].get(key, [])))
     settings["models"] = {m: d for part in parts for m, d in part["settings"]["models"].items()}
-    blocks = [part["settings"]["powersgd"] for part in parts if part["settings"].get("powersgd")]
+    blocks = [block for part in parts for block in powersgd_blocks(part["settings"])]
     blocks = [block for i, block in enumerate(blocks) if block not in blocks[:i]]
     settings.pop("powersgd", None)
     if blocks:  # one, or a list where the parts' PowerSGD runs differ (their start)
@@ -767,10 +767,20 @@ def write_frontier(results: Dict[str, Any], path: Any) -> None:
     save_figure(fig, path)
 
 
+def powersgd_blocks(settings: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The PowerSGD protocols of a study's ``settings``: none, its one, or each of a merged study's list (flat:
+    lists nested by merging merged studies are read through)."""
+    def flat(value: Any) -> List[Dict[str, Any]]:
+        return [block for item in value for block in flat(item)] if isinstance(value, list) else [value]
+
+    return flat(settings["powersgd"]) if settings.get("powersgd") else []
+
+
 def powersgd_starts(settings: Dict[str, Any]) -> str:
     """``117``, or ``117 / 10``: the start_powerSGD_iter of each PowerSGD block of ``settings``."""
-    blocks = settings["powersgd"] if isinstance(settings["powersgd"], list) else [settings["powersgd"]]
-    return " / ".join(str(block["start_powerSGD_iter"]) for block in blocks)
+    blocks = powersgd_blocks(settings)
+    starts = [str(block["start_powerSGD_iter"]) for block in blocks]
+    return " / ".join(dict.fromkeys(starts))
 
 
 #: ``--figure``: the per-epoch curves (:func:`write_plot`) or accuracy for traffic (:func:`write_frontier`).

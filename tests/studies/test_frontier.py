@@ -92,6 +92,13 @@ def test_merge(tmp_path, capsys):
     assert convergence.powersgd_starts(both) == "4 / 10"
     dense["settings"]["powersgd"] = {"start_powerSGD_iter": 4}
     assert convergence.merge([sparse, dense])["settings"]["powersgd"] == {"start_powerSGD_iter": 4}
+    # a merged study merged again: its list stays one flat list, and the figure's title reads it
+    merged["settings"]["powersgd"] = [{"start_powerSGD_iter": 10, "ranks": [4]}, {"start_powerSGD_iter": 10, "ranks": [2]}]
+    other_rank = {**sparse, "settings": {**sparse["settings"], "powersgd": {"start_powerSGD_iter": 10, "ranks": [1]}}}
+    again = convergence.merge([merged, other_rank])["settings"]
+    assert again["powersgd"] == [{"start_powerSGD_iter": 10, "ranks": [r]} for r in (4, 2, 1)]
+    assert convergence.powersgd_starts(again) == "10"
+    convergence.write_frontier(convergence.merge([convergence.merge([merged, other_rank]), dense]), tmp_path / "f.png")
 
 
 def test_merge_asks_for_one_warm_up_only_of_the_parts_that_run_one(tmp_path):
