@@ -79,10 +79,8 @@ def density_ramp(compressor: Any) -> Any:
     steps; ``None`` for a compressor without a density (or none: a torch hook's row)."""
     from hvd_compress import DensityWarmup
 
-    try:
-        return DensityWarmup(compressor, RAMP_STEPS, start=min(1.0, 2 * compressor.ratio))
-    except (TypeError, AttributeError):
-        return None
+    ratio = getattr(compressor, "ratio", None)
+    return None if ratio is None else DensityWarmup(compressor, RAMP_STEPS, start=min(1.0, 2 * ratio))
 
 
 def trace_row(env: Any, route: str, compressor: str, warmup: int, ramp: bool = False) -> Dict[str, Any]:

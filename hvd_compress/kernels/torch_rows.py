@@ -106,7 +106,7 @@ def sampled_limit(rows: torch.Tensor, k: int, sample: Optional[torch.Tensor] = N
 def _uploaded(device: torch.device, arrays: Sequence[Any]) -> List[torch.Tensor]:
     """``arrays`` (host integers) as int64 tensors on ``device``: slices of one buffer, copied there at once."""
     host = [np.asarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    flat = torch.from_numpy(np.concatenate(host) if host else np.zeros(0, np.int64)).to(device)
+    flat = torch.from_numpy(np.concatenate(host)).to(device)
     ends = np.cumsum([0] + [len(a) for a in host])
     return [flat[start:stop] for start, stop in zip(ends[:-1], ends[1:])]
 
