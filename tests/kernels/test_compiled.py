@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hvd_compress import GaussianK, RegTopK, TernGrad, TopK  # noqa: E402
+from hvd_compress import DensityWarmup, GaussianK, RegTopK, TernGrad, TopK  # noqa: E402
 from hvd_compress.kernels import torch_compiled as C  # noqa: E402
 from hvd_compress.simulator import Simulator  # noqa: E402
 
@@ -160,11 +160,14 @@ def test_compiled_reductions_equal_eager_within_rounding(compiling):
     np.testing.assert_array_equal(C.largest_magnitudes(a).numpy(), C.ternary_scales.eager(a, -1.0)[0].numpy())
 
 
-def simulate(make, compiled, monkeypatch, steps=4, ranks=3):
-    """A Simulator run of ``make()`` on float32 torch tensors: averages, residuals and bytes per step."""
+def simulate(make, compiled, monkeypatch, steps=4, ranks=3, warmup_steps=None):
+    """A Simulator run of ``make()`` on float32 torch tensors: averages, residuals and bytes per step; with
+    ``warmup_steps``, under a :class:`DensityWarmup` from 30% stepped after every step."""
     monkeypatch.setenv(C.COMPILE_ENV, "1" if compiled else "0")
     rng = np.random.default_rng(11)
-    sim = Simulator(ranks, make())
+    compressor = make()
+    warmup = None if warmup_steps is None else DensityWarmup(compressor, warmup_steps=warmup_steps, start=0.3)
+    sim = Simulator(ranks, compressor)
     shapes = {"w": (40, 300), "v": (300, 40), "u": (7001,), "b": (50,)}
     out = []
     for step in range(steps):
@@ -173,6 +176,8 @@ def simulate(make, compiled, monkeypatch, steps=4, ranks=3):
         averages = sim.step(grads)
         residuals = {name: [None if r is None else np.asarray(r) for r in sim.residuals(name)] for name in shapes}
         out.append(({k: v.numpy() for k, v in averages.items()}, residuals, sim.bytes_sent_per_rank))
+        if warmup is not None:
+            warmup.step()
     return out
 
 
@@ -216,7 +221,8 @@ def test_engine_compiled_equals_engine_eager(kind, monkeypatch):
 
 def test_steady_steps_compile_nothing(compiling, monkeypatch):
     """After a layout's first steps (every pass compiled once, with single- and multi-row groups), later
-    steps of that layout and of a new one of other sizes add no graph: shapes are dynamic."""
+    steps of that layout, of a new one of other sizes, and of a density warm-up (a new ``k`` and plan every step)
+    add no graph: shapes are dynamic."""
     from torch._dynamo.utils import counters
 
     steady = [ENGINE_CASES[kind] for kind in ("topk", "gaussiank", "terngrad", "topk-reuse", "topk-aggregate",
@@ -233,6 +239,9 @@ def test_steady_steps_compile_nothing(compiling, monkeypatch):
     for _ in range(2):
         sim.step({name: [torch.from_numpy(rng.standard_normal(n).astype(np.float32)) for _ in range(2)]
                   for name, n in (("p", 3000), ("q", 3000), ("s", 777), ("t", 777))})
+    assert counters["stats"]["unique_graphs"] == graphs
+    for kind in ("topk-momentum", "topk-aggregate"):
+        simulate(ENGINE_CASES[kind], True, monkeypatch, steps=4, ranks=2, warmup_steps=3)
     assert counters["stats"]["unique_graphs"] == graphs
 
 
