@@ -21,7 +21,8 @@ python -m benchmarks convergence --merge A.json,B.json [--figure frontier] [--ou
 python -m benchmarks time-to-accuracy [--rates 1gbit,10gbit | --link none] [--ranks 4]
                                       [--runs dense,fp16,compressor,aggregate,traffic,auto] [--compressor topk]
                                       [--ratio 0.01] [--variant mc+warmup] [--aggregate-ratio 0.08]
-                                      [--traffic 0.04] [--train-size N] [--epochs E] [--out results] [--name STEM]
+                                      [--traffic 0.04] [--dense-below 2000] [--train-size N] [--epochs E]
+                                      [--out results] [--name STEM]
 python -m benchmarks select [--device cuda|cpu] [--sizes 11.7M,25.6M] [--ratios 0.01,0.001] [--repeats 20]
                            [--rows topk/eager,topk/compiled,...] [--code-path route|accelerator]
                            [--bucket one|resnet50] [--out results] [--name select]
@@ -193,8 +194,8 @@ def _time_to_accuracy(args: argparse.Namespace) -> int:
     from benchmarks import time_to_accuracy
 
     names = ("data", "data_dir", "model", "train_size", "test_size", "epochs", "lr", "lr_schedule", "momentum",
-             "compressor", "ratio", "variant", "aggregate_ratio", "traffic", "warmup_epochs", "warmup_start",
-             "evals_per_epoch", "seed")
+             "compressor", "ratio", "variant", "aggregate_ratio", "traffic", "dense_below", "warmup_epochs",
+             "warmup_start", "evals_per_epoch", "seed")
     training = time_to_accuracy.Training(batch_per_rank=args.batch_size, configurations=args.runs,
                                          **{n: getattr(args, n) for n in names})
     print(
@@ -264,6 +265,9 @@ def _add_time_to_accuracy(commands: Any) -> None:
     p.add_argument("--traffic", type=float, default=d.traffic,
                    help=f"the traffic run's budget, a fraction of a dense fp32 allreduce's bytes per rank "
                         f"({d.traffic})")
+    p.add_argument("--dense-below", type=int, default=d.dense_below,
+                   help="the traffic run's dense_below: tensors of fewer entries sent dense (the sparsifier's "
+                        "default; the README's recommended setting: --traffic 0.03 --dense-below 2000)")
     p.add_argument("--warmup-epochs", type=float, default=d.warmup_epochs, help=f"({d.warmup_epochs})")
     p.add_argument("--warmup-start", type=float, default=d.warmup_start,
                    help=f"warm-up start density of the compressor, aggregate and auto runs ({d.warmup_start})")

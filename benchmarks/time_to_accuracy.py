@@ -29,6 +29,8 @@ same process group and link, in the order given; each compressor is built by
   ``--traffic``, default 0.04 of a dense fp32 allreduce's bytes per rank; from 2 ranks on the
   ``aggregate`` rule at density ``T``) with ``DensityWarmup(compressor, warm-up steps,
   start=0.1)`` (:data:`TRAFFIC_WARMUP_START`) and SGD without momentum, whatever ``--variant``;
+  ``--dense-below`` sets its ``dense_below=`` (the README's recommended setting: ``--traffic 0.03
+  --dense-below 2000``);
 - ``auto``: ``Auto`` of the ``compressor`` run (:class:`hvd_compress.Auto`: it measures each
   bucket's exchange both ways on this link and sends it the cheaper way), with
   the same variant; with the warm-up, ``DensityWarmup`` has it measure again
@@ -130,6 +132,9 @@ class Training:
     aggregate_ratio: float = 0.08
     #: the ``traffic`` run's budget, a fraction of a dense fp32 allreduce's bytes per rank
     traffic: float = 0.04
+    #: the ``traffic`` run's ``dense_below=`` (tensors of fewer entries sent dense; None: the sparsifier's
+    #: default); the README's recommended setting is ``traffic=0.03, dense_below=2000``
+    dense_below: Optional[int] = None
 
     def runs(self) -> List[str]:
         """The configurations, once each, in the order given."""
@@ -142,7 +147,8 @@ class Training:
         if configuration == "aggregate":
             return convergence.Run(self.model, self.compressor, self.aggregate_ratio, self.variant, "aggregate")
         if configuration == "traffic":
-            return convergence.Run(self.model, "topk", variant="mc+warmup", indices="auto", traffic=self.traffic)
+            return convergence.Run(self.model, "topk", variant="mc+warmup", indices="auto", traffic=self.traffic,
+                                   dense_below=self.dense_below)
         return convergence.Run(self.model, self.compressor, self.ratio, self.variant)
 
     def name(self, configuration: str) -> str:
@@ -159,11 +165,13 @@ class Training:
 
     def label(self, configuration: str) -> str:
         """``dense``, ``fp16``, ``top-k 1% +mc +warm-up``, ``top-k 8% +mc +warm-up [aggregate]``,
-        ``traffic 0.04 (aggregate 4% +mc +warm-up from 10%)``, ``auto(top-k 1% +mc +warm-up)``."""
+        ``traffic 0.04 (aggregate 4% +mc +warm-up from 10%)``, ``traffic 0.03 (aggregate 3% +mc +warm-up from
+        10%, dense below 2000)``, ``auto(top-k 1% +mc +warm-up)``."""
         if configuration == "traffic":
             indices, density = traffic_plan(self.traffic, "auto", SHARED_FROM)  # as on every N >= 2 ranks
+            dense = "" if self.dense_below is None else f", dense below {self.dense_below}"
             return (f"traffic {self.traffic:g} ({indices} {density * 100:g}% +mc +warm-up from "
-                    f"{self.warmup_from(configuration) * 100:g}%)")
+                    f"{self.warmup_from(configuration) * 100:g}%{dense})")
         inner = self.spec(configuration).label
         return f"auto({inner})" if configuration == "auto" else inner
 

@@ -150,3 +150,7 @@ def test_each_run_builds_its_compressor_through_the_convergence_run():
     assert training.spec("traffic").label == "top-k traffic 0.04 +mc +warm-up [auto]"
     assert built["auto"].inner.ratio == 0.01
     assert [training.warmup_from(c) for c in ("compressor", "aggregate", "traffic")] == [0.25, 0.25, 0.1]
+    recommended = tta.Training(configurations=("dense", "traffic"), traffic=0.03, dense_below=2000)
+    built = tta.make_compressor("traffic", recommended)  # the README's recommended setting
+    assert (built.traffic, built.dense_below, built.momentum) == (0.03, 2000, 0.9)
+    assert recommended.label("traffic") == "traffic 0.03 (aggregate 3% +mc +warm-up from 10%, dense below 2000)"
